@@ -1,0 +1,94 @@
+"""Measurement helpers shared by the benchmark scripts: wall time and peak memory.
+
+Peak memory on CUDA is ``torch.cuda.max_memory_allocated``. On CPU it is the growth of the
+process's peak resident set (Linux ``VmHWM``) while the measured function runs, in a forked
+child whose peak is reset first (``/proc/self/clear_refs``), so one measurement cannot
+inflate the next. Both include every transient buffer, not only what autograd saves.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+__all__ = ["time_ms", "peak_memory_mb", "machine_description", "write_json"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device | str = "cpu", repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in milliseconds."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _child(fn: Callable[[], object], queue) -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        base = _status_kb("VmRSS")
+        fn()
+        queue.put((_status_kb("VmHWM") - base) / 1024)
+    except Exception as err:  # report, don't hang the parent
+        queue.put(err)
+
+
+def peak_memory_mb(fn: Callable[[], object], device: torch.device | str = "cpu") -> float:
+    """Peak memory (MiB) that ``fn()`` adds on top of what exists before it runs."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def machine_description(device: torch.device | str = "cpu") -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, " \
+           f"{torch.get_num_threads()} threads"
+
+
+def write_json(path: str | os.PathLike, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")

@@ -1,0 +1,35 @@
+"""The ``robust-attn`` command. Each subcommand lives in ``robust_attn/commands/<name>.py``
+and exposes ``add_parser(subparsers)``, which registers its parser and sets ``func``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = ["zoo", "train", "eval", "report"]
+
+
+class UserError(Exception):
+    """An error caused by the command's input; printed without a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="robust-attn", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"robust_attn.commands.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, KeyError, ValueError, FileNotFoundError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"robust-attn {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the ``robust-attn`` CLI, one module each."""

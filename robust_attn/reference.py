@@ -1,0 +1,28 @@
+"""The published numbers (SAN Tables 3, 9, 10; SASA, GSA, AA tables), shipped in
+``reports/reference`` of the source tree and as package data."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import pandas as pd
+
+__all__ = ["REFERENCE_DIR", "reference_table", "imagenet_reference"]
+
+REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reports" / "reference"
+
+
+def reference_table(name: str) -> pd.DataFrame:
+    """One of ``imagenet_params_flops``, ``san_table9_rotation``, ``san_table10_pgd``,
+    ``cifar100_reference`` as a DataFrame."""
+    path = REFERENCE_DIR / f"{name}.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"reference table {path} is missing; it ships in the repository's "
+                                f"reports/reference/ (install robust-attn from a clone with -e)")
+    return pd.read_csv(path)
+
+
+@lru_cache(maxsize=None)
+def imagenet_reference() -> dict[str, dict]:
+    """``{model: {"params_M", "flops_G", "top1", ...}}`` from the papers' ImageNet tables."""
+    return {row["model"]: row for row in reference_table("imagenet_params_flops").to_dict("records")}
