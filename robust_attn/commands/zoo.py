@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from robust_attn.complexity import model_complexity
+from robust_attn.zoo import Manifest, ZooEntry, entry_from_checkpoint, verify_zoo
 from robust_attn.reference import imagenet_reference
 from robust_attn.registry import list_models, model_info
 
@@ -15,11 +16,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lst = zoo_sub.add_parser("list", help="architectures with parameters and multiply-adds")
     lst.add_argument("pattern", nargs="?", default="*", help="shell-style filter, e.g. 'san*'")
     lst.set_defaults(func=run_list)
-    try:  # verify / add live with the checkpoint manifest
-        from robust_attn.commands import zoo_manifest
-    except ModuleNotFoundError:
-        return
-    zoo_manifest.add_parsers(zoo_sub)
+
+    verify = zoo_sub.add_parser("verify", help="check every manifest entry: file, sha256, architecture")
+    verify.add_argument("--manifest", default=None, help="manifest file (default zoo/manifest.json)")
+    verify.set_defaults(func=run_verify)
+
+    add = zoo_sub.add_parser("add", help="register a trained checkpoint or a torchvision model in the manifest")
+    add.add_argument("name", help="name of the entry, e.g. resnet26 or my_resnet26")
+    add.add_argument("--dataset", required=True, help="dataset it was trained on, e.g. fashion_mnist")
+    source = add.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a robust-attn checkpoint (.safetensors with its .json sidecar)")
+    source.add_argument("--torchvision", metavar="MODEL", help="a torchvision model name, e.g. resnet50")
+    add.add_argument("--weights", default="DEFAULT", help="torchvision weights enum member (with --torchvision)")
+    add.add_argument("--command", default="", help="the command that reproduces the checkpoint")
+    add.add_argument("--log", default="", help="the training log (metrics.csv)")
+    add.add_argument("--manifest", default=None, help="manifest file (default zoo/manifest.json)")
+    add.set_defaults(func=run_add)
 
 
 def run_list(args: argparse.Namespace) -> int:
@@ -38,4 +50,29 @@ def run_list(args: argparse.Namespace) -> int:
     print("params(224)/MACs(224): 1000 classes at 224x224; params(32)/MACs(32): 100 classes at 32x32. "
           "paper: the publication's params/FLOPs (see reports/reference; SASA, GSA and AA count "
           "multiplies and adds separately, i.e. 2x MACs).")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    manifest = Manifest(args.manifest)
+    results = verify_zoo(manifest)
+    for entry, error in results:
+        print(f"{'FAIL' if error else 'ok':<4} {entry.name:<18} {entry.dataset:<14} {error or entry.sha256[:16]}")
+    failed = sum(error is not None for _, error in results)
+    print(f"{len(results) - failed}/{len(results)} entries verified in {manifest.path}")
+    return 1 if failed else 0
+
+
+def run_add(args: argparse.Namespace) -> int:
+    manifest = Manifest(args.manifest)
+    if args.checkpoint:
+        entry = entry_from_checkpoint(args.name, args.dataset, args.checkpoint, manifest,
+                                      command=args.command, log=args.log)
+    else:
+        entry = ZooEntry(name=args.name, dataset=args.dataset, source="torchvision",
+                         torchvision={"model": args.torchvision, "weights": args.weights},
+                         notes="ImageNet weights through torchvision's weights API (needs network on first load)")
+    manifest.add(entry)
+    manifest.save()
+    print(f"added {entry.name} ({entry.dataset}) to {manifest.path}")
     return 0

@@ -1,0 +1,79 @@
+"""Shared pieces of the dataset readers: :class:`DatasetInfo`, the in-memory uint8 dataset,
+where data is looked for, and the error raised when it is not there."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["DatasetInfo", "TensorImageDataset", "default_data_root", "missing_dataset_error", "DATA_ENV"]
+
+#: Environment variable naming the default data root (torchvision's ``root`` convention:
+#: each dataset lives in its own sub-folder, e.g. ``ROOT/cifar-100-python``).
+DATA_ENV = "ROBUST_ATTN_DATA"
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a model and a trainer need to know about a dataset besides its images.
+
+    ``mean``/``std`` are per-channel statistics of the images in [0, 1] as the model sees them
+    (the :class:`~robust_attn.wrapper.NormalizedModel` normalizes with them); ``resolution`` is the
+    name in :data:`robust_attn.resolution.RESOLUTIONS` whose models take ``image_size`` inputs.
+    """
+
+    name: str
+    num_classes: int
+    image_size: int
+    resolution: str
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    splits: tuple[str, ...] = ("train", "val", "test")
+    val_per_class: int = 50
+    how_to_get: str = ""
+
+
+def default_data_root() -> Path:
+    """``$ROBUST_ATTN_DATA`` if set, else ``./data`` (relative to the working directory)."""
+    return Path(os.environ.get(DATA_ENV, "data")).expanduser()
+
+
+def missing_dataset_error(name: str, searched: Sequence[os.PathLike | str], how_to_get: str) -> FileNotFoundError:
+    where = ", ".join(str(p) for p in searched)
+    return FileNotFoundError(f"dataset {name!r} not found; searched {where}. {how_to_get} "
+                             f"Pass root=... (recipe: data.root) or set ${DATA_ENV} to the folder that holds it.")
+
+
+class TensorImageDataset(Dataset):
+    """Images held in memory as uint8 ``(N, C, H, W)``; items are ``(float32 in [0, 1], int label)``.
+
+    ``transform`` (optional) maps a float image (C, H, W) to a float image and may be random
+    (it draws from torch's global generator; see :class:`robust_attn.data.SeededAugment`).
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor,
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError(f"images must be uint8 (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images = images
+        self.labels = labels.long()
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = self.images[index].float().div_(255.0)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.labels[index])
+
+    @property
+    def targets(self) -> list[int]:
+        return self.labels.tolist()

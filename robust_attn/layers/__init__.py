@@ -1,0 +1,1 @@
+"""Attention layers of the families in the zoo (one module per family)."""

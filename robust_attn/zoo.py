@@ -1,0 +1,175 @@
+"""The zoo of trained checkpoints: a verified manifest and one-line loading.
+
+``zoo/manifest.json`` lists one entry per (model, dataset): where the weights are, their
+sha256, the architecture and its arguments, the recipe that trained them (path and hash),
+the clean test accuracy, the training log, and the command that reproduces them.
+:func:`load_model` checks the sha256 before reading anything, and the checkpoint loader
+refuses weights that do not fit the architecture. Loading never unpickles: weights are
+safetensors, torchvision weights go through torchvision's own ``weights_only`` loader.
+
+Entries are of two kinds:
+
+* ``source = "checkpoint"``: a robust-attn checkpoint (``.safetensors`` + ``.json`` sidecar),
+  trained by a recipe of the project or added by a user with ``robust-attn zoo add``.
+* ``source = "torchvision"``: a torchvision classification model and weights enum
+  (e.g. ``resnet50`` / ``IMAGENET1K_V1``), fetched through torchvision's weights API where the
+  network allows, so a well-known model can stand in the same tables.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch.nn as nn
+
+from robust_attn.checkpoint import CheckpointError, load_checkpoint, read_sidecar
+from robust_attn.utils.io import atomic_write_json, sha256_file
+from robust_attn.wrapper import NormalizedModel
+
+__all__ = ["ZooEntry", "Manifest", "ZOO_DIR", "default_manifest_path", "load_model", "verify_zoo"]
+
+ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo"
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+SOURCES = ("checkpoint", "torchvision")
+
+
+def default_manifest_path() -> Path:
+    return Path(os.environ.get("ROBUST_ATTN_ZOO_MANIFEST", ZOO_DIR / "manifest.json"))
+
+
+@dataclass
+class ZooEntry:
+    """One trained model of the zoo. Paths are relative to the manifest's folder."""
+
+    name: str
+    dataset: str
+    source: str = "checkpoint"
+    weights: str = ""                      # checkpoint: path of the .safetensors file
+    sha256: str = ""                       # checkpoint: sha256 of the weights file
+    arch: dict = field(default_factory=dict)
+    recipe: str = ""                       # recipe file that trained it, and its sha256
+    recipe_sha256: str = ""
+    metrics: dict = field(default_factory=dict)   # clean test top1/top5 (percent)
+    log: str = ""                          # training log (metrics.csv)
+    command: str = ""                      # the command that reproduces the checkpoint
+    torchvision: dict = field(default_factory=dict)  # torchvision: {"model": ..., "weights": ...}
+    notes: str = ""
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"zoo entry {self.name!r}: source must be one of {SOURCES}, got {self.source!r}")
+        if self.source == "checkpoint" and not (self.weights and len(self.sha256) == 64):
+            raise ValueError(f"zoo entry {self.name!r}: a checkpoint entry needs 'weights' and a 64-hex 'sha256'")
+        if self.source == "torchvision" and not {"model", "weights"} <= set(self.torchvision):
+            raise ValueError(f"zoo entry {self.name!r}: a torchvision entry needs torchvision.model and .weights")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.name, self.dataset
+
+
+class Manifest:
+    """The entries of a manifest file, keyed by (name, dataset)."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else default_manifest_path()
+        self.entries: dict[tuple[str, str], ZooEntry] = {}
+        if self.path.is_file():
+            known = {f.name for f in fields(ZooEntry)}
+            for raw in json.loads(self.path.read_text()).get("models", []):
+                unknown = set(raw) - known
+                if unknown:
+                    raise ValueError(f"{self.path}: unknown keys {sorted(unknown)} in entry {raw.get('name')!r}")
+                entry = ZooEntry(**raw)
+                self.entries[entry.key] = entry
+
+    def resolve(self, relative: str) -> Path:
+        return (self.path.parent / relative).resolve()
+
+    def get(self, name: str, dataset: str) -> ZooEntry:
+        if (name, dataset) not in self.entries:
+            have = sorted(f"{n} ({d})" for n, d in self.entries) or ["nothing yet"]
+            raise KeyError(f"the zoo at {self.path} has no {name!r} trained on {dataset!r}; it has: "
+                           f"{', '.join(have)}. Train one with `robust-attn train zoo/recipes/...` and "
+                           f"register it with `robust-attn zoo add`.")
+        return self.entries[(name, dataset)]
+
+    def add(self, entry: ZooEntry) -> None:
+        self.entries[entry.key] = entry
+
+    def save(self) -> None:
+        models = [asdict(e) for _, e in sorted(self.entries.items())]
+        atomic_write_json(self.path, {"models": models})
+
+
+def _load_torchvision(entry: ZooEntry) -> NormalizedModel:
+    import torchvision
+
+    weights = torchvision.models.get_weight(f"{_weights_enum(entry)}.{entry.torchvision['weights']}")
+    model = torchvision.models.get_model(entry.torchvision["model"], weights=weights)
+    mean, std = weights.transforms().mean, weights.transforms().std
+    wrapped = NormalizedModel(model, mean, std)
+    model.arch_args = {"name": entry.torchvision["model"], "torchvision_weights": entry.torchvision["weights"]}
+    return wrapped
+
+
+def _weights_enum(entry: ZooEntry) -> str:
+    import torchvision
+
+    enum = torchvision.models.get_model_weights(entry.torchvision["model"])
+    return enum.__name__
+
+
+def load_entry(entry: ZooEntry, manifest: Manifest, device: str = "cpu") -> NormalizedModel:
+    if entry.source == "torchvision":
+        return _load_torchvision(entry).to(device).eval()
+    model = load_checkpoint(manifest.resolve(entry.weights), expected_sha256=entry.sha256, map_location=device)
+    if entry.arch and model.arch_args != entry.arch:
+        raise CheckpointError(f"zoo entry {entry.name!r}: the checkpoint's sidecar describes {model.arch_args}, "
+                              f"the manifest {entry.arch}; one of them was edited by hand")
+    return model
+
+
+def load_model(name: str, dataset: str, manifest: str | os.PathLike | Manifest | None = None,
+               device: str = "cpu") -> nn.Module:
+    """The trained zoo model ``name`` for ``dataset``: sha256-checked, wrapped for [0, 1] input,
+    in eval mode (RobustBench's ``load_model``, without special cases by name)."""
+    manifest = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
+    return load_entry(manifest.get(name, dataset), manifest, device)
+
+
+def verify_zoo(manifest: Manifest | None = None) -> list[tuple[ZooEntry, str | None]]:
+    """Check every checkpoint entry: file present, sha256, architecture fits the weights.
+    Returns ``(entry, error or None)`` per entry; torchvision entries are checked by torchvision."""
+    manifest = manifest or Manifest()
+    results = []
+    for entry in manifest.entries.values():
+        if entry.source != "checkpoint":
+            results.append((entry, None))
+            continue
+        try:
+            load_entry(entry, manifest)
+            error = None
+        except (CheckpointError, KeyError, ValueError) as err:
+            error = str(err)
+        results.append((entry, error))
+    return results
+
+
+def entry_from_checkpoint(name: str, dataset: str, weights: str | os.PathLike, manifest: Manifest,
+                          **extra) -> ZooEntry:
+    """A manifest entry for an existing robust-attn checkpoint (its sidecar supplies the rest)."""
+    weights = Path(weights).resolve()
+    meta = read_sidecar(weights)
+    load_checkpoint(weights)  # refuse a file that does not fit its architecture before listing it
+    try:
+        relative = os.path.relpath(weights, manifest.path.parent.resolve())
+    except ValueError:
+        relative = str(weights)
+    recipe = meta.get("recipe", {}) if isinstance(meta.get("recipe"), dict) else {}
+    return ZooEntry(name=name, dataset=dataset, weights=relative, sha256=sha256_file(weights), arch=meta["arch"],
+                    recipe=extra.pop("recipe", recipe.get("path", "")),
+                    recipe_sha256=extra.pop("recipe_sha256", meta.get("recipe_sha256", recipe.get("sha256", ""))),
+                    metrics=extra.pop("metrics", meta.get("metrics", {})), **extra)

@@ -1,0 +1,75 @@
+import json
+
+import pytest
+import torch
+
+from robust_attn import create_model
+from robust_attn.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, sidecar_path
+from robust_attn.utils.io import atomic_write_text, sha256_file
+from robust_attn.wrapper import NormalizedModel
+
+
+def tiny(num_classes=10):
+    return NormalizedModel(create_model("resnet26", num_classes, "cifar", width=0.25), (0.5, 0.4, 0.3), (0.2, 0.2, 0.25))
+
+
+def test_round_trip_restores_weights_buffers_and_normalization(tmp_path):
+    model = tiny().eval()
+    x = torch.rand(2, 3, 32, 32)
+    sha = save_checkpoint(tmp_path / "m.safetensors", model, {"epoch": 3})
+    assert sha == sha256_file(tmp_path / "m.safetensors")
+    meta = json.loads(sidecar_path(tmp_path / "m.safetensors").read_text())
+    assert meta["epoch"] == 3 and meta["arch"]["overrides"] == {"width": 0.25}
+    loaded = load_checkpoint(tmp_path / "m.safetensors", expected_sha256=sha)
+    assert not loaded.training
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    torch.testing.assert_close(loaded.mean.flatten(), torch.tensor([0.5, 0.4, 0.3]))
+
+
+def test_wrong_sha256_is_refused(tmp_path):
+    save_checkpoint(tmp_path / "m.safetensors", tiny())
+    with pytest.raises(CheckpointError, match="sha256"):
+        load_checkpoint(tmp_path / "m.safetensors", expected_sha256="0" * 64)
+
+
+def test_weights_that_do_not_fit_the_architecture_are_refused(tmp_path):
+    save_checkpoint(tmp_path / "m.safetensors", tiny(num_classes=10))
+    meta = json.loads(sidecar_path(tmp_path / "m.safetensors").read_text())
+    meta["arch"]["num_classes"] = 5  # sidecar now describes another head
+    sidecar_path(tmp_path / "m.safetensors").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="do not fit"):
+        load_checkpoint(tmp_path / "m.safetensors")
+
+
+def test_missing_checkpoint_or_sidecar_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope.safetensors")
+    save_checkpoint(tmp_path / "m.safetensors", tiny())
+    sidecar_path(tmp_path / "m.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="sidecar"):
+        load_checkpoint(tmp_path / "m.safetensors")
+
+
+def test_atomic_write_leaves_old_file_on_failure(tmp_path):
+    target = tmp_path / "f.txt"
+    atomic_write_text(target, "old")
+
+    class Boom(Exception):
+        pass
+
+    from robust_attn.utils.io import atomic_path
+    with pytest.raises(Boom):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise Boom
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+def test_wrapper_normalizes_inside():
+    inner = torch.nn.Identity()
+    wrapped = NormalizedModel(inner, (0.5,), (0.25,))
+    x = torch.rand(1, 1, 2, 2)
+    torch.testing.assert_close(wrapped(x), (x - 0.5) / 0.25)
+    with pytest.raises(ValueError, match="std"):
+        NormalizedModel(inner, (0.5,), (0.0,))
