@@ -22,7 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse leaves KEY=VALUE words given after options unparsed; a command may take them
+        if not isinstance(getattr(args, "overrides", None), list):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     try:
         return int(args.func(args) or 0)
     except (UserError, KeyError, ValueError, FileNotFoundError) as err:

@@ -38,7 +38,7 @@ RECORDS = "records"
 # Keys of run.json that may differ between a run and its resumption (where and how it ran,
 # not what it computes).
 VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_workers", "created",
-                           "host"})
+                           "host", "data_root"})
 _CONDITION_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _CHUNK_RE = re.compile(r"^(\d+)-(\d+)\.csv$")
 

@@ -2,13 +2,15 @@
 
 Layout: ``ROOT/cifar-100-python/{train,test,meta}`` as in ``cifar-100-python.tar.gz`` (what
 torchvision's ``CIFAR100`` downloads). The pickles are read with a restricted unpickler that
-resolves only the three numpy globals the files use (``_reconstruct``, ``ndarray``, ``dtype``),
+resolves only the three numpy globals the files use (``_reconstruct``, ``ndarray``, ``dtype``;
+plus ``_codecs.encode``, which a Python 3 re-pickled copy needs),
 so reading a tampered file cannot run code. ``verify=True`` checks the canonical md5s first.
 
 Mean/std: the usual per-channel statistics of the CIFAR-100 training images.
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import io
 import pickle
@@ -42,7 +44,9 @@ def _numpy_global(module: str, name: str):
         from numpy.core import multiarray
     allowed = {("numpy.core.multiarray", "_reconstruct"): multiarray._reconstruct,
                ("numpy._core.multiarray", "_reconstruct"): multiarray._reconstruct,
-               ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+               ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
+               # what Python 3 writes for bytes at protocol 2 (a re-pickled copy); harmless
+               ("_codecs", "encode"): codecs.encode}
     if (module, name) not in allowed:
         raise pickle.UnpicklingError(f"CIFAR-100 pickle refers to {module}.{name}, which a genuine file never "
                                      f"does; refusing to load it")
@@ -94,13 +98,16 @@ def _candidates(root: Path) -> list[Path]:
     return [root / FOLDER, root]
 
 
-def locate(root: str | Path | None) -> Path:
-    """The ``cifar-100-python`` folder under ``root`` (or ``root`` itself); FileNotFoundError if absent."""
+def locate(root: str | Path | None, split: str | None = None) -> Path:
+    """The ``cifar-100-python`` folder under ``root`` (or ``root`` itself) holding ``split``'s
+    pickle (both when ``split`` is None); FileNotFoundError naming what was searched if absent."""
     root = Path(root) if root is not None else default_data_root()
+    names = (split,) if split else ("train", "test")
     for folder in _candidates(root):
-        if all((folder / name).is_file() for name in ("train", "test")):
+        if all((folder / name).is_file() for name in names):
             return folder
-    raise missing_dataset_error("cifar100", [c / "{train,test}" for c in _candidates(root)], INFO.how_to_get)
+    pattern = names[0] if len(names) == 1 else "{" + ",".join(names) + "}"
+    raise missing_dataset_error("cifar100", [c / pattern for c in _candidates(root)], INFO.how_to_get)
 
 
 def build(root, split: str, augment: bool, download: bool = False, verify: bool = False) -> TensorImageDataset:
@@ -110,6 +117,6 @@ def build(root, split: str, augment: bool, download: bool = False, verify: bool 
         from torchvision.datasets import CIFAR100
 
         CIFAR100(str(root), train=(split == "train"), download=True)
-    folder = locate(root)
+    folder = locate(root, split)
     batch = read_batch(folder / split, verify=verify, name=split)
     return TensorImageDataset(batch["images"], batch["fine_labels"], RandomCropFlip(4) if augment else None)

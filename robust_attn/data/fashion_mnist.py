@@ -67,18 +67,20 @@ def _candidates(root: Path) -> list[Path]:
     return [root / "FashionMNIST" / "raw", root / "fashion-mnist", root, *KNOWN_LOCATIONS]
 
 
-def locate(root: str | Path | None) -> Path:
-    """The first folder holding all four IDX files; FileNotFoundError naming every folder searched."""
+def locate(root: str | Path | None, split: str | None = None) -> Path:
+    """The first folder holding the IDX files of ``split`` (all four when None); FileNotFoundError
+    naming every folder searched."""
     root = Path(root) if root is not None else default_data_root()
+    stems = FILES[split] if split else [stem for pair in FILES.values() for stem in pair]
     for folder in _candidates(root):
-        if all(_find(folder, stem) for pair in FILES.values() for stem in pair):
+        if all(_find(folder, stem) for stem in stems):
             return folder
     raise missing_dataset_error("fashion_mnist", _candidates(root), INFO.how_to_get)
 
 
 def to_cifar_resolution(images: np.ndarray) -> torch.Tensor:
     """(N, 28, 28) uint8 -> (N, 3, 32, 32) uint8: zero-pad 2 pixels on each side, repeat gray to RGB."""
-    t = torch.from_numpy(np.ascontiguousarray(images)).unsqueeze(1)
+    t = torch.from_numpy(np.array(images, dtype=np.uint8)).unsqueeze(1)
     return F.pad(t, (2, 2, 2, 2)).repeat(1, 3, 1, 1)
 
 
@@ -88,7 +90,7 @@ def build(root, split: str, augment: bool, download: bool = False, verify: bool 
         from torchvision.datasets import FashionMNIST
 
         FashionMNIST(str(root), train=(split == "train"), download=True)
-    folder = locate(root)
+    folder = locate(root, split)
     images = read_idx(_find(folder, FILES[split][0]))
     labels = read_idx(_find(folder, FILES[split][1]))
     if images.shape[1:] != (28, 28) or len(images) != len(labels):

@@ -29,10 +29,10 @@ def _candidates(root: Path) -> list[Path]:
     return [root / "imagenet", root]
 
 
-def locate(root: str | Path | None, split: str = "test") -> Path:
-    """The folder of ``split`` ("train" -> train/, "test" -> val/); FileNotFoundError if absent."""
+def locate(root: str | Path | None, split: str | None = None) -> Path:
+    """The folder of ``split`` ("train" -> train/, "test" or None -> val/); FileNotFoundError if absent."""
     root = Path(root) if root is not None else default_data_root()
-    sub = FOLDERS[split]
+    sub = FOLDERS[split or "test"]
     for folder in _candidates(root):
         if (folder / sub).is_dir() and any(p.is_dir() for p in (folder / sub).iterdir()):
             return folder / sub

@@ -50,5 +50,5 @@ def build(root, split: str, augment: bool, download: bool = False, verify: bool 
     return TensorImageDataset(images, labels, RandomCropFlip(4) if augment else None)
 
 
-def locate(root) -> None:
+def locate(root, split: str | None = None) -> None:
     return None

@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from robust_attn.distributed import shard_indices
-from robust_attn.results import RunStore
+from robust_attn.results import RunStore, library_versions
 
-__all__ = ["RunStats", "chunk_grid", "run_chunks", "topk_hits"]
+__all__ = ["RunStats", "chunk_grid", "run_chunks", "topk_hits", "open_run"]
 
 Evaluate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list], Iterable[tuple[str, pd.DataFrame]]]
 
@@ -84,3 +84,25 @@ def topk_hits(logits: torch.Tensor, labels: torch.Tensor, k: int = 5) -> torch.T
     """1 where ``labels`` is among the ``k`` largest logits (all classes when fewer than ``k``)."""
     k = min(k, logits.shape[1])
     return (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).long()
+
+
+def open_run(out_dir, run_info: dict, *, protocol: str, parameters: dict, conditions: list,
+             num_images: int, chunk_size: int, rank: int = 0, extra: dict | None = None) -> RunStore:
+    """Create or resume the run directory ``out_dir``: rank 0 writes (or checks) ``run.json``,
+    the other ranks wait for it and check it. ``run_info`` is the caller's part of the
+    description (model, checkpoint, dataset, seed, command line, versions)."""
+    from robust_attn.distributed import barrier
+
+    description = dict(run_info)
+    description.update(protocol=protocol, parameters=parameters, conditions=conditions,
+                       num_images=int(num_images), chunk_size=int(chunk_size), **(extra or {}))
+    description.setdefault("versions", library_versions())
+    store = RunStore(out_dir)
+    if num_images == 0:
+        raise ValueError("the dataset is empty; check --split and --limit")
+    if rank == 0:
+        store.open(description)
+    barrier()
+    if rank != 0:
+        store.open(description, write=False)
+    return store

@@ -1,0 +1,157 @@
+"""Time and peak memory of the AA and EA layers against the 3x3 convolution they stand beside.
+
+For each stage shape (ImageNet stage 1: 56x56, CIFAR stage 1: 32x32; 64 channels) it measures
+forward (no grad) and forward+backward of
+
+* ``aa_lean``: :class:`AugmentedConv2d` (``impl="einsum"``: relative logits from a gathered
+  ``(w, w, dkh)`` table, queries chunked to at most ``2**24`` logits at a time), full-resolution
+  attention (no pooling), 8 heads, ``dk, dv = aa_dims(64, 0.2, 0.2, 8, 20) = (160, 16)``;
+* ``aa_lean_ckpt``: the same with ``checkpoint=True`` (chunks recomputed in backward);
+* ``aa_sdpa``: the same layer with ``impl="sdpa"`` (relative terms folded into the dot product);
+* ``aa_naive``: the same layer with the relative logits of public implementations, which store
+  every relative embedding ``r_ij`` in an ``(HW, HW, dkh)`` tensor (AA section 3.1.1, Shaw et al.);
+* ``ea``: :class:`ExternalAttention` (S = 64, single head);
+* ``conv3x3``: the bottleneck's 3x3 convolution;
+
+prints the ratios and writes ``benchmarks/results/aa_ea_ops.json``. Not a test. Example
+(small settings, CPU)::
+
+    .venv/bin/python benchmarks/bench_aa_ea_ops.py --imagenet-batch 2 --cifar-batch 16 --repeats 2
+
+``--device cuda`` runs the same on a GPU (peak memory from ``torch.cuda.max_memory_allocated``);
+``--amp`` runs the layers under ``torch.autocast`` (bfloat16 on CPU, float16 on CUDA).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _measure import machine_description, peak_memory_mb, time_ms, write_json  # noqa: E402
+
+from robust_attn.layers.aa import AugmentedConv2d, aa_dims, relative_index  # noqa: E402
+from robust_attn.layers.external_attention import ExternalAttention  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class NaiveRelativeAA(AugmentedConv2d):
+    """Relative logits as public implementations compute them: an ``(HW, HW, dkh)`` table of
+    ``r^W_{x_j - x_i} + r^H_{y_j - y_i}`` contracted with every query (O((HW)^2 dkh) memory)."""
+
+    def _attend_einsum(self, q, k, v):
+        n, nh, h, w, d = q.shape
+        qf = q.reshape(n, nh, h * w, d)
+        iy = relative_index(h, q.device)[:, None, :, None].expand(h, w, h, w).reshape(h * w, h * w)
+        ix = relative_index(w, q.device)[None, :, None, :].expand(h, w, h, w).reshape(h * w, h * w)
+        table = self.rel_h[iy] + self.rel_w[ix]                                  # (HW, HW, dkh)
+        logits = qf @ k.transpose(-1, -2) + torch.einsum("nhid,ijd->nhij", qf, table.to(qf.dtype))
+        return torch.softmax(logits, dim=-1).to(v.dtype) @ v
+
+
+def _layers(channels: int, size: int) -> dict[str, nn.Module]:
+    dk, dv = aa_dims(channels, 0.2, 0.2, 8, 20)
+    aa = dict(dk=dk, dv=dv, heads=8, feature_size=size)
+    return {
+        "aa_lean": AugmentedConv2d(channels, channels, 3, 1, **aa),
+        "aa_lean_ckpt": AugmentedConv2d(channels, channels, 3, 1, checkpoint=True, **aa),
+        "aa_sdpa": AugmentedConv2d(channels, channels, 3, 1, impl="sdpa", **aa),
+        "aa_naive": NaiveRelativeAA(channels, channels, 3, 1, chunk_elements=None, **aa),
+        "ea": ExternalAttention(channels, slots=64),
+        "conv3x3": nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+    }
+
+
+def _measure(layer: nn.Module, x: torch.Tensor, device: torch.device, repeats: int, amp: bool) -> dict:
+    def autocast():
+        if not amp:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16)
+
+    def forward():
+        with torch.no_grad(), autocast():
+            layer(x)
+
+    def train_step():
+        xg = x.detach().requires_grad_()
+        with autocast():
+            loss = layer(xg).float().square().mean()
+        loss.backward()
+        layer.zero_grad(set_to_none=True)
+
+    return {"forward_ms": time_ms(forward, device, repeats),
+            "train_step_ms": time_ms(train_step, device, repeats),
+            "forward_peak_mb": peak_memory_mb(forward, device),
+            "train_step_peak_mb": peak_memory_mb(train_step, device)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--channels", type=int, default=64)
+    parser.add_argument("--imagenet-batch", type=int, default=8, help="batch at 56x56 (default 8)")
+    parser.add_argument("--cifar-batch", type=int, default=64, help="batch at 32x32 (default 64)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--amp", action="store_true", help="run under torch.autocast")
+    parser.add_argument("--skip", nargs="*", default=[], help="layer names to leave out (e.g. aa_naive)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda given but CUDA is not available; use --device cpu")
+    torch.manual_seed(0)
+
+    shapes = {"imagenet_stage1": (args.imagenet_batch, 56), "cifar_stage1": (args.cifar_batch, 32)}
+    results: dict[str, dict] = {}
+    for shape_name, (batch, size) in shapes.items():
+        x = torch.randn(batch, args.channels, size, size, device=device)
+        results[shape_name] = {"batch": batch, "size": size, "channels": args.channels, "layers": {}}
+        for name, layer in _layers(args.channels, size).items():
+            if name in args.skip:
+                continue
+            layer.to(device).train()
+            try:
+                res = _measure(layer, x, device, args.repeats, args.amp)
+            except (RuntimeError, MemoryError) as err:      # e.g. CUDA out of memory for aa_naive
+                res = {"error": str(err).split("\n")[0]}
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            results[shape_name]["layers"][name] = res
+            print(f"{shape_name} {name}: {res}", flush=True)
+
+    metrics = ["forward_ms", "train_step_ms", "forward_peak_mb", "train_step_peak_mb"]
+    print(f"\n{machine_description(device)}{' (autocast)' if args.amp else ''}")
+    for shape_name, res in results.items():
+        lay = {n: r for n, r in res["layers"].items() if "error" not in r}
+        print(f"\n{shape_name}: batch {res['batch']}, {res['size']}x{res['size']}, {res['channels']} channels")
+        print(f"{'metric':20s}" + "".join(f"{n:>13s}" for n in lay))
+        for m in metrics:
+            print(f"{m:20s}" + "".join(f"{lay[n][m]:13.1f}" for n in lay))
+        ref = lay.get("conv3x3")
+        for m in metrics:
+            ratios = []
+            if ref:
+                ratios += [f"{n}/conv {lay[n][m] / max(ref[m], 1e-9):.2f}" for n in lay if n != "conv3x3"]
+            if "aa_naive" in lay:
+                ratios += [f"{n}/naive {lay[n][m] / max(lay['aa_naive'][m], 1e-9):.2f}"
+                           for n in ("aa_lean", "aa_lean_ckpt", "aa_sdpa") if n in lay]
+            print(f"  {m}: " + ", ".join(ratios))
+
+    payload = {"device": str(device), "machine": machine_description(device), "repeats": args.repeats,
+               "amp": args.amp,
+               "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+               "shapes": results}
+    write_json(RESULTS / "aa_ea_ops.json", payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""``robust-attn eval rotation|pgd``: the SAN paper's robustness protocols (section 5.4) on one
+model, written to a resumable run directory (see :mod:`robust_attn.results`).
+
+Runs under ``torchrun --nproc_per_node=N`` as well: each rank evaluates a disjoint shard of the
+images and the run directory merges them.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from robust_attn.cli import UserError
+
+__all__ = ["add_parser", "parse_model_args", "parse_list", "load_eval_model", "run_rotation_cmd", "run_pgd_cmd"]
+
+
+def parse_model_args(items: list[str] | None) -> dict:
+    """``["width=0.25", "stem_downsample=2"]`` -> ``{"width": 0.25, "stem_downsample": 2}``."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--model-args takes key=value pairs (e.g. width=0.25), got {item!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return out
+
+
+def parse_list(text: str | None, kind=float, option: str = "") -> list | None:
+    """``"2,4,8"`` -> ``[2.0, 4.0, 8.0]``; a clear error names the option."""
+    if text is None:
+        return None
+    try:
+        values = [kind(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"{option} takes a comma-separated list of {kind.__name__}s, got {text!r}") from None
+    if not values:
+        raise UserError(f"{option} is empty")
+    return values
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="architecture name (robust-attn zoo list); with --checkpoint it must match")
+    p.add_argument("--checkpoint", help="trained weights (.safetensors with its .json sidecar); without it "
+                                        "the model has RANDOM weights")
+    p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="architecture overrides for --model without --checkpoint, e.g. width=0.25")
+    p.add_argument("--dataset", default="imagenet", help="dataset name (default: imagenet)")
+    p.add_argument("--root", help="data folder (default: $ROBUST_ATTN_DATA or ./data)")
+    p.add_argument("--split", default="test", choices=["test", "val", "train"],
+                   help="test = the paper's val-original set for ImageNet (default)")
+    p.add_argument("--limit", type=int, help="evaluate a fixed-seed subset of this many images")
+    p.add_argument("--batch-size", type=int, default=64, help="images per batch and per record chunk")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--num-workers", type=int, default=0, help="data loader workers")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights without --checkpoint "
+                                                       "(and of the PGD targets)")
+    p.add_argument("--out", help="run directory (default: runs/<protocol>-<model>-<dataset>-<split>)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    ev = sub.add_parser("eval", help="robustness protocols: rotation (SAN Table 9), pgd (SAN Table 10)")
+    ev_sub = ev.add_subparsers(dest="protocol", required=True, metavar="PROTOCOL")
+    rot = ev_sub.add_parser("rotation", help="test-time rotations and flips (SAN Table 9) plus an angle sweep")
+    _add_common(rot)
+    rot.add_argument("--angle-step", type=float, default=15.0,
+                     help="sweep angles every this many degrees, bilinear with zero fill (0: off; default 15)")
+    rot.add_argument("--no-hflip", action="store_true", help="leave out the left-right flip")
+    rot.set_defaults(func=run_rotation_cmd)
+    pgd = ev_sub.add_parser("pgd", help="white-box targeted L-inf PGD (SAN Table 10)")
+    _add_common(pgd)
+    pgd.add_argument("--eps", default="8", help="L-inf radius(es) in 1/255 units, comma list (default 8)")
+    pgd.add_argument("--step", default=None, help="step size(s) in 1/255 units, comma list "
+                                                  "(default: eps/steps, the paper's rule)")
+    pgd.add_argument("--steps", default="2,4", help="iteration count(s), comma list (default 2,4: with "
+                                                    "eps 8 the paper's {8,4,2} and {8,2,4})")
+    pgd.add_argument("--backend", default="native", choices=["native", "torchattacks", "foolbox"])
+    pgd.add_argument("--targets", help="reuse another run's targets.csv (same images) instead of drawing")
+    pgd.add_argument("--no-checks", action="store_true", help="skip the attack sanity checks")
+    pgd.set_defaults(func=run_pgd_cmd)
+
+
+def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
+    """The NormalizedModel to evaluate and its part of the run description."""
+    from robust_attn.checkpoint import load_checkpoint
+    from robust_attn.registry import create_model
+    from robust_attn.utils.io import sha256_file
+    from robust_attn.wrapper import NormalizedModel
+
+    overrides = parse_model_args(args.model_args)
+    if args.checkpoint:
+        if overrides:
+            raise UserError("--model-args is for building a model without --checkpoint; a checkpoint "
+                            "carries its architecture")
+        path = Path(args.checkpoint)
+        if not path.is_file():
+            raise UserError(f"checkpoint {path} does not exist; train one with `robust-attn train` or "
+                            f"check the path")
+        sha = sha256_file(path)
+        model = load_checkpoint(path, expected_sha256=sha)
+        arch = model.arch_args
+        if args.model and args.model != arch["name"]:
+            raise UserError(f"--model {args.model} but checkpoint {path} holds {arch['name']}; drop --model "
+                            f"or pass the matching checkpoint")
+        if arch["num_classes"] != info.num_classes:
+            raise UserError(f"checkpoint {path} has {arch['num_classes']} classes but dataset {info.name} has "
+                            f"{info.num_classes}; evaluate it on the dataset it was trained on")
+        return model, {"model": arch["name"], "arch": arch, "checkpoint": {"path": str(path), "sha256": sha}}
+    if not args.model:
+        raise UserError("give --model NAME (robust-attn zoo list) and usually --checkpoint PATH")
+    torch.manual_seed(args.seed)
+    model = create_model(args.model, num_classes=info.num_classes, resolution=info.resolution, **overrides)
+    print(f"WARNING: no --checkpoint: evaluating {args.model} with RANDOM weights (seed {args.seed}); "
+          f"its numbers mean nothing about the architecture", file=sys.stderr)
+    return NormalizedModel(model, info.mean, info.std).eval(), {
+        "model": args.model, "arch": model.arch_args, "checkpoint": None, "init_seed": args.seed}
+
+
+def _setup(args, protocol: str):
+    from robust_attn.data import build_dataset, dataset_info
+    from robust_attn.distributed import init_distributed
+
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be positive, got {args.limit}")
+    info = dataset_info(args.dataset)
+    rank, world_size, device = init_distributed(args.device)
+    model, model_desc = load_eval_model(args, info)
+    dataset = build_dataset(args.dataset, root=args.root, split=args.split, limit=args.limit)
+    out = Path(args.out or f"runs/{protocol}-{model_desc['model']}-{args.dataset}-{args.split}")
+    run_info = dict(model_desc, dataset={"name": args.dataset, "split": args.split, "limit": args.limit},
+                    data_root=str(args.root) if args.root else None, command=list(sys.argv),
+                    device=str(device), world_size=world_size, host=socket.gethostname(),
+                    created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    return info, rank, world_size, device, model, dataset, out, run_info
+
+
+def _with_cleanup(fn):
+    """Leave the torchrun process group on the way out, also on errors."""
+
+    def run(args) -> int:
+        from robust_attn.distributed import cleanup
+
+        try:
+            return fn(args)
+        finally:
+            cleanup()
+
+    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+    return run
+
+
+@_with_cleanup
+def run_rotation_cmd(args) -> int:
+    from robust_attn.protocols.rotation import rotation_conditions, run_rotation, summarize_rotation
+    from robust_attn.results import load_records
+
+    info, rank, world_size, device, model, dataset, out, run_info = _setup(args, "rotation")
+    conditions = rotation_conditions(args.angle_step, hflip=not args.no_hflip)
+    store = run_rotation(model, dataset, out, conditions=conditions, batch_size=args.batch_size, device=device,
+                         run_info=run_info, rank=rank, world_size=world_size, num_workers=args.num_workers,
+                         progress=not args.no_progress)
+    if rank == 0:
+        summary = summarize_rotation(load_records(store.root)).set_index("condition")
+        parts = [f"{c} {summary.loc[c, 'top1']:.1f}({summary.loc[c, 'top1_drop']:.1f})"
+                 for c in ("cw90", "cw180", "cw270", "flip_ud")]
+        print(f"rotation {run_info['model']} on {args.dataset}/{args.split} ({len(dataset)} images): top-1 "
+              f"{summary.loc['none', 'top1']:.1f}, top-1(drop): {', '.join(parts)} -> {store.root}")
+    return 0
+
+
+@_with_cleanup
+def run_pgd_cmd(args) -> int:
+    from robust_attn.protocols.pgd import load_checks, pgd_settings, run_pgd, summarize_pgd
+    from robust_attn.results import load_records
+
+    settings = pgd_settings(parse_list(args.eps, float, "--eps"), parse_list(args.steps, int, "--steps"),
+                            parse_list(args.step, float, "--step"))
+    if args.targets and not Path(args.targets).is_file():
+        raise UserError(f"--targets {args.targets} does not exist; pass another run's targets.csv")
+    info, rank, world_size, device, model, dataset, out, run_info = _setup(args, "pgd")
+    store = run_pgd(model, dataset, out, num_classes=info.num_classes, settings=settings, seed=args.seed,
+                    backend=args.backend, targets_file=args.targets, batch_size=args.batch_size, device=device,
+                    run_info=run_info, rank=rank, world_size=world_size, num_workers=args.num_workers,
+                    progress=not args.no_progress, checks=not args.no_checks)
+    if rank == 0:
+        summary = summarize_pgd(load_records(store.root)).set_index("condition")
+        parts = [f"{s.name}: success {summary.loc[s.name, 'success_rate']:.1f}, top-1 "
+                 f"{summary.loc[s.name, 'top1']:.1f}" for s in settings]
+        print(f"pgd {run_info['model']} on {args.dataset}/{args.split} ({len(dataset)} images): clean top-1 "
+              f"{summary.loc['clean', 'top1']:.1f}; {'; '.join(parts)} -> {store.root}")
+        failed = [f"{c['setting']}: {c['name']} ({c['detail']})" for c in load_checks(store.root) if not c["passed"]]
+        if failed:
+            print(f"WARNING: {len(failed)} attack sanity check(s) failed (see {store.root / 'checks.json'}): "
+                  + "; ".join(failed[:3]), file=sys.stderr)
+    return 0

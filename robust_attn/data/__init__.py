@@ -1,0 +1,111 @@
+"""Datasets: CIFAR-100, ImageNet (val-original), Fashion-MNIST and a synthetic test set.
+
+    >>> from robust_attn.data import dataset_info, build_dataset
+    >>> info = dataset_info("cifar100")            # num_classes, image_size, resolution, mean, std
+    >>> test = build_dataset("cifar100", root="data", split="test", limit=1000)
+    >>> image, label = test[0]                      # float32 (3, 32, 32) in [0, 1], int
+
+Items are ``(image, label)``: a float32 tensor (3, H, W) in [0, 1] and an int. Nothing is
+normalized here: the model wrapper (:class:`robust_attn.wrapper.NormalizedModel`) normalizes with
+``info.mean`` / ``info.std``, so attacks work in [0, 1] pixel space.
+
+Splits:
+
+* ``"test"``: the published test set (ImageNet: the original validation set).
+* ``"val"``: SAN's held-out validation split, ``info.val_per_class`` images of every class taken
+  out of the training set by a fixed-seed draw (:func:`robust_attn.data.splits.holdout_split`);
+  never augmented.
+* ``"train"``: the whole training set by default (what the papers train on). With
+  ``holdout=True`` the "val" images are excluded, so train and val are disjoint; a recipe asks
+  for it with ``data.holdout = true``.
+
+``limit`` keeps a fixed-seed random subset of that many images (sorted, so class-sorted sets
+such as ImageFolder stay spread over the classes). A missing dataset raises
+``FileNotFoundError`` that names every folder searched and how to get the data.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from torch.utils.data import Dataset, Subset
+
+from robust_attn.data.base import DATA_ENV, DatasetInfo, TensorImageDataset, default_data_root
+from robust_attn.data.splits import holdout_split, subset_indices
+from robust_attn.data.transforms import SeededAugment
+
+__all__ = ["DatasetInfo", "dataset_info", "build_dataset", "locate_dataset", "list_datasets",
+           "SeededAugment", "TensorImageDataset", "default_data_root", "DATA_ENV"]
+
+_MODULES = {"cifar100": "cifar100", "imagenet": "imagenet", "fashion_mnist": "fashion_mnist",
+            "synthetic": "synthetic"}
+SPLITS = ("train", "val", "test")
+
+
+def _module(name: str):
+    if name not in _MODULES:
+        import difflib
+
+        close = difflib.get_close_matches(name, _MODULES, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown dataset {name!r}.{hint} Choose one of {sorted(_MODULES)}.")
+    return importlib.import_module(f"{__name__}.{_MODULES[name]}")
+
+
+def list_datasets() -> list[str]:
+    return sorted(_MODULES)
+
+
+def dataset_info(name: str) -> DatasetInfo:
+    """Classes, image size, model resolution and normalization statistics of dataset ``name``."""
+    return _module(name).INFO
+
+
+def locate_dataset(name: str, root: str | Path | None = None, split: str | None = None) -> Path | None:
+    """The folder the data of ``name`` (its ``split`` "train"/"test", or all when None) would be
+    read from (``None`` for generated data); ``FileNotFoundError`` naming the folders searched and
+    how to get the data if it is absent. Cheap: nothing is decoded."""
+    if split == "val":
+        split = "train"
+    return _module(name).locate(root, split)
+
+
+def _labels(dataset: Dataset) -> list[int]:
+    targets = getattr(dataset, "targets", None)
+    if targets is None:
+        raise TypeError(f"{type(dataset).__name__} has no targets; cannot draw a per-class split")
+    return list(targets)
+
+
+def build_dataset(name: str, root: str | Path | None = None, split: str = "test", augment: bool = False,
+                  limit: int | None = None, *, holdout: bool = False, download: bool = False,
+                  verify: bool = False) -> Dataset:
+    """Dataset ``name``'s ``split`` ("train", "val" or "test"); see the module docstring.
+
+    ``augment`` applies the dataset's training augmentation to "train" ("val" is never
+    augmented; "test" is augmented only if asked). ``root`` defaults to ``$ROBUST_ATTN_DATA`` or ``./data``.
+    ``download=True`` lets torchvision fetch CIFAR-100 / Fashion-MNIST where the network allows;
+    ``verify=True`` checks canonical checksums where the dataset has them (CIFAR-100 md5s).
+    """
+    module = _module(name)
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+    if split == "test":
+        dataset = module.build(root, "test", augment, download=download, verify=verify)
+    else:
+        dataset = module.build(root, "train", augment and split == "train", download=download, verify=verify)
+        if split == "val" or holdout:
+            train_idx, val_idx = holdout_split(_labels(dataset), module.INFO.val_per_class)
+            dataset = _subset(dataset, val_idx if split == "val" else train_idx)
+    keep = subset_indices(len(dataset), limit)
+    return dataset if keep is None else _subset(dataset, keep)
+
+
+def _subset(dataset: Dataset, indices: list[int]) -> Dataset:
+    """A ``Subset`` that keeps ``targets`` (so a subset can be split or sampled per class again)."""
+    if isinstance(dataset, TensorImageDataset):
+        return TensorImageDataset(dataset.images[indices], dataset.labels[indices], dataset.transform)
+    subset = Subset(dataset, indices)
+    targets = _labels(dataset)
+    subset.targets = [targets[i] for i in indices]
+    return subset

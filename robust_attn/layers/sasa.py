@@ -1,0 +1,318 @@
+"""Stand-alone local self-attention (SASA; Ramachandran et al., NeurIPS 2019).
+
+The layer of SASA section 2.2, Eq. 3, with multi-head attention::
+
+    y_ij^n = sum_{ab in N_k(ij)} softmax_ab( q_ij^n . (k_ab^n + r^n_{a-i,b-j}) ) v_ab^n
+
+* ``q = W_Q x``, ``k = W_K x``, ``v = W_V x``: 1x1 convolutions without bias (Eq. 4-6).
+* ``n`` indexes the ``heads`` heads; each head owns ``C / heads`` consecutive channels of q, k, v
+  and its logit is the dot product **summed over its channels** (one softmax weight per head and
+  neighbour, not per channel).
+* ``r_{a-i,b-j}`` (Eq. 3): a row-offset embedding and a column-offset embedding, each ``C / 2``
+  channels in all, concatenated. The paper does not say how the concatenation meets the heads;
+  we give every head both kinds: head ``n`` gets ``d/2`` row channels then ``d - d/2`` column
+  channels (``d = C / heads``), so the two layer-wide tables are ``(C/2) x k`` each
+  (``rel_row`` and ``rel_col``, shape ``(heads, d_half, k)``). A plain concatenation would give
+  the first half of the heads row offsets only and the second half column offsets only.
+* No ``1/sqrt(d)`` scaling of the logits: Eq. 2-3 have none.
+* Zero padding (as a zero-padded convolution): positions outside the map have ``k = v = 0``, so
+  their logit is ``q . r`` and they contribute nothing to the output but still take softmax mass.
+* ``stride=2`` is 2x2 average pooling with stride 2 after the attention (SASA section 3.1).
+
+Two implementations compute exactly the same function:
+
+* :func:`local_attention_reference`: the straightforward one. ``F.unfold`` copies keys and values
+  ``k*k`` times (49x for a 7x7 footprint) and autograd stores those copies for backward.
+* :func:`local_attention` (the default): a ``torch.autograd.Function`` that streams over the
+  ``k*k`` footprint offsets, accumulating into the output. It stores only q, k, v and the
+  attention weights (``heads * k*k`` numbers per pixel instead of ``2 * C * k*k``) and
+  recomputes the shifted keys and values in backward.
+
+On the ``meta`` device (parameter and multiply-add counting) the layer runs the reference, whose
+einsums ``FlopCounterMode`` sees; the streaming path uses element-wise products it cannot count.
+
+:class:`AttentionStem` is the spatially-aware attention stem of appendix A.1.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+__all__ = ["local_attention", "local_attention_reference", "relative_embedding", "SASAttention2d",
+           "AttentionStem"]
+
+
+def _no_autocast(device: torch.device):
+    """Autocast off inside the custom Function (inputs are already cast to one dtype)."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    # half-precision logits are normalised in float32; float64 stays float64 (gradcheck).
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over dim 0 (the offsets); in place unless the dtype changes (saves a buffer)."""
+    if _softmax_dtype(logits.dtype) != logits.dtype:
+        return logits.softmax(dim=0, dtype=_softmax_dtype(logits.dtype)).to(logits.dtype)
+    logits.sub_(logits.amax(0, keepdim=True)).exp_()
+    return logits.div_(logits.sum(0, keepdim=True))
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, kernel_size: int) -> None:
+    if q.dim() != 5 or q.shape != k.shape or v.shape[:2] != q.shape[:2] or v.shape[3:] != q.shape[3:]:
+        raise ValueError(f"expected q, k of shape (B, heads, d, H, W) and v of shape (B, heads, d_v, H, W), "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if kernel_size % 2 != 1:
+        raise ValueError(f"kernel_size must be odd (a centred footprint), got {kernel_size}")
+    if rel.shape != (q.shape[1], q.shape[2], kernel_size * kernel_size):
+        raise ValueError(f"rel must have shape (heads, d, kernel_size**2) = "
+                         f"{(q.shape[1], q.shape[2], kernel_size * kernel_size)}, got {tuple(rel.shape)}")
+
+
+def local_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor,
+                              kernel_size: int) -> torch.Tensor:
+    """Eq. 3 with ``F.unfold``: the straightforward implementation (``k*k`` copies of k and v).
+
+    ``q, k``: ``(B, heads, d, H, W)``; ``v``: ``(B, heads, d_v, H, W)``; ``rel``:
+    ``(heads, d, k*k)`` relative embeddings of the footprint offsets in row-major order.
+    Returns ``(B, heads, d_v, H, W)``.
+    """
+    _check_qkv(q, k, v, rel, kernel_size)
+    b, h, d, height, width = q.shape
+    dv = v.shape[2]
+    kk = kernel_size * kernel_size
+    pad = kernel_size // 2
+    k_unf = F.unfold(k.reshape(b, h * d, height, width), kernel_size, padding=pad)
+    v_unf = F.unfold(v.reshape(b, h * dv, height, width), kernel_size, padding=pad)
+    k_unf, v_unf = k_unf.view(b, h, d, kk, height * width), v_unf.view(b, h, dv, kk, height * width)
+    q_flat = q.reshape(b, h, d, height * width)
+    logits = torch.einsum("bhdp,bhdop->bhop", q_flat, k_unf) + torch.einsum("bhdp,hdo->bhop", q_flat, rel)
+    attn = logits.softmax(dim=2, dtype=_softmax_dtype(logits.dtype)).to(v.dtype)
+    out = torch.einsum("bhop,bhvop->bhvp", attn, v_unf)
+    return out.reshape(b, h, dv, height, width)
+
+
+def _offsets(kernel_size: int):
+    return [(i, j) for i in range(kernel_size) for j in range(kernel_size)]
+
+
+class _LocalAttention(torch.autograd.Function):
+    """Eq. 3 streamed over the footprint offsets; backward recomputes the shifted k and v.
+
+    The logits and attention weights are kept offset-major, ``(k*k, B, heads, H, W)``, so each
+    offset's slice is contiguous (2-3x faster on CPU than ``(B, heads, k*k, H, W)``).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, rel, kernel_size):
+        with _no_autocast(q.device):
+            b, h, d, height, width = q.shape
+            pad = kernel_size // 2
+            kp = F.pad(k, (pad, pad, pad, pad))
+            vp = F.pad(v, (pad, pad, pad, pad))
+            logits = torch.einsum("bhdxy,hdo->obhxy", q, rel)          # q . r for every offset
+            for o, (i, j) in enumerate(_offsets(kernel_size)):
+                logits[o] += (q * kp[..., i:i + height, j:j + width]).sum(2)
+            attn = _softmax_(logits)
+            del logits
+            out = q.new_zeros(b, h, v.shape[2], height, width)
+            for o, (i, j) in enumerate(_offsets(kernel_size)):
+                out.addcmul_(attn[o].unsqueeze(2), vp[..., i:i + height, j:j + width])
+        ctx.save_for_backward(q, k, v, rel, attn)
+        ctx.kernel_size = kernel_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, rel, attn = ctx.saved_tensors
+        kernel_size = ctx.kernel_size
+        need_q, need_k, need_v, need_rel = ctx.needs_input_grad[:4]
+        with _no_autocast(q.device):
+            grad_out = grad_out.to(q.dtype)
+            height, width = q.shape[-2:]
+            pad = kernel_size // 2
+            offsets = _offsets(kernel_size)
+            vp = F.pad(v, (pad, pad, pad, pad))
+            grad_attn = torch.empty_like(attn)
+            dot = attn.new_zeros(attn.shape[1:])          # sum_o a_o da_o
+            grad_vp = torch.zeros_like(vp) if need_v else None
+            for o, (i, j) in enumerate(offsets):
+                torch.sum(grad_out * vp[..., i:i + height, j:j + width], 2, out=grad_attn[o])
+                dot.addcmul_(attn[o], grad_attn[o])
+                if need_v:
+                    grad_vp[..., i:i + height, j:j + width].addcmul_(attn[o].unsqueeze(2), grad_out)
+            del vp
+            # softmax backward, in place: dlogits = a * (da - sum_o a_o da_o)
+            grad_logits = grad_attn.sub_(dot).mul_(attn)
+            del dot
+            grad_q = grad_k = grad_v = grad_rel = None
+            if need_q or need_k:
+                kp = F.pad(k, (pad, pad, pad, pad))
+                grad_q = torch.einsum("obhxy,hdo->bhdxy", grad_logits, rel) if need_q else None
+                grad_kp = torch.zeros_like(kp) if need_k else None
+                for o, (i, j) in enumerate(offsets):
+                    g = grad_logits[o].unsqueeze(2)
+                    if need_q:
+                        grad_q.addcmul_(g, kp[..., i:i + height, j:j + width])
+                    if need_k:
+                        grad_kp[..., i:i + height, j:j + width].addcmul_(g, q)
+                if need_k:
+                    grad_k = grad_kp[..., pad:pad + height, pad:pad + width]
+            if need_v:
+                grad_v = grad_vp[..., pad:pad + height, pad:pad + width]
+            if need_rel:
+                grad_rel = torch.einsum("obhxy,bhdxy->hdo", grad_logits, q)
+        return grad_q, grad_k, grad_v, grad_rel, None
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor,
+                    kernel_size: int) -> torch.Tensor:
+    """Eq. 3, memory-lean: same arguments and result as :func:`local_attention_reference`.
+
+    Works in any floating dtype; under autocast q, k, v and rel are cast to one dtype (v's) first
+    and the softmax runs in float32 for half precision.
+    """
+    _check_qkv(q, k, v, rel, kernel_size)
+    dtype = v.dtype
+    return _LocalAttention.apply(q.to(dtype), k.to(dtype), v, rel.to(dtype), kernel_size)
+
+
+def relative_embedding(rel_row: torch.Tensor, rel_col: torch.Tensor) -> torch.Tensor:
+    """``r_{a-i,b-j}`` of Eq. 3 for every footprint offset: ``(heads, d, k*k)``.
+
+    ``rel_row``: ``(heads, d_row, k)`` indexed by the row offset ``a - i + k//2``; ``rel_col``:
+    ``(heads, d_col, k)`` by the column offset. Offset ``o = (a-i+k//2) * k + (b-j+k//2)``, the
+    row-major order of ``F.unfold``.
+    """
+    h, d_row, ks = rel_row.shape
+    d_col = rel_col.shape[1]
+    row = rel_row[:, :, :, None].expand(h, d_row, ks, ks)
+    col = rel_col[:, :, None, :].expand(h, d_col, ks, ks)
+    return torch.cat([row, col], dim=1).reshape(h, d_row + d_col, ks * ks)
+
+
+class SASAttention2d(nn.Module):
+    """Multi-head local self-attention with 2D relative embeddings (SASA Eq. 3), a drop-in
+    replacement for a ``kernel_size x kernel_size`` convolution.
+
+    Args:
+        in_channels: channels of the input ``x`` (``d_in``).
+        out_channels: channels of q, k, v and of the output (``d_out``); divisible by ``heads``.
+        kernel_size: spatial extent ``k`` of the footprint (7 in the paper, section 4.1).
+        heads: attention heads (8 in the paper).
+        stride: 1, or 2 for 2x2/2 average pooling after the attention (section 3.1).
+        impl: ``"lean"`` (streaming, default) or ``"reference"`` (unfold).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 7, heads: int = 8,
+                 stride: int = 1, impl: str = "lean"):
+        super().__init__()
+        if out_channels % heads:
+            raise ValueError(f"out_channels ({out_channels}) must be divisible by heads ({heads}); "
+                             f"change heads or the width multiplier")
+        if kernel_size % 2 != 1:
+            raise ValueError(f"kernel_size must be odd, got {kernel_size}")
+        if stride not in (1, 2):
+            raise ValueError(f"stride must be 1 or 2 (2x2 average pooling), got {stride}")
+        if impl not in ("lean", "reference"):
+            raise ValueError(f"impl must be 'lean' or 'reference', got {impl!r}")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.heads, self.stride, self.impl = kernel_size, heads, stride, impl
+        self.head_dim = out_channels // heads
+        d_row = self.head_dim // 2
+        self.query = nn.Conv2d(in_channels, out_channels, 1, bias=False)
+        self.key = nn.Conv2d(in_channels, out_channels, 1, bias=False)
+        self.value = nn.Conv2d(in_channels, out_channels, 1, bias=False)
+        self.rel_row = nn.Parameter(torch.empty(heads, d_row, kernel_size))
+        self.rel_col = nn.Parameter(torch.empty(heads, self.head_dim - d_row, kernel_size))
+        self.pool = nn.AvgPool2d(2, 2) if stride == 2 else nn.Identity()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for conv in (self.query, self.key, self.value):
+            nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
+        nn.init.normal_(self.rel_row, std=1.0)
+        nn.init.normal_(self.rel_col, std=1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(f"expected input (B, {self.in_channels}, H, W), got {tuple(x.shape)}")
+        b, _, height, width = x.shape
+        shape = (b, self.heads, self.head_dim, height, width)
+        q, k, v = self.query(x).reshape(shape), self.key(x).reshape(shape), self.value(x).reshape(shape)
+        rel = relative_embedding(self.rel_row, self.rel_col)
+        attend = local_attention_reference if (self.impl == "reference" or x.device.type == "meta") \
+            else local_attention
+        out = attend(q, k, v, rel, self.kernel_size).reshape(b, self.out_channels, height, width)
+        return self.pool(out)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, heads={self.heads}, "
+                f"stride={self.stride}, impl={self.impl!r}")
+
+
+class AttentionStem(nn.Module):
+    """The spatially-aware attention stem of SASA section 3.2 and appendix A.1 (Eq. 4-9).
+
+    Self-attention within each non-overlapping ``block x block`` window (4x4, aligned with the
+    max-pooling window), with plain ``q . k`` logits (Eq. 7), values from a convex combination of
+    ``mixtures`` value matrices whose weights depend on the pixel's absolute position in the
+    window (Eq. 8-9, shared across the heads), then batch normalization, ReLU and
+    ``pool x pool`` max pooling.
+
+    Choices where appendix A.1 is silent: 4 heads (as the appendix says for the mixture stem
+    layer), 4 value mixtures, 16-dim position and mixture embeddings, a ReLU after the BN (as in the
+    convolutional stem), and for ``stem_downsample`` 1 or 2 (CIFAR inputs) the 4x4 attention
+    windows are kept but the max pool shrinks to ``stem_downsample``.
+    """
+
+    def __init__(self, out_channels: int, stem_downsample: int = 4, in_channels: int = 3, heads: int = 4,
+                 mixtures: int = 4, block: int = 4, embed_dim: int = 16):
+        super().__init__()
+        if out_channels % heads:
+            raise ValueError(f"out_channels ({out_channels}) must be divisible by heads ({heads})")
+        self.out_channels, self.heads, self.mixtures, self.block = out_channels, heads, mixtures, block
+        self.query = nn.Conv2d(in_channels, out_channels, 1, bias=False)
+        self.key = nn.Conv2d(in_channels, out_channels, 1, bias=False)
+        self.value = nn.Conv2d(in_channels, out_channels * mixtures, 1, bias=False)   # W_V^m, m = 1..M
+        self.emb_row = nn.Parameter(torch.randn(block, embed_dim))
+        self.emb_col = nn.Parameter(torch.randn(block, embed_dim))
+        self.emb_mix = nn.Parameter(torch.randn(mixtures, embed_dim))                 # nu^m
+        self.bn = nn.BatchNorm2d(out_channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(stem_downsample, stem_downsample) if stem_downsample > 1 else nn.Identity()
+
+    def mixture_weights(self) -> torch.Tensor:
+        """``p(a, b, m)`` of Eq. 9: ``(block, block, mixtures)``, a softmax over ``m``."""
+        emb = self.emb_row[:, None, :] + self.emb_col[None, :, :]
+        return torch.einsum("abe,me->abm", emb, self.emb_mix).softmax(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, height, width = x.shape
+        s = self.block
+        if height % s or width % s:
+            raise ValueError(f"attention stem needs H and W divisible by {s}, got {height}x{width}")
+        gh, gw, c, h, m = height // s, width // s, self.out_channels, self.heads, self.mixtures
+
+        def windows(t: torch.Tensor, channels: int) -> torch.Tensor:
+            # (B, channels, H, W) -> (B, gh, gw, s, s, channels)
+            return t.reshape(b, channels, gh, s, gw, s).permute(0, 2, 4, 3, 5, 1)
+
+        q = windows(self.query(x), c).reshape(b, gh, gw, s * s, h, c // h)
+        k = windows(self.key(x), c).reshape(b, gh, gw, s * s, h, c // h)
+        v_all = windows(self.value(x), c * m).reshape(b, gh, gw, s, s, m, c)
+        v = torch.einsum("nxyabmc,abm->nxyabc", v_all, self.mixture_weights().to(v_all.dtype))
+        v = v.reshape(b, gh, gw, s * s, h, c // h)
+        attn = torch.einsum("nxyphd,nxyqhd->nxyhpq", q, k).softmax(-1).to(v.dtype)
+        out = torch.einsum("nxyhpq,nxyqhd->nxyphd", attn, v)                        # Eq. 7
+        out = out.reshape(b, gh, gw, s, s, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, height, width)
+        return self.pool(self.relu(self.bn(out)))

@@ -1,0 +1,100 @@
+"""Reports from stored runs: SAN Tables 9 and 10 (CSV, Markdown, LaTeX) beside the published
+numbers, long-format sweeps, bootstrap intervals of the headline numbers, and PNG plots.
+
+    >>> from robust_attn.reports import make_report
+    >>> files = make_report(["runs/rotation-resnet26-imagenet-test"], "reports/out")
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from robust_attn.reports.plots import plot_pgd, plot_rotation
+from robust_attn.reports.stats import bootstrap_mean_ci
+from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, load_runs, pgd_sweep, pgd_table,
+                                        rotation_sweep, rotation_table, to_latex, to_markdown)
+from robust_attn.utils.io import atomic_path, atomic_write_text
+
+__all__ = ["make_report", "bootstrap_mean_ci", "load_runs", "rotation_table", "pgd_table"]
+
+TABLE9_CAPTION = ("Robustness to rotation and flipping at test time (SAN Table 9 layout): top-1 / top-5 "
+                  "accuracy (%), drop from the unrotated result in brackets (lower is better).")
+TABLE10_CAPTION = ("Targeted white-box L-inf PGD (SAN Table 10 layout): eps = 8/255; n = 2 with step 4/255, "
+                   "n = 4 with step 2/255. s. rate: attack success rate (%), top-1: accuracy under attack (%).")
+
+
+def _write_csv(frame: pd.DataFrame, path: Path) -> Path:
+    with atomic_path(path) as tmp:
+        frame.to_csv(tmp, index=False, float_format="%.4f")
+    return path
+
+
+def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
+                plots: bool = True) -> list[Path]:
+    """Write the tables, sweeps, intervals and plots of ``run_dirs`` into ``out_dir``; returns
+    the files written. ``report.md`` gathers everything."""
+    runs = load_runs(run_dirs)
+    if not runs:
+        raise ValueError("give at least one run directory")
+    unknown = sorted({r.protocol for r in runs} - {"rotation", "pgd"})
+    if unknown:
+        raise ValueError(f"runs of unknown protocol(s) {unknown}; the report knows rotation and pgd")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+    md = ["# Robustness report", "", "Runs: " + ", ".join(f"`{r.path}`" for r in runs), ""]
+    if any(not r.trained for r in runs):
+        md += ["**Warning: some runs used random weights (no checkpoint); their numbers say nothing "
+               "about the architectures.**", ""]
+
+    t9 = rotation_table(runs)
+    if not t9.empty:
+        shown = format_rotation(t9)
+        files.append(_write_csv(t9, out / "table9_rotation.csv"))
+        atomic_write_text(out / "table9_rotation.md", to_markdown(shown))
+        groups = [(title, 2) for _, title in TABLE9_CONDITIONS]
+        atomic_write_text(out / "table9_rotation.tex", to_latex(
+            shown, groups=groups, subheaders=["Method"] + ["top-1", "top-5"] * 5, caption=TABLE9_CAPTION,
+            label="tab:rotation"))
+        files += [out / "table9_rotation.md", out / "table9_rotation.tex"]
+        sweep = rotation_sweep(runs)
+        files.append(_write_csv(sweep, out / "rotation_conditions.csv"))
+        md += ["## Table 9: rotation and flipping", "", TABLE9_CAPTION, "", to_markdown(shown),
+               "All conditions (including the left-right flip and the angle sweep): `rotation_conditions.csv`.", ""]
+        if plots:
+            files += plot_rotation(sweep, out)
+            md += ["![accuracy against rotation angle](rotation_angle.png)", ""]
+
+    t10 = pgd_table(runs)
+    if not t10.empty:
+        shown = format_pgd(t10)
+        files.append(_write_csv(t10, out / "table10_pgd.csv"))
+        atomic_write_text(out / "table10_pgd.md", to_markdown(shown))
+        atomic_write_text(out / "table10_pgd.tex", to_latex(
+            shown, groups=[("clean", 1), ("attack n=2", 2), ("attack n=4", 2)],
+            subheaders=["Method", "top-1", "s. rate", "top-1", "s. rate", "top-1"], caption=TABLE10_CAPTION,
+            label="tab:pgd"))
+        files += [out / "table10_pgd.md", out / "table10_pgd.tex"]
+        sweep = pgd_sweep(runs)
+        files.append(_write_csv(sweep, out / "pgd_conditions.csv"))
+        cc = t10[t10["source"] == "ours"][["model", "dataset", "n2_success_rate_clean_correct",
+                                           "n2_top1_clean_correct", "n4_success_rate_clean_correct",
+                                           "n4_top1_clean_correct"]]
+        md += ["## Table 10: targeted PGD", "", TABLE10_CAPTION, "", to_markdown(shown),
+               "On the clean-correct images only:", "", to_markdown(cc),
+               "Every attack setting (sweeps included): `pgd_conditions.csv`.", ""]
+        if plots:
+            files += plot_pgd(sweep, out)
+            md += ["![PGD against steps](pgd_steps.png) ![PGD against eps](pgd_eps.png)", ""]
+
+    ci = headline_ci(runs, n_boot=n_boot, seed=seed, level=level)
+    files.append(_write_csv(ci, out / "headline_ci.csv"))
+    shown_ci = ci.assign(interval=[f"{v:.1f} [{lo:.1f}, {hi:.1f}]" for v, lo, hi in
+                                   zip(ci["value"], ci["low"], ci["high"])])[["model", "dataset", "metric",
+                                                                               "interval", "n"]]
+    md += [f"## {level:.0%} bootstrap intervals over images ({n_boot} resamples, seed {seed})", "",
+           to_markdown(shown_ci)]
+    atomic_write_text(out / "report.md", "\n".join(md))
+    files.append(out / "report.md")
+    return files

@@ -1,0 +1,81 @@
+"""PNG plots from the long-format summaries (matplotlib, Agg backend: no display needed).
+
+* ``rotation_angle.png``: top-1 against clockwise rotation angle, one line per run; the exact
+  0/90/180/270 conditions and the interpolated sweep together, 360 closing the circle.
+* ``pgd_steps.png`` / ``pgd_eps.png``: attack success rate and top-1 under attack against the
+  number of steps (one line per model and eps) and against eps (one line per model and steps).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+__all__ = ["plot_rotation", "plot_pgd"]
+
+
+def _series_label(model: str, dataset: str) -> str:
+    return f"{model} ({dataset})"
+
+
+def plot_rotation(sweep: pd.DataFrame, out: Path) -> list[Path]:
+    """Top-1 and top-5 against angle; returns the files written (none without rotation runs)."""
+    if sweep.empty:
+        return []
+    angled = sweep[sweep["kind"].isin(["identity", "rot90", "angle"])]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for (model, dataset), group in angled.groupby(["model", "dataset"], sort=False):
+        group = group.sort_values("angle")
+        base = group[group["kind"] == "identity"]
+        group = pd.concat([group, base.assign(angle=360.0)])  # close the circle
+        for ax, metric in zip(axes, ("top1", "top5")):
+            ax.plot(group["angle"], group[metric], marker="o", markersize=3, label=_series_label(model, dataset))
+    for ax, metric in zip(axes, ("top-1", "top-5")):
+        ax.set_xlabel("clockwise rotation (degrees; bilinear, zero fill off the 90s)")
+        ax.set_ylabel(f"{metric} accuracy (%)")
+        ax.set_xticks(range(0, 361, 45))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Accuracy under test-time rotation")
+    fig.tight_layout()
+    path = out / "rotation_angle.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
+def _plot_against(sweep: pd.DataFrame, x: str, line: str, path: Path, xlabel: str) -> Path:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    attacked = sweep[sweep["condition"] != "clean"]
+    for (model, dataset, key), group in attacked.groupby(["model", "dataset", line], sort=False):
+        # several step sizes at one (x, line) point: one line per step size
+        for step, sub in group.groupby("step", sort=True) if group.duplicated(x).any() else [(None, group)]:
+            sub = sub.sort_values(x)
+            label = f"{_series_label(model, dataset)} {line}={key:g}" + ("" if step is None else f" step={step:g}")
+            axes[0].plot(sub[x], sub["success_rate"], marker="o", label=label)
+            axes[1].plot(sub[x], sub["top1"], marker="o", label=label)
+    for ax, name in zip(axes, ("attack success rate (%)", "top-1 under attack (%)")):
+        if x == "steps":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Targeted L-inf PGD")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_pgd(sweep: pd.DataFrame, out: Path) -> list[Path]:
+    """Success rate and top-1 against steps and against eps; returns the files written."""
+    if sweep.empty:
+        return []
+    return [_plot_against(sweep, "steps", "eps", out / "pgd_steps.png", "PGD iterations n"),
+            _plot_against(sweep, "eps", "steps", out / "pgd_eps.png", "eps (1/255)")]

@@ -1,0 +1,277 @@
+"""Tables 9 and 10 of the SAN paper (section 5.4) from stored runs, as CSV, Markdown and LaTeX.
+
+Everything here is computed from the per-image records of the run directories
+(:func:`robust_attn.results.load_records`). Where a run's model and dataset match a row of the
+published tables (``reports/reference``; ImageNet only, since the paper evaluates on ImageNet
+val-original), the published numbers are placed in the row below ours, marked ``paper``.
+
+Layouts follow the paper: Table 9 shows top-1 and top-5 per condition with the drop from the
+unrotated result in brackets, ``51.8(23.1)``; Table 10 shows clean top-1 and, for n = 2
+(``{eps, step, n} = {8, 4, 2}``) and n = 4 (``{8, 2, 4}``), the attack success rate and top-1.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS, summarize_pgd
+from robust_attn.protocols.rotation import PAPER_CONDITIONS, summarize_rotation
+from robust_attn.reports.stats import bootstrap_mean_ci
+from robust_attn.results import load_description, load_records
+
+__all__ = ["Run", "load_runs", "rotation_table", "pgd_table", "rotation_sweep", "pgd_sweep", "headline_ci",
+           "format_rotation", "format_pgd", "to_markdown", "to_latex", "TABLE9_CONDITIONS", "TABLE10_SETTINGS"]
+
+TABLE9_CONDITIONS = [("none", "no rotation"), ("cw90", "clockwise 90°"), ("cw180", "clockwise 180°"),
+                     ("cw270", "clockwise 270°"), ("flip_ud", "upside-down")]
+# reference CSV prefixes of the Table 9 conditions
+_REF_PREFIX = {"none": "no_rotation", "cw90": "cw90", "cw180": "cw180", "cw270": "cw270", "flip_ud": "upside_down"}
+# Table 10 columns: paper setting -> reference CSV prefix
+TABLE10_SETTINGS = [(PAPER_SETTINGS[0], "n2"), (PAPER_SETTINGS[1], "n4")]
+assert [c.name for c in PAPER_CONDITIONS] == [c for c, _ in TABLE9_CONDITIONS]
+
+
+@dataclass
+class Run:
+    """A finished run directory: its description and merged records."""
+
+    path: Path
+    description: dict
+    records: pd.DataFrame
+
+    @property
+    def protocol(self) -> str:
+        return self.description["protocol"]
+
+    @property
+    def model(self) -> str:
+        return self.description["model"]
+
+    @property
+    def dataset(self) -> str:
+        return self.description["dataset"]["name"]
+
+    @property
+    def trained(self) -> bool:
+        return self.description.get("checkpoint") is not None
+
+
+def load_runs(paths) -> list[Run]:
+    return [Run(Path(p), load_description(p), load_records(p)) for p in paths]
+
+
+def _reference(name: str) -> dict[str, dict]:
+    from robust_attn.reference import reference_table
+
+    return {row["model"]: row for row in reference_table(name).to_dict("records")}
+
+
+def _paper_row(run: Run, reference: dict[str, dict]) -> dict | None:
+    if run.dataset != "imagenet" or run.model not in reference:
+        return None
+    return reference[run.model]
+
+
+# --- Table 9 ---------------------------------------------------------------------------------
+def rotation_table(runs: list[Run], with_reference: bool = True) -> pd.DataFrame:
+    """Numeric Table 9: one row per rotation run (``source`` ours) and, where published, the
+    paper's row (``source`` paper); columns ``<condition>_top1``, ``_top5``, ``_top1_drop``,
+    ``_top5_drop`` for the five conditions of the paper."""
+    reference = _reference("san_table9_rotation") if with_reference else {}
+    rows = []
+    for run in (r for r in runs if r.protocol == "rotation"):
+        summary = summarize_rotation(run.records).set_index("condition")
+        row = {"model": run.model, "dataset": run.dataset, "source": "ours", "trained": run.trained,
+               "n": int(summary.loc["none", "n"]) if "none" in summary.index else 0, "run": str(run.path)}
+        for cond, _ in TABLE9_CONDITIONS:
+            for metric in ("top1", "top5", "top1_drop", "top5_drop"):
+                row[f"{cond}_{metric}"] = summary.loc[cond, metric] if cond in summary.index else math.nan
+        rows.append(row)
+        paper = _paper_row(run, reference)
+        if paper is not None:
+            prow = {"model": run.model, "dataset": run.dataset, "source": "paper", "trained": True,
+                    "n": 50000, "run": ""}
+            for cond, _ in TABLE9_CONDITIONS:
+                for k in ("top1", "top5"):
+                    prow[f"{cond}_{k}"] = paper[f"{_REF_PREFIX[cond]}_{k}"]
+                    prow[f"{cond}_{k}_drop"] = paper[f"no_rotation_{k}"] - paper[f"{_REF_PREFIX[cond]}_{k}"]
+            rows.append(prow)
+    return pd.DataFrame(rows)
+
+
+def _cell(value: float, drop: float | None = None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.1f}" if drop is None else f"{value:.1f}({drop:.1f})"
+
+
+def _label(row) -> str:
+    label = row["model"] if row["source"] == "ours" else f"{row['model']} (paper)"
+    if row["source"] == "ours" and not row.get("trained", True):
+        label += " [random weights]"
+    return label if row["dataset"] == "imagenet" or row["source"] == "paper" else f"{label} [{row['dataset']}]"
+
+
+def format_rotation(table: pd.DataFrame) -> pd.DataFrame:
+    """Table 9 as the paper prints it: ``accuracy(drop)`` cells."""
+    out = []
+    for _, row in table.iterrows():
+        cells = {"Method": _label(row)}
+        for cond, title in TABLE9_CONDITIONS:
+            for k, name in (("top1", "top-1"), ("top5", "top-5")):
+                drop = None if cond == "none" else row[f"{cond}_{k}_drop"]
+                cells[f"{title} {name}"] = _cell(row[f"{cond}_{k}"], drop)
+        out.append(cells)
+    return pd.DataFrame(out, columns=["Method"] + [f"{t} {k}" for _, t in TABLE9_CONDITIONS
+                                                   for k in ("top-1", "top-5")])
+
+
+def rotation_sweep(runs: list[Run]) -> pd.DataFrame:
+    """Every rotation condition of every run (long format), with its angle: for the plots."""
+    frames = []
+    for run in (r for r in runs if r.protocol == "rotation"):
+        summary = summarize_rotation(run.records)
+        conds = {c["name"]: c for c in run.description["conditions"]}
+        summary.insert(0, "model", run.model)
+        summary.insert(1, "dataset", run.dataset)
+        summary["kind"] = summary["condition"].map(lambda c: conds.get(c, {}).get("kind"))
+        summary["angle"] = summary["condition"].map(lambda c: conds.get(c, {}).get("angle"))
+        frames.append(summary)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+# --- Table 10 --------------------------------------------------------------------------------
+def pgd_table(runs: list[Run], with_reference: bool = True) -> pd.DataFrame:
+    """Numeric Table 10: ``clean_top1`` and ``n2_`` / ``n4_`` ``success_rate``, ``top1`` (over all
+    images, as the paper) plus the same on the clean-correct subset (``..._clean_correct``)."""
+    reference = _reference("san_table10_pgd") if with_reference else {}
+    rows = []
+    for run in (r for r in runs if r.protocol == "pgd"):
+        summary = summarize_pgd(run.records).set_index("condition")
+        row = {"model": run.model, "dataset": run.dataset, "source": "ours", "trained": run.trained,
+               "n": int(summary.loc[CLEAN, "n"]) if CLEAN in summary.index else 0, "run": str(run.path),
+               "clean_top1": summary.loc[CLEAN, "top1"] if CLEAN in summary.index else math.nan}
+        for setting, prefix in TABLE10_SETTINGS:
+            for metric in ("success_rate", "top1", "success_rate_clean_correct", "top1_clean_correct"):
+                row[f"{prefix}_{metric}"] = (summary.loc[setting.name, metric]
+                                             if setting.name in summary.index else math.nan)
+        rows.append(row)
+        paper = _paper_row(run, reference)
+        if paper is not None:
+            prow = {"model": run.model, "dataset": run.dataset, "source": "paper", "trained": True, "n": 50000,
+                    "run": "", "clean_top1": paper["clean_top1"]}
+            for _, prefix in TABLE10_SETTINGS:
+                prow[f"{prefix}_success_rate"] = paper[f"{prefix}_success_rate"]
+                prow[f"{prefix}_top1"] = paper[f"{prefix}_top1"]
+            rows.append(prow)
+    return pd.DataFrame(rows)
+
+
+def format_pgd(table: pd.DataFrame) -> pd.DataFrame:
+    out = []
+    for _, row in table.iterrows():
+        cells = {"Method": _label(row), "clean top-1": _cell(row["clean_top1"])}
+        for _, prefix in TABLE10_SETTINGS:
+            n = prefix[1:]
+            cells[f"n={n} s. rate"] = _cell(row.get(f"{prefix}_success_rate", math.nan))
+            cells[f"n={n} top-1"] = _cell(row.get(f"{prefix}_top1", math.nan))
+        out.append(cells)
+    return pd.DataFrame(out, columns=["Method", "clean top-1", "n=2 s. rate", "n=2 top-1", "n=4 s. rate",
+                                      "n=4 top-1"])
+
+
+def pgd_sweep(runs: list[Run]) -> pd.DataFrame:
+    """Every PGD condition of every run (long format) with eps, step and steps: for the plots."""
+    frames = []
+    for run in (r for r in runs if r.protocol == "pgd"):
+        summary = summarize_pgd(run.records)
+        conds = {c["name"]: c for c in run.description["conditions"]}
+        summary.insert(0, "model", run.model)
+        summary.insert(1, "dataset", run.dataset)
+        for key in ("eps", "step", "steps"):
+            summary[key] = summary["condition"].map(lambda c, k=key: conds.get(c, {}).get(k))
+        frames.append(summary)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+# --- confidence intervals --------------------------------------------------------------------
+def headline_ci(runs: list[Run], n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
+    """Bootstrap intervals over images of the headline numbers: per rotation run the top-1 of
+    each Table 9 condition and its (paired) drop; per PGD run clean top-1 and, per setting,
+    success rate and top-1."""
+    rows = []
+
+    def add(run, metric, values):
+        ci = bootstrap_mean_ci(values, n_boot=n_boot, seed=seed, level=level)
+        rows.append({"model": run.model, "dataset": run.dataset, "protocol": run.protocol, "metric": metric,
+                     "value": ci.value, "low": ci.low, "high": ci.high, "level": level, "n_boot": n_boot,
+                     "n": len(values), "run": str(run.path)})
+
+    for run in runs:
+        hits = {c: g.set_index("index")["top1"].sort_index() for c, g in run.records.groupby("condition")}
+        if run.protocol == "rotation":
+            base = hits.get("none")
+            for cond, _ in TABLE9_CONDITIONS:
+                if cond in hits:
+                    add(run, f"{cond}_top1", hits[cond].to_numpy())
+                    if base is not None and cond != "none":
+                        add(run, f"{cond}_top1_drop", (base - hits[cond]).to_numpy())
+        elif run.protocol == "pgd":
+            for cond, group in run.records.groupby("condition", sort=False):
+                group = group.sort_values("index")
+                add(run, f"{cond}_top1", group["top1"].to_numpy())
+                if cond != CLEAN:
+                    add(run, f"{cond}_success_rate", group["success"].to_numpy())
+    return pd.DataFrame(rows)
+
+
+# --- output formats --------------------------------------------------------------------------
+def to_markdown(frame: pd.DataFrame) -> str:
+    """A GitHub Markdown table (no tabulate dependency)."""
+    cols = [str(c) for c in frame.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(":--" if i == 0 else "--:" for i in range(len(cols))) + "|"]
+    for _, row in frame.iterrows():
+        lines.append("| " + " | ".join(_fmt(v) for v in row.tolist()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, (float, np.floating)):
+        return "-" if math.isnan(v) else f"{v:.1f}"
+    return str(v).replace("|", "\\|")
+
+
+_LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "°": r"$^\circ$"}
+
+
+def _tex(text) -> str:
+    return "".join(_LATEX_ESCAPES.get(ch, ch) for ch in _fmt(text))
+
+
+def to_latex(frame: pd.DataFrame, groups: list[tuple[str, int]] | None = None,
+             subheaders: list[str] | None = None, caption: str = "", label: str = "") -> str:
+    """A booktabs table; ``groups`` adds a first header row of ``(title, column span)`` after the
+    first column and ``subheaders`` replaces the column names below it (the paper's two-level
+    header)."""
+    cols = list(frame.columns)
+    lines = [r"\begin{table}[t]", r"\centering", r"\begin{tabular}{l" + "c" * (len(cols) - 1) + "}", r"\toprule"]
+    if groups:
+        lines.append(" & " + " & ".join(rf"\multicolumn{{{span}}}{{c}}{{{_tex(t)}}}" for t, span in groups) + r" \\")
+        lines.append(" & ".join(_tex(c) for c in (subheaders or cols)) + r" \\")
+    else:
+        lines.append(" & ".join(_tex(c) for c in cols) + r" \\")
+    lines.append(r"\midrule")
+    for _, row in frame.iterrows():
+        lines.append(" & ".join(_tex(v) for v in row.tolist()) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    if caption:
+        lines.append(rf"\caption{{{_tex(caption)}}}")
+    if label:
+        lines.append(rf"\label{{{label}}}")
+    lines.append(r"\end{table}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,349 @@
+"""The training loop: single process or one process per GPU under ``torchrun`` (DDP).
+
+What it trains is ``NormalizedModel(create_model(recipe.model, ...), info.mean, info.std)`` on
+images in [0, 1], so every checkpoint is attackable as it is. The recipe fields are documented in
+:mod:`robust_attn.train.recipe`; the schedule in :mod:`robust_attn.train.optim`.
+
+Output directory::
+
+    OUT/recipe.json                       resolved recipe (after inheritance and overrides)
+    OUT/metrics.csv                       one row per epoch (rank 0)
+    OUT/checkpoints/epoch_NNNN/           model.safetensors + model.json + state.pt
+    OUT/checkpoints/LAST                  name of the newest complete epoch folder
+    OUT/model.safetensors, OUT/model.json the final model (robust_attn.checkpoint format)
+    OUT/tensorboard/                      if the tensorboard package is installed
+
+A checkpoint folder is complete before ``LAST`` is switched to it (an atomic rename), so a kill
+at any moment leaves a usable checkpoint. ``state.pt`` holds only tensors, numbers, strings,
+lists and dicts (optimizer, scheduler, scaler, RNG states, metric history) and is read with
+``torch.load(weights_only=True)``.
+
+Reproducibility: the model is initialized from ``recipe.seed``; the sampler shuffles with
+``(seed, epoch)`` and each image's augmentation is drawn from ``(seed, epoch, index)``
+(:class:`robust_attn.data.SeededAugment`), so on CPU a resumed run ends bitwise equal to an
+uninterrupted one.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from robust_attn.checkpoint import save_checkpoint
+from robust_attn.data import SeededAugment, build_dataset, dataset_info
+from robust_attn.distributed import barrier, init_distributed, is_distributed, shard_indices
+from robust_attn.registry import create_model
+from robust_attn.train.optim import build_optimizer, build_scheduler
+from robust_attn.train.recipe import Recipe, RecipeError
+from robust_attn.utils.io import atomic_path, atomic_write_json, atomic_write_text, sha256_file
+from robust_attn.wrapper import NormalizedModel
+
+__all__ = ["train", "evaluate", "build_model", "CSV_COLUMNS", "ResumeError"]
+
+CSV_COLUMNS = ["epoch", "train_loss", "lr", "images_per_s", "eval_top1", "eval_top5", "epoch_seconds"]
+
+
+class ResumeError(RecipeError):
+    """``--resume`` cannot continue from what is in the output directory."""
+
+
+def build_model(recipe: Recipe) -> NormalizedModel:
+    info = dataset_info(recipe.dataset)
+    model = create_model(recipe.model, info.num_classes, info.resolution, **recipe.model_args)
+    return NormalizedModel(model, info.mean, info.std)
+
+
+def _versions() -> dict:
+    import torchvision
+
+    import robust_attn
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+            "robust_attn": robust_attn.__version__}
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def _amp_context(device: torch.device, amp: str):
+    if amp == "none":
+        return contextlib.nullcontext
+    if amp == "fp16" and device.type != "cuda":
+        raise RecipeError('runtime.amp = "fp16" needs a GPU; use "bf16" or "none" on the CPU')
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, autocast=contextlib.nullcontext,
+             channels_last: bool = False) -> tuple[float, float, int]:
+    """Top-1 and top-5 accuracy (%) over ``loader``, summed over all processes when distributed."""
+    was_training = model.training
+    model.eval()
+    counts = torch.zeros(3, dtype=torch.float64, device=device)
+    for images, labels in loader:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with autocast():
+            logits = model(images)
+        k = min(5, logits.shape[1])
+        top = logits.topk(k, dim=1).indices
+        hits = top == labels[:, None]
+        counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(labels), device=device)])
+    if is_distributed():
+        dist.all_reduce(counts)
+    model.train(was_training)
+    n = int(counts[2])
+    return (100.0 * counts[0].item() / max(n, 1), 100.0 * counts[1].item() / max(n, 1), n)
+
+
+def _write_csv(path: Path, history: list[dict]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    for row in history:
+        writer.writerow({k: row[k] for k in CSV_COLUMNS})
+    atomic_write_text(path, buf.getvalue())
+
+
+def _tensorboard(out: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # optional
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+def _latest_checkpoint(out: Path) -> Path | None:
+    pointer = out / "checkpoints" / "LAST"
+    if not pointer.is_file():
+        return None
+    folder = out / "checkpoints" / pointer.read_text().strip()
+    return folder if (folder / "state.pt").is_file() else None
+
+
+def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: bool = True,
+          log: Callable[[str], None] = print, stop_after: int | None = None) -> dict:
+    """Train ``recipe`` into ``out_dir``; returns ``{"history": [...], "weights": path or None,
+    "sha256": ...}`` (on every rank). Under torchrun the process group is joined here (see
+    :func:`robust_attn.distributed.init_distributed`).
+
+    ``stop_after``: leave after that many epochs of this invocation (with the checkpoint
+    written), for time-limited jobs; ``resume=True`` continues later. The final model is only
+    written when the recipe's last epoch is done."""
+    rt, dcfg, ocfg = recipe.runtime, recipe.data, recipe.optim
+    rank, world, device = init_distributed(None if rt.device == "auto" else rt.device)
+    main = rank == 0
+    out = Path(out_dir)
+    say = log if main else (lambda _msg: None)
+    if dcfg.batch_size % world:
+        raise RecipeError(f"data.batch_size {dcfg.batch_size} is the global batch and must be divisible by the "
+                          f"number of processes ({world})")
+    autocast = _amp_context(device, rt.amp)
+    if rt.deterministic:
+        torch.use_deterministic_algorithms(True)
+    elif device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+    # model: the same initialization on every rank (DDP also broadcasts rank 0's)
+    torch.manual_seed(recipe.seed)
+    net = build_model(recipe).to(device)
+    if rt.channels_last:
+        net = net.to(memory_format=torch.channels_last)
+
+    # data
+    train_set = SeededAugment(build_dataset(recipe.dataset, dcfg.root, "train", augment=True,
+                                            holdout=dcfg.holdout, limit=dcfg.limit_train), seed=recipe.seed)
+    eval_set = build_dataset(recipe.dataset, dcfg.root, dcfg.eval_split, limit=dcfg.limit_eval,
+                             holdout=dcfg.holdout)
+    per_rank = dcfg.batch_size // world
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=recipe.seed,
+                                 drop_last=True)
+    loader_args = dict(num_workers=dcfg.workers, pin_memory=device.type == "cuda",
+                       persistent_workers=dcfg.workers > 0)
+    train_loader = DataLoader(train_set, batch_size=per_rank, sampler=sampler, drop_last=True, **loader_args)
+    eval_loader = DataLoader(Subset(eval_set, shard_indices(len(eval_set), rank, world)),
+                             batch_size=dcfg.eval_batch_size, shuffle=False, **loader_args)
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise RecipeError(f"data.batch_size {dcfg.batch_size} exceeds the {len(train_set)} training images; "
+                          f"lower it")
+
+    # optimization
+    peak_lr = recipe.lr_at(dcfg.batch_size)
+    optimizer = build_optimizer(net, peak_lr, ocfg.momentum, ocfg.nesterov, ocfg.weight_decay,
+                                ocfg.no_decay_norm_bias)
+    scheduler = build_scheduler(optimizer, steps_per_epoch, recipe.epochs, ocfg.warmup_epochs, ocfg.schedule,
+                                ocfg.min_lr, ocfg.milestones, ocfg.gamma)
+    scaler = torch.amp.GradScaler(device.type, enabled=rt.amp == "fp16")
+    criterion = nn.CrossEntropyLoss(label_smoothing=ocfg.label_smoothing)
+    model: nn.Module = net
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    if rt.compile:
+        model = torch.compile(model)
+
+    # resume
+    history: list[dict] = []
+    start_epoch = 0
+    if resume:
+        folder = _latest_checkpoint(out)
+        if folder is None:
+            raise ResumeError(f"--resume: no checkpoint in {out / 'checkpoints'}; run without --resume to start")
+        state = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
+        if state["recipe_sha256"] != recipe.sha256():
+            raise ResumeError(f"--resume: the recipe differs from the one {out} was started with "
+                              f"(see {out / 'recipe.json'}); resume with the same recipe and overrides, "
+                              f"or use a new --out")
+        if sha256_file(folder / "model.safetensors") != state["weights_sha256"]:
+            raise ResumeError(f"--resume: {folder} is inconsistent (weights do not match state.pt)")
+        net.load_state_dict(load_file(str(folder / "model.safetensors"), device=str(device)), strict=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng_cpu"])
+        if device.type == "cuda" and state.get("rng_cuda") is not None:
+            torch.cuda.set_rng_state(state["rng_cuda"], device)
+        history = list(state["history"])
+        start_epoch = int(state["epoch"])
+        if state.get("world_size", world) != world:
+            say(f"warning: resuming a run of {state['world_size']} processes with {world}; "
+                f"the data order differs from an uninterrupted run")
+        say(f"resumed from {folder} (epoch {start_epoch}/{recipe.epochs})")
+    elif _latest_checkpoint(out) is not None:
+        raise ResumeError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+
+    meta_base = {"recipe": recipe.to_dict(), "recipe_sha256": recipe.sha256(), "recipe_source": recipe.source,
+                 "dataset": recipe.dataset, "versions": _versions(), "git_commit": _git_commit(),
+                 "world_size": world}
+    writer = None
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "recipe.json", {"recipe": recipe.to_dict(), "sha256": recipe.sha256(),
+                                                "source": recipe.source})
+        writer = _tensorboard(out)
+        say(f"training {recipe.model} on {recipe.dataset}: {len(train_set)} images, {world} process(es), "
+            f"global batch {dcfg.batch_size}, peak lr {peak_lr:g}, {recipe.epochs} epochs of {steps_per_epoch} "
+            f"steps, device {device}")
+
+    step_images = per_rank * world
+    end_epoch = recipe.epochs if stop_after is None else min(recipe.epochs, start_epoch + stop_after)
+    for epoch in range(start_epoch, end_epoch):
+        sampler.set_epoch(epoch)
+        train_set.set_epoch(epoch)
+        model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        start = time.perf_counter()
+        bar = None
+        if main and progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch + 1}/{recipe.epochs}", leave=False,
+                       dynamic_ncols=True, file=sys.stderr)
+        for step, (images, labels) in enumerate(train_loader):
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            if rt.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            with autocast():
+                loss = criterion(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if ocfg.clip_grad_norm > 0:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(net.parameters(), ocfg.clip_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            loss_sum += loss.detach().double()
+            if bar is not None:
+                bar.update(1)
+                if step % 10 == 0:
+                    bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{optimizer.param_groups[0]['lr']:.4g}")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+        if is_distributed():
+            dist.all_reduce(loss_sum)
+        train_loss = loss_sum.item() / (steps_per_epoch * world)
+        if not torch.isfinite(torch.tensor(train_loss)):
+            raise FloatingPointError(f"epoch {epoch + 1}: training loss is {train_loss}; lower optim.lr or set "
+                                     f"optim.clip_grad_norm")
+        top1, top5, _ = evaluate(net, eval_loader, device, autocast, rt.channels_last)
+        row = {"epoch": epoch + 1, "train_loss": train_loss, "lr": optimizer.param_groups[0]["lr"],
+               "images_per_s": steps_per_epoch * step_images / seconds, "eval_top1": top1, "eval_top5": top5,
+               "epoch_seconds": seconds}
+        history.append(row)
+        if main:
+            _save_epoch(out, net, optimizer, scheduler, scaler, device, history, recipe, world, meta_base)
+            _write_csv(out / "metrics.csv", history)
+            if writer is not None:
+                for key in CSV_COLUMNS[1:]:
+                    writer.add_scalar(key, row[key], epoch + 1)
+                writer.flush()
+            say(f"epoch {epoch + 1}/{recipe.epochs}: loss {train_loss:.4f}, lr {row['lr']:.5g}, "
+                f"{row['images_per_s']:.1f} img/s, {dcfg.eval_split} top-1 {top1:.2f}% top-5 {top5:.2f}%")
+        barrier()
+
+    if end_epoch < recipe.epochs:
+        say(f"stopped after epoch {end_epoch}/{recipe.epochs}; continue with --resume")
+        return {"history": history, "weights": None, "sha256": None}
+    weights = out / "model.safetensors"
+    sha = None
+    if main:
+        meta = dict(meta_base, epoch=len(history), metrics=history[-1] if history else {}, history=history)
+        sha = save_checkpoint(weights, net, meta)
+        say(f"wrote {weights} (sha256 {sha})")
+        if writer is not None:
+            writer.close()
+    barrier()
+    return {"history": history, "weights": str(weights), "sha256": sha}
+
+
+def _save_epoch(out: Path, net: NormalizedModel, optimizer, scheduler, scaler, device: torch.device,
+                history: list[dict], recipe: Recipe, world: int, meta_base: dict) -> None:
+    """Write checkpoints/epoch_NNNN completely, then point LAST at it, then drop older folders."""
+    epoch = len(history)
+    root = out / "checkpoints"
+    name = f"epoch_{epoch:04d}"
+    folder = root / name
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    meta = dict(meta_base, epoch=epoch, metrics=history[-1])
+    weights_sha = save_checkpoint(folder / "model.safetensors", net, meta)
+    state = {"epoch": epoch, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "scaler": scaler.state_dict(), "rng_cpu": torch.get_rng_state(),
+             "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+             "history": history, "recipe_sha256": recipe.sha256(), "weights_sha256": weights_sha,
+             "world_size": world}
+    with atomic_path(folder / "state.pt") as tmp:
+        torch.save(state, tmp)
+    atomic_write_text(root / "LAST", name + "\n")
+    for old in root.glob("epoch_*"):
+        if old.name != name and old.is_dir():
+            shutil.rmtree(old)

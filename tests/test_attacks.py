@@ -1,0 +1,418 @@
+"""Targeted PGD of SAN Table 10: backend agreement, targets, bounds, success, errors and checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import robust_attn
+from robust_attn.attacks import BACKENDS, PGDConfig, draw_targets, run_checks, targeted_pgd
+from robust_attn.attacks import checks
+from robust_attn.wrapper import NormalizedModel
+
+PAPER_SETTINGS = [PGDConfig(8, 4, 2), PGDConfig(8, 2, 4)]  # SAN Table 10: {eps, rho, n}
+MEAN, STD = [0.49, 0.48, 0.45], [0.25, 0.24, 0.26]
+
+
+def _tiny_model(seed: int = 1) -> NormalizedModel:
+    """resnet26 at width 0.25 for 32x32 input, with random ("trained-ish") batch-norm statistics.
+
+    The zoo's init zeroes the last BN of each block (every residual branch is the identity);
+    random BN affine parameters and running statistics make every branch contribute.
+    """
+    torch.manual_seed(seed)
+    net = robust_attn.create_model("resnet26", num_classes=10, resolution="cifar", width=0.25)
+    gen = torch.Generator().manual_seed(seed)
+    for module in net.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            c = module.num_features
+            module.weight.data = torch.rand(c, generator=gen) + 0.5
+            module.bias.data = 0.1 * torch.randn(c, generator=gen)
+            module.running_mean.copy_(0.1 * torch.randn(c, generator=gen))
+            module.running_var.copy_(torch.rand(c, generator=gen) + 0.5)
+    return NormalizedModel(net, MEAN, STD).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> NormalizedModel:
+    return _tiny_model()
+
+
+@pytest.fixture(scope="module")
+def batch(model):
+    gen = torch.Generator().manual_seed(2)
+    images = torch.rand(8, 3, 32, 32, generator=gen)
+    images[0, :, :4] = 0.0  # pixels on the [0, 1] boundary exercise the clamp
+    images[1, :, :4] = 1.0
+    with torch.no_grad():
+        labels = model(images).argmax(1)
+    return images, labels, draw_targets(labels, 10, seed=0)
+
+
+def _predict(model, images):
+    with torch.no_grad():
+        return model(images).argmax(1)
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_units_and_validation():
+    cfg = PGDConfig(8, 2, 4)
+    assert cfg.eps_abs == pytest.approx(8 / 255) and cfg.step_abs == pytest.approx(2 / 255)
+    assert PGDConfig(0, 0, 0).steps == 0  # step may be 0 when there are no steps
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        PGDConfig(-1, 2, 4)
+    with pytest.raises(ValueError, match="step must be > 0"):
+        PGDConfig(8, 0, 4)
+    with pytest.raises(ValueError, match="steps must be >= 0"):
+        PGDConfig(8, 2, -1)
+    with pytest.raises(TypeError, match="steps must be an int"):
+        PGDConfig(8, 2, 2.5)
+    with pytest.raises(TypeError, match="eps must be a number"):
+        PGDConfig("8", 2, 4)
+    with pytest.raises(ValueError, match="finite"):
+        PGDConfig(float("nan"), 2, 4)
+
+
+# ---------------------------------------------------------------- agreement
+
+
+def _reference_pgd(model, x0, targets, cfg):
+    """SAN Table 10 attack written from the equation, per image, with the clamps in the other order:
+
+    x <- clip_{x0, eps}(clip_[0,1](x - step * sign(grad_x CE(model(x), target)))).
+    The two clamps commute exactly in real arithmetic (intersecting intervals), not always in floats.
+    """
+    out = []
+    for i in range(len(x0)):
+        xi0, ti = x0[i:i + 1], targets[i:i + 1]
+        x = xi0.clone()
+        for _ in range(cfg.steps):
+            x = x.detach().requires_grad_(True)
+            loss = F.cross_entropy(model(x), ti)
+            (g,) = torch.autograd.grad(loss, x)
+            x = torch.clamp(x.detach() - cfg.step_abs * g.sign(), 0.0, 1.0)
+            x = torch.minimum(torch.maximum(x, xi0 - cfg.eps_abs), xi0 + cfg.eps_abs)
+        out.append(x.detach())
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("cfg", PAPER_SETTINGS, ids=str)
+def test_backends_agree_image_by_image(model, batch, cfg):
+    """native, torchattacks and foolbox take the same steps: identical adversarial images.
+
+    Exact (not only close) because all three run the same float32 ops in the same order on the
+    same batch; the loss is a mean in torchattacks and a sum elsewhere, a factor 1/8 that is a
+    power of two, so even the gradients' rounding is the same. A sign error, a different
+    clamp order or a different step would move pixels by multiples of step/255.
+    """
+    images, labels, targets = batch
+    advs = {b: targeted_pgd(model, images, targets, cfg, backend=b, labels=labels) for b in BACKENDS}
+    preds = {b: _predict(model, a) for b, a in advs.items()}
+    for b in BACKENDS[1:]:
+        assert torch.equal(preds[b], preds["native"]), b
+        assert (advs[b] - advs["native"]).abs().max().item() <= 1e-6, b
+    # The attack moved the images and pulled them toward the targets.
+    assert (advs["native"] - images).abs().amax() == pytest.approx(cfg.eps_abs, abs=1e-6)
+    with torch.no_grad():
+        clean_loss = F.cross_entropy(model(images), targets, reduction="none")
+        adv_loss = F.cross_entropy(model(advs["native"]), targets, reduction="none")
+    assert (adv_loss < clean_loss).all()
+
+
+@pytest.mark.parametrize("cfg", PAPER_SETTINGS, ids=str)
+def test_native_matches_per_image_reference(model, batch, cfg):
+    """Against an independent per-image loop: the same images up to floating-point ties.
+
+    Batch size 1 uses other convolution kernels, so gradients differ in rounding; a component
+    that is almost zero can change sign, which moves one pixel by 2*step and perturbs later steps.
+    We therefore ask for the same pixels nearly everywhere and the same predictions for most images.
+    """
+    images, _, targets = batch
+    ours = targeted_pgd(model, images, targets, cfg)
+    ref = _reference_pgd(model, images, targets, cfg)
+    same_pixels = ((ours - ref).abs() <= 1e-6).float().mean().item()
+    assert same_pixels >= 0.97
+    assert (_predict(model, ours) == _predict(model, ref)).sum().item() >= 7
+
+
+def test_channels_last_agrees_up_to_ties(model, batch):
+    """The opt-in fast layout changes only the rounding of the gradient (see native_pgd)."""
+    images, _, targets = batch
+    cfg = PAPER_SETTINGS[1]
+    fast = targeted_pgd(model, images, targets, cfg, channels_last=True)
+    exact = targeted_pgd(model, images, targets, cfg)
+    assert fast.is_contiguous()
+    assert ((fast - exact).abs() <= 1e-6).float().mean().item() >= 0.97
+    assert (_predict(model, fast) == _predict(model, exact)).sum().item() >= 7
+
+
+# ---------------------------------------------------------------- targets
+
+
+def test_targets_uniform_over_wrong_classes():
+    num_classes, n = 10, 45_000
+    labels = torch.randint(0, num_classes, (n,))
+    targets = draw_targets(labels, num_classes, seed=3)
+    assert targets.dtype == torch.long and targets.shape == labels.shape
+    assert (targets != labels).all()
+    assert ((targets >= 0) & (targets < num_classes)).all()
+    # Given the label, the target is uniform on the other 9 classes: chi-square over the
+    # 9 offsets (label + offset) % 10; df = 8, the 0.999 quantile is 26.12.
+    offsets = (targets - labels) % num_classes
+    counts = torch.bincount(offsets, minlength=num_classes).double()
+    assert counts[0] == 0
+    expected = n / (num_classes - 1)
+    chi2 = (((counts[1:] - expected) ** 2) / expected).sum().item()
+    assert chi2 < 26.12
+    # And uniform for a single label (not only on average over labels).
+    zeros = draw_targets(torch.zeros(9_000, dtype=torch.long), num_classes, seed=4)
+    per_class = torch.bincount(zeros, minlength=num_classes)
+    assert per_class[0] == 0 and per_class[1:].min() > 850 and per_class[1:].max() < 1150
+
+
+def test_targets_reproducible_and_independent_of_global_rng():
+    labels = torch.randint(0, 100, (500,))
+    torch.manual_seed(123)
+    first = draw_targets(labels, 100, seed=7)
+    rng_state = torch.get_rng_state()
+    torch.manual_seed(999)
+    second = draw_targets(labels, 100, seed=7)
+    assert torch.equal(first, second)
+    assert not torch.equal(first, draw_targets(labels, 100, seed=8))
+    # The draw uses its own generator: the global RNG stream is untouched.
+    torch.manual_seed(123)
+    draw_targets(labels, 100, seed=7)
+    assert torch.equal(torch.get_rng_state(), rng_state)
+
+
+def test_targets_depend_only_on_position():
+    labels = torch.randint(0, 10, (64,))
+    full = draw_targets(labels, 10, seed=0)
+    # Batch by batch with offsets gives the same targets as one draw.
+    pieces = [draw_targets(labels[i:i + 16], 10, seed=0, offset=i) for i in range(0, 64, 16)]
+    assert torch.equal(torch.cat(pieces), full)
+    # Changing one image's label changes only that image's target.
+    changed = labels.clone()
+    changed[5] = (changed[5] + 3) % 10
+    other = draw_targets(changed, 10, seed=0)
+    keep = torch.arange(64) != 5
+    assert torch.equal(other[keep], full[keep]) and other[5] != changed[5]
+
+
+def test_targets_bad_input():
+    with pytest.raises(ValueError, match="num_classes >= 2"):
+        draw_targets(torch.zeros(3, dtype=torch.long), 1, 0)
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 10\)"):
+        draw_targets(torch.tensor([0, 10]), 10, 0)
+    with pytest.raises(TypeError, match="1-D integer"):
+        draw_targets(torch.zeros(3), 10, 0)
+
+
+# ---------------------------------------------------------------- bounds, eps = 0, success
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_perturbation_within_eps_and_unit_range(model, batch, backend):
+    images, _, targets = batch
+    cfg = PGDConfig(4, 3, 3)  # step close to eps: the projection is active from step 2 on
+    adv = targeted_pgd(model, images, targets, cfg, backend=backend)
+    assert adv.shape == images.shape and adv.dtype == images.dtype
+    delta = (adv - images).abs()
+    assert delta.max().item() <= cfg.eps_abs + 1e-6
+    assert delta.max().item() >= cfg.eps_abs - 1e-6  # the attack did move to the ball's edge
+    assert adv.min().item() >= 0.0 and adv.max().item() <= 1.0
+    # Pixels at 0 and 1 could only move inward.
+    assert adv[0, :, :4].min() >= 0 and adv[1, :, :4].max() <= 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eps_zero_gives_clean_images(model, batch, backend):
+    images, _, targets = batch
+    adv = targeted_pgd(model, images, targets, PGDConfig(0, 2, 3), backend=backend)
+    assert torch.equal(adv, images)
+    assert torch.equal(_predict(model, adv), _predict(model, images))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_start_stays_in_bounds_and_differs(model, batch, backend):
+    images, _, targets = batch
+    cfg = PGDConfig(8, 2, 1, random_start=True)
+    adv = targeted_pgd(model, images, targets, cfg, backend=backend)
+    plain = targeted_pgd(model, images, targets, PGDConfig(8, 2, 1), backend=backend)
+    assert (adv - images).abs().max().item() <= cfg.eps_abs + 1e-6
+    assert adv.min().item() >= 0.0 and adv.max().item() <= 1.0
+    # From a random point one step of 2/255 lands off the grid {x, x +- 2/255} of the plain run.
+    assert ((adv - plain).abs() > 1e-4).float().mean().item() > 0.5
+
+
+def test_unbounded_attack_reaches_most_targets(model):
+    """eps = 255 (no bound but [0, 1]): 20 steps reach the target for most images.
+
+    On 16x16 inputs to keep it fast. Before the attack no image is classified as its target
+    (targets are wrong classes of the predicted label); a sign error would push away from it.
+    """
+    gen = torch.Generator().manual_seed(5)
+    images = torch.rand(8, 3, 16, 16, generator=gen)
+    targets = draw_targets(_predict(model, images), 10, seed=1)
+    adv = targeted_pgd(model, images, targets, PGDConfig(255, 8, 20))
+    success = (_predict(model, adv) == targets).float().mean().item()
+    assert success >= 0.75
+    with torch.no_grad():
+        before = F.cross_entropy(model(images), targets, reduction="none")
+        after = F.cross_entropy(model(adv), targets, reduction="none")
+    assert (after < 0.5 * before).all()
+
+
+def test_loss_toward_target_decreases_with_steps(model, batch):
+    images, _, targets = batch
+    losses = []
+    for steps in (0, 1, 2, 4):
+        adv = targeted_pgd(model, images, targets, PGDConfig(8, 2, steps))
+        with torch.no_grad():
+            losses.append(F.cross_entropy(model(adv), targets).item())
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+# ---------------------------------------------------------------- errors and side effects
+
+
+def test_clear_errors(model, batch):
+    images, labels, targets = batch
+    cfg = PAPER_SETTINGS[0]
+    with pytest.raises(ValueError, match="native, torchattacks, foolbox"):
+        targeted_pgd(model, images, targets, cfg, backend="cleverhans")
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        targeted_pgd(model, (images - 0.5) / 0.25, targets, cfg)
+    with pytest.raises(ValueError, match="equal the true label"):
+        targeted_pgd(model, images, labels, cfg, labels=labels)
+    with pytest.raises(ValueError, match="class indices"):
+        targeted_pgd(model, images, targets + 10, cfg)
+    with pytest.raises(ValueError, match="shape"):
+        targeted_pgd(model, images, targets[:3], cfg)
+    with pytest.raises(TypeError, match="use images.to"):
+        targeted_pgd(model, images.double(), targets, cfg)
+    with pytest.raises(TypeError, match="PGDConfig"):
+        targeted_pgd(model, images, targets, (8, 2, 4))
+    with pytest.raises(ValueError, match="native backend only"):
+        targeted_pgd(model, images, targets, cfg, backend="foolbox", channels_last=True)
+    model.train()
+    try:
+        with pytest.raises(ValueError, match=r"train mode.*model\.eval\(\)"):
+            targeted_pgd(model, images, targets, cfg)
+    finally:
+        model.eval()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backends_leave_model_as_it_was(batch, backend):
+    model = _tiny_model(seed=3)
+    model.model.fc.weight.requires_grad_(False)  # a partly frozen model stays partly frozen
+    grads_before = [p.requires_grad for p in model.parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    images, _, targets = batch
+    with torch.no_grad():  # callers may hold no_grad; the attack must still get gradients
+        adv = targeted_pgd(model, images, targets, PAPER_SETTINGS[0], backend=backend)
+    assert not (adv - images).abs().max().item() == 0
+    assert not any(m.training for m in model.modules())
+    assert [p.requires_grad for p in model.parameters()] == grads_before
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+# ---------------------------------------------------------------- sanity checks
+
+
+def test_run_checks_pass_on_a_sound_attack(model, batch):
+    images, _, targets = batch
+    cfg = PAPER_SETTINGS[1]
+    adv = targeted_pgd(model, images, targets, cfg)
+    results = run_checks(model, images, targets, adv, cfg, max_images=4)
+    assert {r.name for r in results} == {"eval_mode", "deterministic", "perturbation_bound", "image_range",
+                                         "input_gradient", "eps_zero"}
+    assert all(r.passed for r in results), [r for r in results if not r.passed]
+    assert all(isinstance(r.detail, str) and r.detail for r in results)
+
+
+def test_checks_fail_for_train_mode_dropout_model():
+    net = nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(3 * 8 * 8, 10))
+    model = NormalizedModel(net, MEAN, STD).train()
+    images = torch.rand(4, 3, 8, 8)
+    targets = torch.tensor([1, 2, 3, 4])
+    adv = images.clone()
+    results = {r.name: r for r in run_checks(model, images, targets, adv, PGDConfig(8, 2, 4))}
+    assert not results["eval_mode"].passed and "train mode" in results["eval_mode"].detail
+    assert not results["deterministic"].passed
+    assert "eps_zero" not in results  # not run: the attack refuses train-mode models
+    model.eval()
+    assert checks.check_eval_mode(model).passed and checks.check_deterministic(model, images).passed
+
+
+def test_check_perturbation_bound_and_range_fail_when_they_should(batch):
+    images = batch[0]
+    eps = 8 / 255
+    assert checks.check_perturbation_bound(images, (images + eps).clamp(0, 1), eps).passed
+    too_far = images + torch.where(torch.rand_like(images) < 0.5, -1.0, 1.0) * 2 * eps
+    assert not checks.check_perturbation_bound(images, too_far, eps).passed
+    assert not checks.check_perturbation_bound(images, images[:2], eps).passed
+    assert not checks.check_image_range(too_far).passed  # images has exact 0s and 1s
+    nan = images.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    assert not checks.check_image_range(nan).passed
+    assert checks.check_image_range(images).passed
+
+
+def test_check_input_gradient_fails_for_masked_gradient(model, batch):
+    images, _, targets = batch
+    assert checks.check_input_gradient(model, images[:2], targets[:2]).passed
+
+    class Quantized(nn.Module):  # rounding to 8 bits: zero gradient almost everywhere
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(torch.round(x * 255) / 255)
+
+    result = checks.check_input_gradient(Quantized(model).eval(), images[:2], targets[:2])
+    assert not result.passed and "zero input gradient" in result.detail
+
+    class Detached(Quantized):
+        def forward(self, x):
+            return self.inner(x.detach())
+
+    assert not checks.check_input_gradient(Detached(model).eval(), images[:2], targets[:2]).passed
+
+
+def test_check_eps_zero_fails_for_an_attack_ignoring_eps(model, batch):
+    images, _, targets = batch
+
+    def ignores_eps(m, x, t, cfg):
+        return (x + cfg.step_abs * torch.sign(torch.randn_like(x))).clamp(0, 1)
+
+    cfg = PAPER_SETTINGS[0]
+    assert not checks.check_eps_zero(model, images[:4], targets[:4], cfg, attack=ignores_eps).passed
+    assert checks.check_eps_zero(model, images[:4], targets[:4], cfg).passed
+
+    def raises(m, x, t, cfg):
+        raise RuntimeError("boom")
+
+    result = checks.check_eps_zero(model, images[:4], targets[:4], cfg, attack=raises)
+    assert not result.passed and "boom" in result.detail
+
+
+def test_check_monotone_success():
+    rates = {PGDConfig(2, 2, 1): 0.1, PGDConfig(8, 2, 1): 0.3, PGDConfig(8, 2, 4): 0.9,
+             PGDConfig(8, 4, 2): 0.2}  # a different step size: not compared with the others
+    result = checks.check_monotone_success(rates)
+    assert result.passed and result.detail.startswith("3 comparable")
+    falling = dict(rates)
+    falling[PGDConfig(16, 2, 4)] = 0.5  # more eps, same steps, lower success than {8, 2, 4}
+    result = checks.check_monotone_success(falling)
+    assert not result.passed and "0.5000 < " in result.detail
+    assert checks.check_monotone_success(falling, tol=0.5).passed
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        checks.check_monotone_success({PGDConfig(8, 2, 4): 90.0})

@@ -1,0 +1,153 @@
+"""``robust-attn eval rotation|pgd``: arguments, errors, checkpoints, kill-and-resume, torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from robust_attn.checkpoint import save_checkpoint
+from robust_attn.cli import main
+from robust_attn.registry import create_model
+from robust_attn.results import load_records
+from robust_attn.wrapper import NormalizedModel
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "resnet26", "--model-args", "width=0.25", "--dataset", "synthetic", "--no-progress"]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def test_rotation_cli_writes_a_run_and_prints_a_summary(tmp_path, capsys):
+    out = tmp_path / "rot"
+    assert main(["eval", "rotation", *TINY, "--limit", "4", "--batch-size", "2", "--angle-step", "0",
+                 "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "RANDOM weights" in captured.err
+    line = captured.out.strip().splitlines()[-1]
+    assert line.startswith("rotation resnet26 on synthetic/test (4 images)") and str(out) in line
+    desc = json.loads((out / "run.json").read_text())
+    assert desc["checkpoint"] is None and desc["arch"]["overrides"] == {"width": 0.25}
+    assert desc["dataset"] == {"name": "synthetic", "split": "test", "limit": 4}
+    assert [c["name"] for c in desc["conditions"]] == ["none", "cw90", "cw180", "cw270", "flip_ud", "flip_lr"]
+    assert len(load_records(out)) == 4 * 6
+    # the same command again computes nothing and gives the same records
+    before = {p: p.stat().st_mtime_ns for p in (out / "records").rglob("*.csv")}
+    assert main(["eval", "rotation", *TINY, "--limit", "4", "--batch-size", "2", "--angle-step", "0",
+                 "--out", str(out)]) == 0
+    assert before == {p: p.stat().st_mtime_ns for p in (out / "records").rglob("*.csv")}
+
+
+def test_pgd_cli_sweep_lists(tmp_path, capsys):
+    out = tmp_path / "pgd"
+    assert main(["eval", "pgd", *TINY, "--limit", "2", "--batch-size", "2", "--eps", "2,8", "--steps", "1",
+                 "--no-checks", "--out", str(out)]) == 0
+    desc = json.loads((out / "run.json").read_text())
+    assert [c["name"] for c in desc["conditions"]] == ["clean", "pgd_eps2_step2_n1", "pgd_eps8_step8_n1"]
+    assert desc["parameters"]["targets"] == {"seed": 0, "rule": "uniform over the wrong classes"}
+    assert (out / "targets.csv").is_file()
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("pgd resnet26 on synthetic/test (2 images): clean top-1") and "pgd_eps8_step8_n1" in line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "rotation", "--model", "resnet262", "--dataset", "synthetic"], "unknown model 'resnet262'"),
+    (["eval", "rotation", "--dataset", "synthetic"], "give --model"),
+    (["eval", "pgd", *TINY, "--eps", "8,x"], "--eps takes a comma-separated list"),
+    (["eval", "rotation", *TINY[:3], "width", "--dataset", "synthetic"], "key=value"),
+    (["eval", "rotation", *TINY, "--batch-size", "0"], "--batch-size must be positive"),
+    (["eval", "rotation", "--model", "resnet26", "--dataset", "cifar100", "--root", "/nonexistent"],
+     "not found"),
+    (["eval", "rotation", "--checkpoint", "/nonexistent.safetensors", "--dataset", "synthetic"], "does not exist"),
+    (["eval", "rotation", *TINY, "--dataset", "imagenet2"], "unknown dataset"),
+    (["report", "/nonexistent-run", "--out", "/tmp/x"], "not a run directory"),
+])
+def test_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
+    assert main([*argv, "--out", str(tmp_path / "o")] if argv[0] == "eval" else argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_rerun_with_other_settings_in_the_same_dir_is_refused(tmp_path, capsys):
+    args = ["eval", "rotation", *TINY, "--limit", "2", "--batch-size", "2", "--angle-step", "0", "--no-hflip",
+            "--out", str(tmp_path / "r")]
+    assert main(args) == 0
+    assert main(args[:-2] + ["--model-args", "width=0.5", "--out", str(tmp_path / "r")]) == 2
+    assert "holds a different run" in capsys.readouterr().err
+
+
+def test_checkpoint_is_described_by_sha256(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = NormalizedModel(create_model("resnet26", num_classes=10, resolution="cifar", width=0.25),
+                            (0.5,) * 3, (0.25,) * 3)
+    sha = save_checkpoint(tmp_path / "m.safetensors", model)
+    out = tmp_path / "r"
+    common = ["--dataset", "synthetic", "--limit", "2", "--batch-size", "2", "--angle-step", "0", "--no-progress"]
+    assert main(["eval", "rotation", "--checkpoint", str(tmp_path / "m.safetensors"), *common, "--out", str(out)]) == 0
+    desc = json.loads((out / "run.json").read_text())
+    assert desc["checkpoint"]["sha256"] == sha and desc["model"] == "resnet26"
+    assert main(["eval", "rotation", "--model", "san10_pairwise", "--checkpoint", str(tmp_path / "m.safetensors"),
+                 *common, "--out", str(tmp_path / "r2")]) == 2
+    assert "holds resnet26" in capsys.readouterr().err
+
+
+def test_real_cifar100_sample_if_present(tmp_path, shared_dir):
+    from robust_attn.data import build_dataset
+
+    try:
+        build_dataset("cifar100", root=shared_dir / "data", split="test", limit=2)
+    except FileNotFoundError as err:
+        pytest.skip(f"CIFAR-100 test set not readable here: {str(err)[:80]}")
+    assert main(["eval", "rotation", "--model", "resnet26", "--model-args", "width=0.25", "--dataset", "cifar100",
+                 "--root", str(shared_dir / "data"), "--limit", "4", "--batch-size", "2", "--angle-step", "0",
+                 "--no-progress", "--out", str(tmp_path / "c")]) == 0
+    assert load_records(tmp_path / "c")["label"].between(0, 99).all()
+
+
+@pytest.mark.slow  # ~20 s on a busy machine; test_results.py interrupts a run in-process by default
+def test_sigkill_midway_then_resume_equals_an_uninterrupted_run(tmp_path):
+    args = ["eval", "rotation", *TINY, "--limit", "12", "--batch-size", "1", "--angle-step", "90"]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "robust_attn.cli", *args, "--out", str(killed)], env=_env(),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list((killed / "records").rglob("*.csv"))) < 10:
+        time.sleep(0.05)
+        assert proc.poll() is None, "the run finished before it could be killed; make it longer"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = {p: p.stat().st_mtime_ns for p in (killed / "records").rglob("*.csv")}
+    total = 12 * 6  # 12 one-image chunks x (5 paper conditions + flip_lr)
+    assert 10 <= len(done_before) < total
+    assert main([*args, "--no-progress", "--out", str(killed)]) == 0
+    after = {p: p.stat().st_mtime_ns for p in (killed / "records").rglob("*.csv")}
+    assert len(after) == total
+    assert all(after[p] == t for p, t in done_before.items())  # nothing recomputed
+    assert main([*args, "--no-progress", "--out", str(tmp_path / "clean")]) == 0
+    pd.testing.assert_frame_equal(load_records(killed), load_records(tmp_path / "clean"))
+
+
+@pytest.mark.parametrize("protocol", ["rotation", pytest.param("pgd", marks=pytest.mark.slow)])
+def test_torchrun_two_gloo_ranks_merge_to_the_single_process_run(tmp_path, protocol):
+    extra = ["--angle-step", "90"] if protocol == "rotation" else ["--eps", "4", "--steps", "1"]
+    args = ["eval", protocol, *TINY, "--limit", "6", "--batch-size", "2", "--device", "cpu", *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "robust_attn.cli", *args, "--out", str(tmp_path / "ddp")]
+    result = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(f"{protocol} resnet26 on synthetic/test (6 images)") == 1  # rank 0 only
+    assert main([*args, "--out", str(tmp_path / "single")]) == 0
+    pd.testing.assert_frame_equal(load_records(tmp_path / "ddp"), load_records(tmp_path / "single"))
+    desc = json.loads((tmp_path / "ddp" / "run.json").read_text())
+    assert desc["world_size"] == 2

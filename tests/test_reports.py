@@ -1,0 +1,129 @@
+"""Reports: Tables 9 and 10 in the paper's layout beside the published numbers, intervals, plots."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+
+from robust_attn.cli import main
+from robust_attn.data import build_dataset
+from robust_attn.protocols.pgd import AttackSetting, run_pgd
+from robust_attn.protocols.rotation import rotation_conditions, run_rotation
+from robust_attn.reference import reference_table
+from robust_attn.reports import make_report
+from robust_attn.reports.stats import bootstrap_mean_ci
+from robust_attn.reports.tables import format_rotation, load_runs, rotation_table, to_latex, to_markdown
+from robust_attn.wrapper import NormalizedModel
+
+
+def _tiny():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(4, 10))
+    return NormalizedModel(net, (0.5,) * 3, (0.25,) * 3).eval()
+
+
+def _info(model, dataset):
+    return {"model": model, "dataset": {"name": dataset, "split": "test", "limit": 8}, "checkpoint": None}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A rotation and a PGD run described as ImageNet resnet26 (tiny model, synthetic images), so
+    the report places the published rows beside them."""
+    root = tmp_path_factory.mktemp("runs")
+    data = build_dataset("synthetic", split="test", limit=8)
+    rot = run_rotation(_tiny(), data, root / "rot", conditions=rotation_conditions(45), batch_size=4,
+                       run_info=_info("resnet26", "imagenet"), progress=False)
+    pgd = run_pgd(_tiny(), data, root / "pgd", num_classes=10, batch_size=4, run_info=_info("resnet26", "imagenet"),
+                  settings=[AttackSetting(8, 4, 2), AttackSetting(8, 2, 4), AttackSetting(4, 2, 2)],
+                  progress=False, checks=False)
+    other = run_rotation(_tiny(), data, root / "rot_syn", conditions=rotation_conditions(0), batch_size=4,
+                         run_info=_info("resnet26", "synthetic"), progress=False)
+    return [rot.root, pgd.root, other.root]
+
+
+def test_table9_layout_and_reference_rows(runs):
+    table = rotation_table(load_runs(runs))
+    assert table["source"].tolist() == ["ours", "paper", "ours"]  # no paper row for non-ImageNet data
+    paper = table.iloc[1]
+    ref = reference_table("san_table9_rotation").set_index("model").loc["resnet26"]
+    assert paper["cw90_top1"] == ref["cw90_top1"]
+    assert paper["cw90_top1_drop"] == pytest.approx(24.5)  # 73.6 - 49.1, the paper's bracket
+    shown = format_rotation(table)
+    assert shown.loc[1, "clockwise 90° top-1"] == "49.1(24.5)"
+    assert shown.loc[1, "no rotation top-1"] == "73.6"
+    assert shown.loc[0, "Method"] == "resnet26 [random weights]"
+    ours = table.iloc[0]
+    assert ours["cw180_top1_drop"] == pytest.approx(ours["none_top1"] - ours["cw180_top1"])
+
+
+def test_report_files(runs, tmp_path, capsys):
+    assert main(["report", *map(str, runs), "--out", str(tmp_path), "--bootstrap", "200"]) == 0
+    assert "files in" in capsys.readouterr().out
+    for name in ("table9_rotation.md", "table9_rotation.tex", "table9_rotation.csv", "table10_pgd.md",
+                 "table10_pgd.tex", "table10_pgd.csv", "headline_ci.csv", "report.md", "rotation_conditions.csv",
+                 "pgd_conditions.csv"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    for name in ("rotation_angle.png", "pgd_steps.png", "pgd_eps.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    t10 = pd.read_csv(tmp_path / "table10_pgd.csv")
+    ref = reference_table("san_table10_pgd").set_index("model").loc["resnet26"]
+    paper = t10[t10["source"] == "paper"].iloc[0]
+    assert paper["n4_success_rate"] == ref["n4_success_rate"] and paper["n2_top1"] == ref["n2_top1"]
+    md = (tmp_path / "table10_pgd.md").read_text()
+    assert "| resnet26 (paper) | 73.6 | 49.0 | 26.6 | 98.2 | 1.0 |" in md
+    tex = (tmp_path / "table9_rotation.tex").read_text()
+    assert r"\multicolumn{2}{c}{clockwise 90$^\circ$}" in tex and "49.1(24.5)" in tex
+    sweep = pd.read_csv(tmp_path / "pgd_conditions.csv")
+    assert set(sweep["condition"]) == {"clean", "pgd_eps8_step4_n2", "pgd_eps8_step2_n4", "pgd_eps4_step2_n2"}
+    rot = pd.read_csv(tmp_path / "rotation_conditions.csv")
+    assert sorted(rot.loc[rot["kind"] == "angle", "angle"].unique()) == [45, 135, 225, 315]
+
+
+def test_headline_intervals_come_from_the_records(runs, tmp_path):
+    make_report(runs, tmp_path, n_boot=300, seed=3, plots=False)
+    ci = pd.read_csv(tmp_path / "headline_ci.csv")
+    assert ((ci["low"] <= ci["value"] + 1e-9) & (ci["value"] <= ci["high"] + 1e-9)).all()
+    t9 = pd.read_csv(tmp_path / "table9_rotation.csv")
+    ours = t9[(t9["source"] == "ours") & (t9["dataset"] == "imagenet")].iloc[0]
+    row = ci[(ci["metric"] == "cw90_top1_drop") & (ci["dataset"] == "imagenet")].iloc[0]
+    assert row["value"] == pytest.approx(ours["cw90_top1_drop"])
+    make_report(runs, tmp_path / "again", n_boot=300, seed=3, plots=False)
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again" / "headline_ci.csv").drop(columns="run"),
+                                  ci.drop(columns="run"))  # seeded
+
+
+def test_bootstrap_interval_matches_the_normal_approximation():
+    rng = np.random.default_rng(0)
+    hits = (rng.random(2000) < 0.3).astype(float)
+    ci = bootstrap_mean_ci(hits, n_boot=2000, seed=1)
+    p = hits.mean()
+    half = 1.96 * math.sqrt(p * (1 - p) / len(hits)) * 100
+    assert ci.value == pytest.approx(100 * p)
+    assert ci.low == pytest.approx(100 * p - half, abs=0.4) and ci.high == pytest.approx(100 * p + half, abs=0.4)
+    assert bootstrap_mean_ci(np.ones(10)).low == 100.0  # no spread, no interval
+    with pytest.raises(ValueError, match="empty"):
+        bootstrap_mean_ci([])
+
+
+def test_markdown_and_latex_formatting():
+    frame = pd.DataFrame({"Method": ["san10_pairwise", "a|b"], "x": [1.234, float("nan")]})
+    md = to_markdown(frame)
+    assert md.splitlines()[0] == "| Method | x |" and "| san10_pairwise | 1.2 |" in md and "a\\|b" in md
+    assert "| - |" in md
+    tex = to_latex(frame, caption="50% of it")
+    assert r"san10\_pairwise & 1.2 \\" in tex and r"50\% of it" in tex and tex.count(r"\toprule") == 1
+
+
+def test_unfinished_runs_are_not_reported(tmp_path):
+    data = build_dataset("synthetic", split="test", limit=4)
+    store = run_rotation(_tiny(), data, tmp_path / "r", conditions=rotation_conditions(0), batch_size=2,
+                         run_info=_info("resnet26", "synthetic"), progress=False)
+    next((store.root / "records" / "cw90").iterdir()).unlink()
+    with pytest.raises(ValueError, match="unfinished.*running its command again"):
+        make_report([store.root], tmp_path / "out")

@@ -1,0 +1,130 @@
+"""The results store and the shared run loop: descriptions, atomic chunks, resumption, shards."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from robust_attn.distributed import shard_indices
+from robust_attn.protocols.runner import chunk_grid, open_run, run_chunks
+from robust_attn.results import RunMismatchError, RunStore, load_records
+
+
+def _dataset(n=11):
+    gen = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.rand(n, 3, 4, 4, generator=gen), torch.randint(0, 5, (n,), generator=gen))
+
+
+class Counting:
+    """An evaluate callback: per image, the rounded pixel sum times a per-condition factor;
+    counts every (condition, chunk) it computes and can fail after ``fail_after`` of them."""
+
+    factors = {"a": 1.0, "b": -2.0, "c": 0.5}
+
+    def __init__(self, fail_after=None):
+        self.calls = []
+        self.fail_after = fail_after
+
+    def __call__(self, images, labels, indices, todo):
+        for cond in todo:
+            if self.fail_after is not None and len(self.calls) >= self.fail_after:
+                raise KeyboardInterrupt("injected interruption")
+            self.calls.append((cond, int(indices[0])))
+            value = (images.flatten(1).sum(1) * self.factors[cond]).round(decimals=4)
+            yield cond, pd.DataFrame({"index": indices.numpy(), "label": labels.numpy(), "value": value.numpy()})
+
+
+def _open(tmp_path, name="run", **changes):
+    info = {"model": "m", "dataset": {"name": "d", "split": "test", "limit": None}, "command": ["x"]}
+    info.update(changes)
+    return open_run(tmp_path / name, info, protocol="p", parameters={"k": 1}, conditions=["a", "b", "c"],
+                    num_images=11, chunk_size=4)
+
+
+def test_chunk_grid_and_shards_cover_everything_once():
+    assert chunk_grid(11, 4) == [(0, 4), (4, 8), (8, 11)]
+    shards = [shard_indices(7, r, 3) for r in range(3)]
+    assert sorted(sum(shards, [])) == list(range(7))
+    assert shards[0] == [0, 3, 6]
+    with pytest.raises(ValueError, match="batch size"):
+        chunk_grid(5, 0)
+    with pytest.raises(ValueError):
+        shard_indices(5, 3, 3)
+
+
+def test_run_writes_description_and_all_records(tmp_path):
+    store = _open(tmp_path)
+    stats = run_chunks(store, _dataset(), ["a", "b", "c"], Counting(), chunk_size=4, progress=False)
+    assert stats.computed == 9 and stats.skipped == 0 and stats.chunks_loaded == 3
+    desc = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert desc["protocol"] == "p" and desc["num_images"] == 11 and desc["chunk_size"] == 4
+    assert "torch" in desc["versions"]
+    records = load_records(tmp_path / "run")
+    assert len(records) == 33
+    assert list(records["condition"].unique()) == ["a", "b", "c"]  # the description's order
+    images, labels = _dataset().tensors
+    a = records[records["condition"] == "a"]
+    assert a["index"].tolist() == list(range(11))
+    assert a["label"].tolist() == labels.tolist()
+    torch.testing.assert_close(torch.tensor(a["value"].to_numpy()), images.flatten(1).sum(1).double(),
+                               atol=1e-4, rtol=0)
+
+
+def test_resume_after_interruption_equals_uninterrupted_and_recomputes_nothing(tmp_path):
+    full = _open(tmp_path, "full")
+    run_chunks(full, _dataset(), ["a", "b", "c"], Counting(), chunk_size=4, progress=False)
+
+    store = _open(tmp_path, "resumed")
+    first = Counting(fail_after=4)
+    with pytest.raises(KeyboardInterrupt):
+        run_chunks(store, _dataset(), ["a", "b", "c"], first, chunk_size=4, progress=False)
+    assert len(store.chunks()) == 4 and len(store.missing()) == 5
+    with pytest.raises(ValueError, match="unfinished"):
+        load_records(store.root)
+    # no temporary files survive
+    assert not [p for p in store.root.rglob("*.tmp")]
+    store = _open(tmp_path, "resumed")  # the same command again
+    second = Counting()
+    stats = run_chunks(store, _dataset(), ["a", "b", "c"], second, chunk_size=4, progress=False)
+    assert stats.skipped == 4 and stats.computed == 5
+    assert not set(first.calls) & set(second.calls)  # nothing done twice
+    assert set(first.calls) | set(second.calls) == {(c, s) for c in "abc" for s in (0, 4, 8)}
+    assert stats.chunks_loaded == 2  # the chunk with every condition written is not loaded
+    pd.testing.assert_frame_equal(load_records(store.root), load_records(full.root))
+
+
+def test_shards_of_two_ranks_merge_to_the_single_process_records(tmp_path):
+    single = _open(tmp_path, "single")
+    run_chunks(single, _dataset(), ["a", "b", "c"], Counting(), chunk_size=4, progress=False)
+    sharded = _open(tmp_path, "sharded")
+    calls = []
+    for rank in (1, 0):
+        ev = Counting()
+        run_chunks(sharded, _dataset(), ["a", "b", "c"], ev, chunk_size=4, rank=rank, world_size=2,
+                   progress=False)
+        calls.append({s for _, s in ev.calls})
+    assert calls == [{4}, {0, 8}]  # rank 1 took the middle chunk only
+    pd.testing.assert_frame_equal(load_records(sharded.root), load_records(single.root))
+
+
+def test_mismatching_description_is_a_clear_error(tmp_path):
+    _open(tmp_path)
+    _open(tmp_path, command=["something", "else"])  # volatile keys may differ
+    with pytest.raises(RunMismatchError, match="model.*new --out"):
+        _open(tmp_path, model="other")
+    with pytest.raises(RunMismatchError, match="chunk_size"):
+        open_run(tmp_path / "run", {"model": "m", "dataset": {"name": "d", "split": "test", "limit": None}},
+                 protocol="p", parameters={"k": 1}, conditions=["a", "b", "c"], num_images=11, chunk_size=5)
+
+
+def test_store_rejects_bad_chunks_and_reports_missing_run(tmp_path):
+    store = RunStore(tmp_path / "x")
+    with pytest.raises(FileNotFoundError, match="robust-attn eval"):
+        store.description()
+    with pytest.raises(ValueError, match="expected 4"):
+        store.write_chunk("a", 0, 4, pd.DataFrame({"index": [0, 1]}))
+    with pytest.raises(ValueError, match="condition name"):
+        store.chunk_path("a/b", 0, 1)

@@ -1,0 +1,327 @@
+"""SAN operator and SAN10/15/19 (Zhao et al. 2020): paper numbers, invariances, lean == reference."""
+import copy
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from robust_attn import create_model
+from robust_attn.complexity import count_params, model_complexity
+from robust_attn.layers.local_aggregation import (footprint_aggregate, footprint_aggregate_unfold,
+                                                  reflect_pad)
+from robust_attn.layers.san import (PAIRWISE_RELATIONS, PATCHWISE_RELATIONS, SelfAttention2d,
+                                    san_attention_unfold)
+from robust_attn.reference import reference_table
+
+SAN_MODELS = [f"san{d}_{a}" for a in ("pairwise", "patchwise") for d in (10, 15, 19)]
+RELATIONS = [("pairwise", r) for r in PAIRWISE_RELATIONS] + [("patchwise", r) for r in PATCHWISE_RELATIONS]
+
+
+def _randomize(module: nn.Module) -> nn.Module:
+    """Random BN affine parameters and running statistics (so eval-mode BN is not the identity)."""
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    return module
+
+
+def _op(attention, relation, channels=16, footprint=3, **kw):
+    return _randomize(SelfAttention2d(channels, attention=attention, relation=relation, footprint=footprint,
+                                      share_planes=2, **kw)).double()
+
+
+# --------------------------------------------------------------------------------------------
+# A slow reference written from the paper's equations (2)-(5): explicit loops over positions i
+# and footprint neighbours j, gamma in eval mode (BN with running statistics) as a per-pair MLP.
+
+def _reflect(i, n):
+    return -i if i < 0 else (2 * (n - 1) - i if i >= n else i)
+
+
+def _bn_eval(z, bn):
+    return (z - bn.running_mean) / torch.sqrt(bn.running_var + bn.eps) * bn.weight + bn.bias
+
+
+def _gamma(m, delta):
+    bn1, c1, bn2, c2 = m.gamma[0], m.gamma[2], m.gamma[3], m.gamma[5]
+    h = c1.weight[:, :, 0, 0] @ torch.relu(_bn_eval(delta, bn1))
+    return c2.weight[:, :, 0, 0] @ torch.relu(_bn_eval(h, bn2)) + c2.bias
+
+
+def _conv1x1(conv, x):  # x: (C, H, W)
+    return torch.einsum("oc,chw->ohw", conv.weight[:, :, 0, 0], x) + conv.bias[:, None, None]
+
+
+def slow_san(m: SelfAttention2d, x: torch.Tensor) -> torch.Tensor:
+    n, _, h, w = x.shape
+    k, pad, groups = m.footprint, m.footprint // 2, m.groups
+    out = []
+    for b in range(n):
+        x1, x2, v = _conv1x1(m.phi, x[b]), _conv1x1(m.psi, x[b]), _conv1x1(m.beta, x[b])
+        if m.position_encoding:
+            xs, ys = [-1 + 2 * c / max(w - 1, 1) for c in range(w)], [-1 + 2 * r / max(h - 1, 1) for r in range(h)]
+            grid = torch.tensor([[[xs[c] for c in range(w)] for _ in range(h)],
+                                 [[ys[r]] * w for r in range(h)]], dtype=x.dtype)
+            pos = _conv1x1(m.pos, grid)
+        rows = []
+        for i in range(h):
+            cols = []
+            for j in range(w):
+                nbrs = [(_reflect(i + dy - pad, h), _reflect(j + dx - pad, w)) for dy in range(k) for dx in range(k)]
+                xi = x1[:, i, j]
+                if m.attention == "pairwise":
+                    logits = []
+                    for (a, c) in nbrs:
+                        xj = x2[:, a, c]
+                        delta = {"summation": xi + xj, "subtraction": xi - xj, "hadamard": xi * xj,
+                                 "dot": (xi @ xj)[None], "concatenation": torch.cat([xi, xj])}[m.relation]
+                        if m.position_encoding:
+                            delta = torch.cat([delta, pos[:, i, j] - pos[:, a, c]])
+                        logits.append(_gamma(m, delta))
+                    alpha = torch.softmax(torch.stack(logits), 0)  # (K, G), softmax over the footprint
+                else:
+                    if m.relation == "concatenation":  # [phi(x_i), psi(x_j) for all j], channel-major
+                        delta = torch.cat([xi, torch.stack([x2[:, a, c] for a, c in nbrs], 1).flatten()])
+                    elif m.relation == "star":
+                        delta = torch.stack([xi @ x2[:, a, c] for a, c in nbrs])
+                    else:  # clique
+                        delta = torch.stack([x1[:, a, c] @ x2[:, e, f] for a, c in nbrs for e, f in nbrs])
+                    alpha = _gamma(m, delta).view(groups, k * k).t()  # (K, G)
+                y = sum(alpha[t].repeat(m.out_channels // groups) * v[:, a, c] for t, (a, c) in enumerate(nbrs))
+                cols.append(y)
+            rows.append(torch.stack(cols, -1))
+        out.append(torch.stack(rows, -2))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("attention,relation", RELATIONS)
+def test_relation_matches_slow_reference_from_the_equations(attention, relation):
+    m = _op(attention, relation).eval()
+    x = torch.randn(2, 16, 5, 5, dtype=torch.float64, requires_grad=True)
+    expected = slow_san(m, x)
+    (grad_expected,) = torch.autograd.grad(expected.square().sum(), x)
+    for impl in ("lean", "unfold"):
+        m.implementation = impl
+        y = m(x)
+        assert y.shape == (2, 4, 5, 5)
+        torch.testing.assert_close(y, expected, rtol=1e-9, atol=1e-10)
+        (grad,) = torch.autograd.grad(y.square().sum(), x)
+        torch.testing.assert_close(grad, grad_expected, rtol=1e-8, atol=1e-9)
+
+
+@pytest.mark.parametrize("attention,relation", RELATIONS)
+def test_lean_equals_unfold_in_training(attention, relation):
+    """Outputs, input and parameter gradients and BN running statistics (BN on batch statistics)."""
+    lean = _op(attention, relation, footprint=5, chunk_size=4).train()  # 25 offsets: a partial chunk
+    ref = copy.deepcopy(lean)
+    ref.implementation = "unfold"
+    x = torch.randn(2, 16, 6, 7, dtype=torch.float64, requires_grad=True)
+    for m in (lean, ref):
+        y = m(x)
+        m.grads = torch.autograd.grad(y.square().sum(), [x, *m.parameters()])
+        m.y = y.detach()
+    torch.testing.assert_close(lean.y, ref.y, rtol=1e-10, atol=1e-12)
+    for g_lean, g_ref in zip(lean.grads, ref.grads):
+        torch.testing.assert_close(g_lean, g_ref, rtol=1e-8, atol=1e-10)
+    for (name, b_lean), b_ref in zip(lean.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b_lean, b_ref, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_lean_equals_unfold_in_float32():
+    for attention in ("pairwise", "patchwise"):
+        lean = _randomize(SelfAttention2d(32, attention=attention, footprint=7))
+        ref = copy.deepcopy(lean)
+        ref.implementation = "unfold"
+        x = torch.randn(2, 32, 9, 9, requires_grad=True)
+        y_lean, y_ref = lean(x), ref(x)
+        torch.testing.assert_close(y_lean, y_ref, rtol=1e-4, atol=1e-5)
+        g_lean = torch.autograd.grad(y_lean.square().sum(), [x, *lean.parameters()])
+        g_ref = torch.autograd.grad(y_ref.square().sum(), [x, *ref.parameters()])
+        scale = max(g.abs().max().item() for g in g_ref)  # e.g. pos.bias's gradient is 0 up to rounding
+        for a, b in zip(g_lean, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5 * scale)
+
+
+def test_aggregation_gradcheck_and_unfold_agreement():
+    v = torch.randn(2, 6, 4, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, 9, 4, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: footprint_aggregate(a, b, 3), (v, w))  # exhaustive
+    torch.testing.assert_close(footprint_aggregate(v, w, 3), footprint_aggregate_unfold(v, w, 3))
+    # Smaller than the footprint (2x2 map, 5x5 footprint): repeated mirroring.
+    v2 = torch.randn(1, 2, 2, 2, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(1, 1, 25, 2, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: footprint_aggregate(a, b, 5), (v2, w2))
+
+
+@pytest.mark.parametrize("attention", ["pairwise", "patchwise"])
+def test_lean_operator_gradcheck_in_training_mode(attention):
+    m = _op(attention, None, chunk_size=2).train()
+    x = torch.randn(2, 16, 4, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(m, (x,), atol=1e-6, fast_mode=True)
+
+
+def test_reflect_pad_equals_torch_and_extends_to_tiny_maps():
+    x = torch.randn(1, 2, 5, 6)
+    torch.testing.assert_close(reflect_pad(x, 3), F.pad(x, (3, 3, 3, 3), mode="reflect"))
+    for size in (1, 2, 3):
+        tiny = torch.randn(1, 1, size, size)
+        padded = reflect_pad(tiny, 3)
+        assert padded.shape[-2:] == (size + 6, size + 6)
+        assert torch.isin(padded, tiny).all()
+        torch.testing.assert_close(padded[..., 3:3 + size, 3:3 + size], tiny)
+
+
+def test_pairwise_without_position_encoding_is_a_set_operation():
+    """Eq. 2: moving the neighbours' features to other footprint slots changes nothing without
+    position encoding; with it (positions stay with the slots), or for patchwise attention, it does."""
+    x = torch.randn(2, 16, 5, 5, dtype=torch.float64)
+    perm = torch.randperm(25)
+    for attention, pe, invariant in [("pairwise", False, True), ("pairwise", True, False),
+                                     ("patchwise", True, False)]:
+        m = _op(attention, None, footprint=5, position_encoding=pe).eval()
+        same = torch.allclose(san_attention_unfold(m, x), san_attention_unfold(m, x, neighbour_order=perm))
+        assert same == invariant, (attention, pe)
+
+
+@pytest.mark.parametrize("attention", ["pairwise", "patchwise"])
+def test_translation_equivariance_away_from_borders(attention):
+    m = _op(attention, None, footprint=3).eval()  # with position encoding for pairwise
+    x = torch.randn(1, 16, 14, 14, dtype=torch.float64)
+    shift = 2
+    y, y_shifted = m(x), m(torch.roll(x, (shift, shift), (2, 3)))
+    # Output pixel i depends on input pixels within 1 of i: compare where no border is near.
+    inner = slice(shift + 1, 14 - 1)
+    torch.testing.assert_close(y_shifted[..., inner, inner],
+                               y[..., 1:14 - 1 - shift, 1:14 - 1 - shift], rtol=1e-9, atol=1e-10)
+    assert not torch.allclose(y_shifted, torch.roll(y, (shift, shift), (2, 3)))  # borders do differ
+
+
+def test_patchwise_with_constant_weights_is_a_depthwise_convolution():
+    """Content-independent gamma (last layer's weight zero, kernel in its bias) = grouped conv after beta."""
+    m = _op("patchwise", "concatenation", footprint=3).train()
+    kernel = torch.randn(m.groups, 9, dtype=torch.float64)
+    with torch.no_grad():
+        m.gamma[5].weight.zero_()
+        m.gamma[5].bias.copy_(kernel.flatten())  # channel g * k^2 + j
+    x = torch.randn(2, 16, 6, 6, dtype=torch.float64)
+    v = m.beta(x)
+    depthwise = kernel[torch.arange(m.out_channels) % m.groups].view(m.out_channels, 1, 3, 3)
+    expected = F.conv2d(F.pad(v, (1, 1, 1, 1), mode="reflect"), depthwise, groups=m.out_channels)
+    for impl in ("lean", "unfold"):
+        m.implementation = impl
+        torch.testing.assert_close(m(x), expected)
+
+
+def test_bf16_autocast_runs_and_stays_close():
+    for attention in ("pairwise", "patchwise"):
+        m = _randomize(SelfAttention2d(32, attention=attention, footprint=3)).eval()
+        x = torch.randn(2, 32, 6, 6, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        y.float().sum().backward()
+        assert torch.isfinite(x.grad).all()
+        assert (y.float() - m(x)).abs().max() < 0.1 * m(x).abs().max()
+
+
+def test_bad_arguments_name_the_fix():
+    with pytest.raises(ValueError, match="relation must be one of"):
+        SelfAttention2d(64, attention="pairwise", relation="star")
+    with pytest.raises(ValueError, match="odd"):
+        SelfAttention2d(64, footprint=4)
+    with pytest.raises(ValueError, match="divisible by rel_reduction"):
+        SelfAttention2d(40)
+    with pytest.raises(ValueError, match="share_planes=4"):
+        SelfAttention2d(48)
+    with pytest.raises(ValueError, match=r"expected input \(N, 64, H, W\)"):
+        SelfAttention2d(64)(torch.zeros(1, 32, 4, 4))
+    with pytest.raises(ValueError, match="does not take"):
+        create_model("san10_pairwise", bogus=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Architectures
+
+@pytest.mark.parametrize("name", SAN_MODELS)
+def test_parameter_counts_match_reference_table(name):
+    with torch.device("meta"):
+        model = create_model(name, num_classes=1000, resolution="imagenet")
+    table = reference_table("imagenet_params_flops").set_index("model")
+    paper = table.loc[name, "params_M"]
+    assert abs(count_params(model) / 1e6 - paper) / paper < 0.02
+
+
+@pytest.mark.parametrize("relation,paper_params_m", [("summation", 10.5), ("concatenation", 10.6),
+                                                     ("hadamard", 10.5), ("dot", 10.5)])
+def test_pairwise_relations_match_table4_parameter_counts(relation, paper_params_m):
+    with torch.device("meta"):
+        model = create_model("san10_pairwise", relation=relation)
+    assert abs(count_params(model) / 1e6 - paper_params_m) / paper_params_m < 0.02
+
+
+@pytest.mark.parametrize("relation,paper_params_m", [("star", 10.9), ("clique", 11.5)])
+def test_patchwise_relations_match_table4_parameter_counts(relation, paper_params_m):
+    with torch.device("meta"):
+        model = create_model("san10_patchwise", relation=relation)
+    assert abs(count_params(model) / 1e6 - paper_params_m) / paper_params_m < 0.02
+
+
+@pytest.mark.parametrize("name", SAN_MODELS)
+def test_multiply_adds_within_ten_percent_of_table3(name):
+    table = reference_table("imagenet_params_flops").set_index("model")
+    macs = model_complexity(name)["macs"] / 1e9
+    assert abs(macs - table.loc[name, "flops_G"]) / table.loc[name, "flops_G"] < 0.10
+
+
+@pytest.mark.parametrize("resolution,overrides,sizes", [
+    ("imagenet", {}, (112, 56, 28, 14, 7)),
+    ("cifar", {}, (32, 32, 16, 8, 4)),
+    ("cifar", {"stem_downsample": 2}, (32, 16, 8, 4, 2)),
+])
+def test_stage_map_sizes(resolution, overrides, sizes):
+    with torch.device("meta"):
+        model = create_model("san10_pairwise", 10, resolution, width=0.25, **overrides)
+        image = 224 if resolution == "imagenet" else 32
+        x = torch.zeros(1, 3, image, image)
+        seen = []
+        hooks = [stage.register_forward_hook(lambda mod, inp, out: seen.append(out.shape[-1]))
+                 for stage in model.stages]
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    assert tuple(seen) == sizes == model.feature_sizes
+
+
+def test_width_multiplier_scales_every_stage():
+    with torch.device("meta"):
+        model = create_model("san10_patchwise", 10, "cifar", width=0.5)
+    convs = [stage[1].out_channels for stage in model.stages]
+    assert convs == [32, 128, 256, 512, 1024]
+    attn = model.stages[0][2].attn
+    assert (attn.rel_channels, attn.out_channels, attn.groups) == (2, 8, 1)
+
+
+@pytest.mark.parametrize("name", SAN_MODELS)
+@pytest.mark.parametrize("resolution", ["imagenet", "cifar"])
+def test_tiny_models_train_step_eval_and_state_dict(name, resolution):
+    overrides = {"image_size": 32} if resolution == "imagenet" else {}
+    model = create_model(name, 10, resolution, width=0.25, **overrides)
+    x = torch.rand(2, 3, 32, 32)
+    out = model(x)
+    assert out.shape == (2, 10)
+    out.logsumexp(1).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
+    model.eval()
+    with torch.no_grad():
+        first, second = model(x), model(x)
+    assert torch.isfinite(first).all() and torch.equal(first, second)
+    clone = create_model(name, 10, resolution, width=0.25, **overrides)
+    clone.load_state_dict(model.state_dict())
+    clone.eval()
+    with torch.no_grad():
+        assert torch.equal(clone(x), first)

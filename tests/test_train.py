@@ -1,0 +1,216 @@
+"""The trainer: schedule, parameter groups, every family for a few steps, bitwise resume,
+torchrun/DDP with gloo, and the command line."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+from robust_attn.checkpoint import load_checkpoint, read_sidecar
+from robust_attn.cli import main as cli_main
+from robust_attn.registry import list_models, model_info
+from robust_attn.train import build_model, recipe_from_dict, train
+from robust_attn.train.optim import build_optimizer, build_scheduler, lr_factor, param_groups
+from robust_attn.train.trainer import CSV_COLUMNS, ResumeError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_recipe(**changes) -> dict:
+    raw = {"model": "resnet26", "model_args": {"width": 0.25, "stem_downsample": 4}, "dataset": "synthetic",
+           "epochs": 2, "seed": 7,
+           "data": {"batch_size": 4, "eval_batch_size": 16, "workers": 0, "limit_train": 16, "limit_eval": 16},
+           "optim": {"lr": 0.05, "base_batch": 4, "warmup_epochs": 0.5, "label_smoothing": 0.1, "nesterov": True,
+                     "no_decay_norm_bias": True},
+           "runtime": {"device": "cpu"}}
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            raw[key] = {**raw.get(key, {}), **value}
+        else:
+            raw[key] = value
+    return raw
+
+
+def quiet(_msg):
+    pass
+
+
+# --- schedule and parameter groups -------------------------------------------------------------
+
+def test_lr_factor_warmup_then_cosine_matches_formula():
+    total, warm = 20, 4
+    got = [lr_factor(s, total, warm, "cosine") for s in range(total)]
+    assert got[:4] == [0.25, 0.5, 0.75, 1.0]
+    for s in range(warm, total):  # the formula of SGDR without restarts
+        assert math.isclose(got[s], 0.5 * (1 + math.cos(math.pi * (s - warm) / (total - warm))), rel_tol=1e-12)
+    assert lr_factor(total, total, warm, "cosine") == pytest.approx(0.0)
+    assert lr_factor(total, total, warm, "cosine", min_factor=0.1) == pytest.approx(0.1)
+
+
+def test_step_schedule_and_scheduler_drive_the_optimizer():
+    assert [lr_factor(s, 100, 0, "step", milestone_steps=[3, 6], gamma=0.1) for s in (0, 2, 3, 5, 6)] == \
+        pytest.approx([1, 1, 0.1, 0.1, 0.01])
+    model = nn.Linear(2, 2)
+    opt = build_optimizer(model, lr=0.4, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    sched = build_scheduler(opt, steps_per_epoch=5, epochs=4, warmup_epochs=1)
+    seen = []
+    for _ in range(20):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [0.4 * lr_factor(s, 20, 5, "cosine") for s in range(20)]
+    assert seen == pytest.approx(expected)
+    assert opt.param_groups[0]["nesterov"] and opt.param_groups[0]["momentum"] == 0.9
+
+
+def test_no_weight_decay_on_norms_and_biases():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2))
+    plain = param_groups(model, 1e-4, False)
+    assert len(plain) == 1 and len(plain[0]["params"]) == 6
+    decay, no_decay = param_groups(model, 1e-4, True)
+    assert {id(p) for p in decay["params"]} == {id(model[0].weight), id(model[2].weight)}
+    assert len(no_decay["params"]) == 4 and no_decay["weight_decay"] == 0.0
+
+
+def test_linear_lr_scaling():
+    recipe = recipe_from_dict(tiny_recipe(optim={"lr": 0.1, "base_batch": 256}), check_data=False)
+    assert recipe.lr_at(256) == pytest.approx(0.1) and recipe.lr_at(2048) == pytest.approx(0.8)
+
+
+# --- a few steps of every family ----------------------------------------------------------------
+
+def _one_member_per_family() -> list[str]:
+    """The depth-26 member of each registered family (SAN has none: its smallest, SAN10)."""
+    chosen: dict[str, str] = {}
+    for name in list_models():
+        family = model_info(name).family
+        if family not in chosen or ("26" in name and "26" not in chosen[family]):
+            chosen[family] = name
+    return sorted(chosen.values())
+
+
+@pytest.mark.parametrize("name", _one_member_per_family())
+def test_few_steps_of_every_family(name, tmp_path):
+    raw = tiny_recipe(model=name, epochs=1, data={"batch_size": 2, "limit_train": 4, "limit_eval": 4})
+    recipe = recipe_from_dict(raw)
+    result = train(recipe, tmp_path, progress=False, log=quiet)
+    (row,) = result["history"]
+    assert math.isfinite(row["train_loss"]) and row["train_loss"] > 0
+    torch.manual_seed(recipe.seed)
+    initial = build_model(recipe).state_dict()
+    trained = load_file(result["weights"])
+    assert trained.keys() == initial.keys()
+    changed = [k for k in initial if initial[k].is_floating_point() and not torch.equal(initial[k], trained[k])]
+    assert len(changed) > len(initial) // 2, f"only {len(changed)} of {len(initial)} tensors changed"
+    model = load_checkpoint(result["weights"])  # the trained model is attackable as is: [0, 1] in
+    assert torch.isfinite(model(torch.rand(2, 3, 32, 32))).all()
+
+
+def test_learns_the_synthetic_task(tmp_path):
+    raw = tiny_recipe(epochs=3, model_args={"stem_downsample": 2},
+                      data={"batch_size": 16, "limit_train": 160, "limit_eval": 100},
+                      optim={"lr": 0.1, "base_batch": 16, "warmup_epochs": 0.5})
+    history = train(recipe_from_dict(raw), tmp_path, progress=False, log=quiet)["history"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    assert history[-1]["eval_top1"] >= 50.0  # chance is 10%
+
+
+# --- checkpoints and resume ---------------------------------------------------------------------
+
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    recipe = recipe_from_dict(tiny_recipe(data={"limit_train": 16}))
+    full = train(recipe, tmp_path / "full", progress=False, log=quiet)
+    first = train(recipe, tmp_path / "split", progress=False, log=quiet, stop_after=1)
+    assert first["weights"] is None and not (tmp_path / "split" / "model.safetensors").exists()
+    assert (tmp_path / "split" / "checkpoints" / "LAST").read_text().strip() == "epoch_0001"
+    second = train(recipe, tmp_path / "split", resume=True, progress=False, log=quiet)
+    a, b = load_file(full["weights"]), load_file(second["weights"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert full["sha256"] == second["sha256"]
+    keep = ("train_loss", "lr", "eval_top1", "eval_top5")
+    assert [{k: r[k] for k in keep} for r in full["history"]] == [{k: r[k] for k in keep} for r in second["history"]]
+
+    meta = read_sidecar(second["weights"])
+    assert meta["recipe_sha256"] == recipe.sha256() and meta["recipe"]["model"] == "resnet26"
+    assert meta["dataset"] == "synthetic" and meta["epoch"] == 2 and meta["metrics"]["epoch"] == 2
+    assert {"torch", "torchvision", "python"} <= set(meta["versions"])
+    with open(tmp_path / "split" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [1, 2] and list(rows[0]) == CSV_COLUMNS
+    state = torch.load(tmp_path / "split" / "checkpoints" / "epoch_0002" / "state.pt", weights_only=True)
+    assert state["epoch"] == 2 and len(list((tmp_path / "split" / "checkpoints").glob("epoch_*"))) == 1
+
+
+def test_resume_refuses_a_changed_recipe_and_a_fresh_start_refuses_an_old_run(tmp_path):
+    recipe = recipe_from_dict(tiny_recipe(epochs=1, data={"limit_train": 8}))
+    train(recipe, tmp_path, progress=False, log=quiet)
+    changed = recipe_from_dict(tiny_recipe(epochs=1, data={"limit_train": 8}, optim={"lr": 0.01}))
+    with pytest.raises(ResumeError, match="recipe differs"):
+        train(changed, tmp_path, resume=True, progress=False, log=quiet)
+    with pytest.raises(ResumeError, match="--resume"):
+        train(recipe, tmp_path, progress=False, log=quiet)
+    with pytest.raises(ResumeError, match="no checkpoint"):
+        train(recipe, tmp_path / "empty", resume=True, progress=False, log=quiet)
+
+
+# --- command line and torchrun ------------------------------------------------------------------
+
+def _write_recipe(path: Path, raw: dict) -> Path:
+    lines = []
+    for key, value in raw.items():
+        if not isinstance(value, dict) or key == "model_args":
+            lines.append(f"{key} = {_toml(value)}")
+    for key, value in raw.items():
+        if isinstance(value, dict) and key != "model_args":
+            lines.append(f"[{key}]")
+            lines += [f"{k} = {_toml(v)}" for k, v in value.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _toml(value) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)
+
+
+def test_cli_trains_with_overrides_and_reports_bad_recipes(tmp_path, capsys):
+    path = _write_recipe(tmp_path / "r.toml", tiny_recipe(epochs=3))
+    out = tmp_path / "run"
+    assert cli_main(["train", str(path), "--out", str(out), "--no-progress", "epochs=1",
+                     "data.limit_train=8", "optim.lr=0.02"]) == 0
+    meta = read_sidecar(out / "model.safetensors")
+    assert meta["recipe"]["epochs"] == 1 and meta["recipe"]["optim"]["lr"] == 0.02
+    assert meta["recipe"]["model_args"] == {"width": 0.25, "stem_downsample": 4}
+    capsys.readouterr()
+    assert cli_main(["train", str(path), "--out", str(tmp_path / "x"), "optim.momentun=0.5"]) == 2
+    assert "Did you mean 'momentum'" in capsys.readouterr().err
+    assert cli_main(["train", str(tmp_path / "missing.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_torchrun_two_processes_gloo(tmp_path):
+    path = _write_recipe(tmp_path / "r.toml", tiny_recipe(epochs=1, data={"limit_train": 16, "limit_eval": 10}))
+    out = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "robust_attn.cli", "train", str(path), "--out", str(out), "--no-progress"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("epoch 1/1") == 1  # rank 0 logs, rank 1 does not
+    meta = read_sidecar(out / "model.safetensors")
+    assert meta["world_size"] == 2 and meta["epoch"] == 1
+    assert math.isfinite(meta["metrics"]["train_loss"])
+    model = load_checkpoint(out / "model.safetensors")
+    assert model(torch.rand(1, 3, 32, 32)).shape == (1, 10)
+    state = torch.load(out / "checkpoints" / "epoch_0001" / "state.pt", weights_only=True)
+    assert state["world_size"] == 2
