@@ -3,7 +3,9 @@
 Peak memory on CUDA is ``torch.cuda.max_memory_allocated``. On CPU it is the growth of the
 process's peak resident set (Linux ``VmHWM``) while the measured function runs, in a forked
 child whose peak is reset first (``/proc/self/clear_refs``), so one measurement cannot
-inflate the next. Both include every transient buffer, not only what autograd saves.
+inflate the next. Both include every transient buffer, not only what autograd saves. The child
+runs on one thread: an OpenMP pool inherited through ``fork`` from a parent that already ran
+multi-threaded kernels can deadlock, and the peak of one thread's buffers is what is compared.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ def _status_kb(field: str) -> int:
 
 def _child(fn: Callable[[], object], queue) -> None:
     try:
+        torch.set_num_threads(1)
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
         base = _status_kb("VmRSS")
         fn()

@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     for name in models:
         step, params = make_step(name, args, device)
         ms = time_ms(step, device, repeats=args.repeats, warmup=1)
-        mem = None if args.no_memory else peak_memory_mb(step, device)
+        mem = None if args.no_memory else peak_memory_mb(step,
+                                                          device)
         rows.append({"model": name, "params_M": params / 1e6, "ms_per_step": ms,
                      "images_per_s": args.batch / ms * 1e3, "peak_memory_MiB": mem})
         print(f"  {name}: {ms:.1f} ms/step", file=sys.stderr, flush=True)

@@ -24,5 +24,12 @@ def reference_table(name: str) -> pd.DataFrame:
 
 @lru_cache(maxsize=None)
 def imagenet_reference() -> dict[str, dict]:
-    """``{model: {"params_M", "flops_G", "top1", ...}}`` from the papers' ImageNet tables."""
-    return {row["model"]: row for row in reference_table("imagenet_params_flops").to_dict("records")}
+    """``{model: {"params_M", "flops_G", "macs_G", "top1", ...}}`` from the papers' ImageNet tables.
+
+    ``macs_G`` puts every paper on one convention: SAN counts multiply-adds, while SASA, GSA and
+    AA count multiplies and adds separately, so their ``flops_G`` is halved.
+    """
+    table = reference_table("imagenet_params_flops")
+    separate = table["flops_convention"].str.contains("separately")
+    table["macs_G"] = table["flops_G"].where(~separate, table["flops_G"] / 2)
+    return {row["model"]: row for row in table.to_dict("records")}

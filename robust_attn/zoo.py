@@ -140,6 +140,24 @@ def load_model(name: str, dataset: str, manifest: str | os.PathLike | Manifest |
     return load_entry(manifest.get(name, dataset), manifest, device)
 
 
+def _recipe_error(entry: ZooEntry) -> str | None:
+    """A checkpoint's recipe must still resolve (with ``model=`` its architecture) to the recipe
+    that trained it, whose hash the trainer wrote into the sidecar; otherwise it cannot be
+    reproduced from the repository."""
+    if not entry.recipe:
+        return None
+    from robust_attn.train.recipe import load_recipe
+
+    recipe_path = (ZOO_DIR.parent / entry.recipe).resolve()
+    if not recipe_path.is_file():
+        return f"recipe {entry.recipe} of {entry.name} is missing"
+    recipe = load_recipe(recipe_path, {"model": entry.arch.get("name", entry.name)}, check_data=False)
+    if entry.recipe_sha256 and recipe.sha256() != entry.recipe_sha256:
+        return (f"recipe {entry.recipe} changed since {entry.name} was trained (resolved-recipe sha256 "
+                f"differs); restore it, or retrain and re-add the checkpoint")
+    return None
+
+
 def verify_zoo(manifest: Manifest | None = None) -> list[tuple[ZooEntry, str | None]]:
     """Check every checkpoint entry: file present, sha256, architecture fits the weights.
     Returns ``(entry, error or None)`` per entry; torchvision entries are checked by torchvision."""
@@ -151,7 +169,7 @@ def verify_zoo(manifest: Manifest | None = None) -> list[tuple[ZooEntry, str | N
             continue
         try:
             load_entry(entry, manifest)
-            error = None
+            error = _recipe_error(entry)
         except (CheckpointError, KeyError, ValueError) as err:
             error = str(err)
         results.append((entry, error))
@@ -168,8 +186,7 @@ def entry_from_checkpoint(name: str, dataset: str, weights: str | os.PathLike, m
         relative = os.path.relpath(weights, manifest.path.parent.resolve())
     except ValueError:
         relative = str(weights)
-    recipe = meta.get("recipe", {}) if isinstance(meta.get("recipe"), dict) else {}
     return ZooEntry(name=name, dataset=dataset, weights=relative, sha256=sha256_file(weights), arch=meta["arch"],
-                    recipe=extra.pop("recipe", recipe.get("path", "")),
-                    recipe_sha256=extra.pop("recipe_sha256", meta.get("recipe_sha256", recipe.get("sha256", ""))),
+                    recipe=extra.pop("recipe", meta.get("recipe_source", "")),
+                    recipe_sha256=extra.pop("recipe_sha256", meta.get("recipe_sha256", "")),
                     metrics=extra.pop("metrics", meta.get("metrics", {})), **extra)

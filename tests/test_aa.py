@@ -1,5 +1,4 @@
 """Attention-augmented convolution (AA, Bello et al. 2019) and the AA-ResNet / AA-WRN zoo entries."""
-import io
 import math
 
 import pytest
@@ -242,45 +241,18 @@ def test_first_attention_stage_pools_at_imagenet_resolution_only():
     assert cifar.layer2[1].conv2.attn_size == 16 and cifar.layer2[1].conv2.attn_pool == 1
 
 
-# -- every architecture, tiny -----------------------------------------------------------------------
-ARCHS = [(name, res) for name in ("aa_resnet26", "aa_resnet34", "aa_resnet38", "aa_resnet50", "aa_resnet101",
-                                  "aa_wrn28_10") for res in ("cifar", "imagenet")]
+# -- every architecture: generic checks live in tests/test_models.py; here what is AA's own ---------
+AA_MODELS = ["aa_resnet26", "aa_resnet34", "aa_resnet38", "aa_resnet50", "aa_resnet101", "aa_wrn28_10"]
 
 
-@pytest.mark.parametrize("name,resolution", ARCHS)
-def test_tiny_architecture_trains_and_round_trips(name, resolution):
-    size = 32 if resolution == "cifar" else 64
-    # aa_wrn28_10 attends on the full 32x32 map in its first stage: stride the stem to keep it fast
-    # (the full-resolution run is the slow test below).
-    overrides = {"stem_downsample": 2} if (name, resolution) == ("aa_wrn28_10", "cifar") else {}
-    _check_tiny(name, resolution, size, overrides)
-
-
-@pytest.mark.slow
-def test_tiny_wrn_at_full_cifar_resolution():
-    _check_tiny("aa_wrn28_10", "cifar", 32, {})
-
-
-def _check_tiny(name, resolution, size, overrides):
-    model = create_model(name, num_classes=10, resolution=resolution, width=0.25, image_size=size, **overrides)
+@pytest.mark.parametrize("name", AA_MODELS)
+def test_gradient_reaches_the_relative_embeddings(name):
+    overrides = {"stem_downsample": 2} if name == "aa_wrn28_10" else {}
+    model = create_model(name, num_classes=10, resolution="cifar", width=0.25, **overrides)
     for m in model.modules():          # undo the zero-init of last BNs so every branch gets gradient
         if isinstance(m, nn.BatchNorm2d):
             nn.init.uniform_(m.weight, 0.5, 1.5)
-    x = torch.rand(2, 3, size, size)
-    out = model(x)
-    assert out.shape == (2, 10) and torch.isfinite(out).all()
-    out.logsumexp(-1).sum().backward()
-    grads = [p.grad for p in model.parameters()]
-    assert all(g is not None and torch.isfinite(g).all() for g in grads)
-    assert any(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "rel_" in n)
-    model.eval()
-    with torch.no_grad():
-        y1, y2 = model(x), model(x)
-    torch.testing.assert_close(y1, y2, rtol=0, atol=0)
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    clone = create_model(name, num_classes=10, resolution=resolution, width=0.25, image_size=size, **overrides)
-    clone.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
-    clone.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(clone(x), y1, rtol=0, atol=0)
+    model(torch.rand(2, 3, 32, 32)).logsumexp(-1).sum().backward()
+    relative = [p for n, p in model.named_parameters() if "rel_" in n]
+    assert relative and all(p.grad.abs().sum() > 0 for p in relative)
+

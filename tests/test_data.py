@@ -4,7 +4,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
-import io
 import os
 import pickle
 from pathlib import Path
@@ -273,3 +272,5 @@ def test_imagenet_folder_layout_and_transforms(tmp_path):
         assert abs(image[0].mean().item() * 255 - 80 * label) < 3
     train = build_dataset("imagenet", root=tmp_path / "imagenet", split="train", augment=True)
     assert train[0][0].shape == (3, 224, 224)
+    small = build_dataset("imagenet", root=tmp_path, split="test", limit=3)
+    assert len(small) == 3 and small.targets == [small[i][1] for i in range(3)]

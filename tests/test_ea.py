@@ -1,5 +1,4 @@
 """External attention (EA, Guo et al. 2021) and the EA-ResNet zoo entries."""
-import io
 
 import pytest
 import torch
@@ -125,28 +124,13 @@ def test_ea_resnet_params_equal_formula(depth):
 
 
 @pytest.mark.parametrize("name", ["ea_resnet26", "ea_resnet38", "ea_resnet50"])
-@pytest.mark.parametrize("resolution", ["cifar", "imagenet"])
-def test_tiny_architecture_trains_and_round_trips(name, resolution):
-    size = 32 if resolution == "cifar" else 64
-    model = create_model(name, num_classes=10, resolution=resolution, width=0.25, image_size=size)
+def test_gradient_reaches_both_memories(name):
+    # generic checks (finite, eval determinism, round trip) live in tests/test_models.py
+    model = create_model(name, num_classes=10, resolution="cifar", width=0.25)
     for m in model.modules():          # undo the zero-init of last BNs so every branch gets gradient
         if isinstance(m, nn.BatchNorm2d):
             nn.init.uniform_(m.weight, 0.5, 1.5)
-    x = torch.rand(2, 3, size, size)
-    out = model(x)
-    assert out.shape == (2, 10) and torch.isfinite(out).all()
-    out.logsumexp(-1).sum().backward()
-    for n, p in model.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all(), n
-    assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "memory" in n)
-    model.eval()
-    with torch.no_grad():
-        y1, y2 = model(x), model(x)
-    torch.testing.assert_close(y1, y2, rtol=0, atol=0)
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    clone = create_model(name, num_classes=10, resolution=resolution, width=0.25, image_size=size)
-    clone.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
-    clone.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(clone(x), y1, rtol=0, atol=0)
+    model(torch.rand(2, 3, 32, 32)).logsumexp(-1).sum().backward()
+    memories = [p for n, p in model.named_parameters() if "memory" in n]
+    assert len(memories) == 8 and all(p.grad.abs().sum() > 0 for p in memories)
+

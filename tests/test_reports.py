@@ -127,3 +127,23 @@ def test_unfinished_runs_are_not_reported(tmp_path):
     next((store.root / "records" / "cw90").iterdir()).unlink()
     with pytest.raises(ValueError, match="unfinished.*running its command again"):
         make_report([store.root], tmp_path / "out")
+
+
+def test_pgd_runs_of_one_model_merge_into_one_table10_row(runs, tmp_path):
+    from robust_attn.reports.tables import pgd_table
+
+    data = build_dataset("synthetic", split="test", limit=8)
+    sweep = run_pgd(_tiny(), data, tmp_path / "sweep", num_classes=10, batch_size=4,
+                    run_info=_info("resnet26", "imagenet"), settings=[AttackSetting(8, 2, 4), AttackSetting(16, 4, 4)],
+                    progress=False, checks=False)
+    table = pgd_table(load_runs([runs[1], sweep.root]))
+    ours = table[table["source"] == "ours"]
+    assert len(ours) == 1                                   # same weights, same images: one row
+    alone = pgd_table(load_runs([runs[1]]))
+    pd.testing.assert_frame_equal(ours.drop(columns="run").reset_index(drop=True),
+                                  alone[alone["source"] == "ours"].drop(columns="run").reset_index(drop=True))
+    other_images = run_pgd(_tiny(), build_dataset("synthetic", split="test", limit=4), tmp_path / "other",
+                           num_classes=10, batch_size=4, settings=[AttackSetting(8, 4, 2)], progress=False,
+                           checks=False, run_info={**_info("resnet26", "imagenet"),
+                                                   "dataset": {"name": "imagenet", "split": "test", "limit": 4}})
+    assert (pgd_table(load_runs([runs[1], other_images.root]))["source"] == "ours").sum() == 2

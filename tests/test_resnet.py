@@ -64,3 +64,9 @@ def test_width_multiplier_scales_every_stage():
     model = create_model("resnet26", num_classes=10, resolution="cifar", width=0.5)
     assert model.num_features == 1024
     assert model.layer1[0].conv2.in_channels == 32
+
+
+def test_reference_puts_every_paper_on_the_multiply_add_convention():
+    reference = imagenet_reference()
+    assert reference["resnet50"]["macs_G"] == reference["resnet50"]["flops_G"] == 4.1   # SAN: multiply-adds
+    assert reference["sasa_resnet50"]["macs_G"] == 3.5                                  # SASA: 7.0 FLOPs

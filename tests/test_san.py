@@ -6,11 +6,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from robust_attn import create_model
+from robust_attn.layers import local_aggregation
 from robust_attn.complexity import count_params, model_complexity
 from robust_attn.layers.local_aggregation import (footprint_aggregate, footprint_aggregate_unfold,
-                                                  reflect_pad)
+                                                  reflect_pad, shifted)
 from robust_attn.layers.san import (PAIRWISE_RELATIONS, PATCHWISE_RELATIONS, SelfAttention2d,
-                                    san_attention_unfold)
+                                    _difference_moments, auto_chunk_size, conv1x1, san_attention_unfold)
 from robust_attn.reference import reference_table
 
 SAN_MODELS = [f"san{d}_{a}" for a in ("pairwise", "patchwise") for d in (10, 15, 19)]
@@ -146,15 +147,86 @@ def test_lean_equals_unfold_in_float32():
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5 * scale)
 
 
-def test_aggregation_gradcheck_and_unfold_agreement():
+@pytest.mark.parametrize("kernel,flat_below", [("stream", 1), ("stream", 1000), ("unfold", None)],
+                         ids=["stream-rows", "stream-flat", "unfold"])
+def test_aggregation_gradcheck_and_unfold_agreement(kernel, flat_below, monkeypatch):
+    if flat_below is not None:  # both layouts of the streaming kernel
+        monkeypatch.setattr(local_aggregation, "FLAT_ROWS_BELOW_WIDTH", flat_below)
+
+    def agg(a, b, k):
+        return footprint_aggregate(a, b, k, kernel=kernel)
+
     v = torch.randn(2, 6, 4, 5, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 3, 9, 4, 5, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: footprint_aggregate(a, b, 3), (v, w))  # exhaustive
-    torch.testing.assert_close(footprint_aggregate(v, w, 3), footprint_aggregate_unfold(v, w, 3))
+    assert torch.autograd.gradcheck(lambda a, b: agg(a, b, 3), (v, w))  # exhaustive
+    torch.testing.assert_close(agg(v, w, 3), footprint_aggregate_unfold(v, w, 3))
     # Smaller than the footprint (2x2 map, 5x5 footprint): repeated mirroring.
     v2 = torch.randn(1, 2, 2, 2, dtype=torch.float64, requires_grad=True)
     w2 = torch.randn(1, 1, 25, 2, 2, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: footprint_aggregate(a, b, 5), (v2, w2))
+    assert torch.autograd.gradcheck(lambda a, b: agg(a, b, 5), (v2, w2))
+
+
+def _kernels_used(y):
+    names, stack = set(), [y.grad_fn]
+    while stack:
+        fn = stack.pop()
+        names.add(type(fn).__name__)
+        stack += [nxt for nxt, _ in fn.next_functions if nxt is not None]
+    return names
+
+
+def test_aggregation_picks_the_unfold_kernel_only_for_maps_within_the_padding():
+    w = torch.randn(1, 2, 25, 2, 2)
+    assert "_UnfoldAggregateBackward" in _kernels_used(footprint_aggregate(torch.randn(1, 4, 2, 2, requires_grad=True), w, 5))
+    w = torch.randn(1, 2, 25, 3, 3)
+    assert "_StreamAggregateBackward" in _kernels_used(footprint_aggregate(torch.randn(1, 4, 3, 3, requires_grad=True), w, 5))
+    with pytest.raises(ValueError, match="kernel must be"):
+        footprint_aggregate(torch.randn(1, 4, 3, 3), w, 5, kernel="fast")
+
+
+def test_shifted_backward_adds_every_offset_into_one_gradient():
+    xpad = torch.randn(2, 3, 6, 7, dtype=torch.float64, requires_grad=True)
+    offsets = [(0, 0), (1, 2), (2, 1), (1, 1)]
+    assert torch.autograd.gradcheck(lambda t: shifted(t, offsets, 4, 5), (xpad,))
+    g = torch.randn(2, 3, 4, 4, 5, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(shifted(xpad, offsets, 4, 5), xpad, g)
+    expected = torch.zeros_like(xpad)
+    for k, (dy, dx) in enumerate(offsets):
+        expected[:, :, dy:dy + 4, dx:dx + 5] += g[:, :, k]
+    torch.testing.assert_close(grad, expected)
+
+
+@pytest.mark.parametrize("size,footprint", [(6, 3), (5, 5), (2, 7)])
+@pytest.mark.parametrize("sign", [-1.0, 1.0])
+def test_difference_moments_equal_the_expanded_sums(size, footprint, sign):
+    """Closed-form BN statistics of x1_i +- x2_j over all pairs == sums over the unfolded pairs."""
+    x1 = torch.randn(2, 3, size, size, dtype=torch.float64, requires_grad=True)
+    x2 = torch.randn(2, 3, size, size, dtype=torch.float64, requires_grad=True)
+    x2p = reflect_pad(x2, footprint // 2)
+    got = _difference_moments(x1, x2p, footprint, sign)
+    pairs = x1.flatten(2)[:, :, None] + sign * F.unfold(x2p, footprint).view(2, 3, footprint ** 2, size * size)
+    expected = torch.stack([pairs.sum((0, 2, 3)), pairs.square().sum((0, 2, 3))])
+    torch.testing.assert_close(got, expected)
+    g = torch.randn_like(expected)
+    torch.testing.assert_close(torch.autograd.grad(got, [x1, x2], g, retain_graph=True),
+                               torch.autograd.grad(expected, [x1, x2], g))
+
+
+def test_auto_chunk_size_follows_the_input_size_and_explicit_sizes_win():
+    m = SelfAttention2d(64, attention="pairwise", footprint=7)
+    # Small map: the whole footprint in one chunk.
+    assert auto_chunk_size(m, 2, 8, 8) == 49
+    # Large map: chunk's N * d * Kc * H * W is the most within half the input's N * C * H * W elements.
+    kc = auto_chunk_size(m, 32, 64, 64)
+    assert 1 <= kc < 49 and 32 * m.delta_channels * kc * 64 * 64 <= 32 * 64 * 64 * 64 // 2
+    assert 32 * m.delta_channels * (kc + 1) * 64 * 64 > 32 * 64 * 64 * 64 // 2
+    assert auto_chunk_size(SelfAttention2d(64, footprint=7, chunk_size=5), 32, 64, 64) == 5
+
+
+def test_conv1x1_equals_the_convolution():
+    conv = nn.Conv2d(8, 5, 1)
+    x = torch.randn(2, 8, 3, 4)
+    torch.testing.assert_close(conv1x1(x, conv), conv(x))
 
 
 @pytest.mark.parametrize("attention", ["pairwise", "patchwise"])

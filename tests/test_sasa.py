@@ -105,6 +105,73 @@ def test_lean_operator_passes_gradcheck_in_float64():
     assert torch.autograd.gradcheck(lambda *t: local_attention(*t, 3), inputs)
 
 
+# 4x4 with 7x7: every pixel has padding neighbours and sees the whole map; 8x8: the central
+# pixels have none; 9x7 and 3x5: non-square, the 3x3 footprint covering part of the map.
+FORM_CASES = [((2, 2, 4, 4, 4), 7), ((2, 2, 2, 8, 8), 7), ((2, 3, 2, 9, 7), 3), ((3, 1, 3, 3, 5), 5)]
+
+
+@pytest.mark.parametrize("method", ["stream", "dense"])
+@pytest.mark.parametrize("shape,kernel_size", FORM_CASES)
+def test_stream_and_dense_forms_equal_the_unfold_reference(method, shape, kernel_size):
+    inputs = _qkv_rel(shape, kernel_size, torch.float64, dv=3)
+    ours = local_attention(*inputs, kernel_size, method=method)
+    ref = local_attention_reference(*inputs, kernel_size)
+    torch.testing.assert_close(ours, ref)
+    grad = torch.randn_like(ours)
+    for g_ours, g_ref in zip(torch.autograd.grad(ours, inputs, grad), torch.autograd.grad(ref, inputs, grad)):
+        torch.testing.assert_close(g_ours, g_ref)
+
+
+def test_dense_form_passes_gradcheck_in_float64():
+    inputs = _qkv_rel((1, 2, 2, 3, 4), 5, torch.float64, dv=2)      # 5x5 footprint on a 3x4 map
+    assert torch.autograd.gradcheck(lambda *t: local_attention(*t, 5, method="dense"), inputs)
+
+
+@pytest.mark.parametrize("method", ["stream", "dense"])
+def test_batch_chunking_and_partial_gradients_change_nothing(method, monkeypatch):
+    import robust_attn.layers.sasa as sasa_module
+    q, k, v, rel = _qkv_rel((3, 2, 2, 4, 5), 5, torch.float64)
+    k.requires_grad_(False)
+    rel.requires_grad_(False)
+    ref = local_attention_reference(q, k, v, rel, 5)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, v), grad)
+    monkeypatch.setattr(sasa_module, "_CHUNK_BYTES", 1)          # one sample per chunk
+    monkeypatch.setattr(sasa_module, "_CHUNK_MIN_PIXELS", 1)
+    assert len(sasa_module._batch_chunks(q, 25)) == 3
+    ours = local_attention(q, k, v, rel, 5, method=method)
+    torch.testing.assert_close(ours, ref)
+    for g_ours, g_ref in zip(torch.autograd.grad(ours, (q, v), grad), ref_grads):
+        torch.testing.assert_close(g_ours, g_ref)
+
+
+@pytest.mark.parametrize("method", ["stream", "dense"])
+def test_widely_spread_logits_stay_finite_and_exact(method):
+    # logits spread over thousands: most softmax weights underflow (the forms raise them to the
+    # smallest normal float before exp, for speed); results must still match the reference.
+    q, k, v, rel = _qkv_rel((2, 2, 4, 6, 6), 7, torch.float32)
+    with torch.no_grad():
+        q.mul_(40.0)
+        k.mul_(40.0)
+    ours = local_attention(q, k, v, rel, 7, method=method)
+    ref = local_attention_reference(q, k, v, rel, 7)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(ours.square().sum(), (q, k, v, rel))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, rel))
+    for g_ours, g_ref in zip(grads, ref_grads):
+        assert torch.isfinite(g_ours).all()
+        torch.testing.assert_close(g_ours, g_ref, rtol=1e-4, atol=1e-3)
+
+
+def test_auto_picks_dense_on_small_maps_and_rejects_unknown_methods():
+    small = _qkv_rel((1, 2, 2, 4, 4), 7, torch.float32)
+    large = _qkv_rel((1, 2, 2, 9, 9), 7, torch.float32)
+    assert "Dense" in type(local_attention(*small, 7).grad_fn).__name__
+    assert "Dense" not in type(local_attention(*large, 7).grad_fn).__name__
+    with pytest.raises(ValueError, match="method must be"):
+        local_attention(*small, 7, method="fast")
+
+
 def test_layer_gradients_agree_between_lean_and_reference():
     layer = SASAttention2d(16, 16, kernel_size=7, heads=8)
     x = torch.randn(2, 16, 9, 9, requires_grad=True)
@@ -132,18 +199,19 @@ def _saved_bytes(fn) -> int:
     return total
 
 
-def test_lean_operator_saves_under_a_quarter_of_the_unfold_reference():
+@pytest.mark.parametrize("size", [14, 8])       # 14x14 streams, 8x8 runs the dense form
+def test_lean_operator_saves_under_a_quarter_of_the_unfold_reference(size):
     # 7x7 footprint, 64 channels, 8 heads: the unfold path keeps 49 copies of k and v for backward.
-    inputs = _qkv_rel((1, 8, 8, 14, 14), 7, torch.float32)
+    inputs = _qkv_rel((1, 8, 8, size, size), 7, torch.float32)
     lean = _saved_bytes(lambda: local_attention(*inputs, 7))
     ref = _saved_bytes(lambda: local_attention_reference(*inputs, 7))
     assert lean * 4 <= ref, (lean, ref)
 
 
-@pytest.mark.parametrize("impl", ["lean", "reference"])
-def test_bfloat16_autocast_runs_and_stays_close(impl):
+@pytest.mark.parametrize("impl,size", [("lean", 8), ("lean", 5), ("reference", 8)])   # lean 5x5: dense
+def test_bfloat16_autocast_runs_and_stays_close(impl, size):
     layer = SASAttention2d(16, 16, kernel_size=5, heads=4, impl=impl)
-    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+    x = torch.randn(2, 16, size, size, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
     assert y.dtype == torch.bfloat16

@@ -51,6 +51,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="architecture name (robust-attn zoo list); with --checkpoint it must match")
     p.add_argument("--checkpoint", help="trained weights (.safetensors with its .json sidecar); without it "
                                         "the model has RANDOM weights")
+    p.add_argument("--zoo", action="store_true",
+                   help="load --model's trained checkpoint for --dataset from the zoo manifest (sha256-checked)")
     p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
                    help="architecture overrides for --model without --checkpoint, e.g. width=0.25")
     p.add_argument("--dataset", default="imagenet", help="dataset name (default: imagenet)")
@@ -97,6 +99,15 @@ def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
     from robust_attn.wrapper import NormalizedModel
 
     overrides = parse_model_args(args.model_args)
+    expected_sha = None
+    if args.zoo:
+        from robust_attn.zoo import Manifest
+
+        if not args.model or args.checkpoint:
+            raise UserError("--zoo takes --model NAME (see zoo/manifest.json) and no --checkpoint")
+        manifest = Manifest()
+        entry = manifest.get(args.model, info.name)
+        args.checkpoint, expected_sha = str(manifest.resolve(entry.weights)), entry.sha256
     if args.checkpoint:
         if overrides:
             raise UserError("--model-args is for building a model without --checkpoint; a checkpoint "
@@ -105,8 +116,8 @@ def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
         if not path.is_file():
             raise UserError(f"checkpoint {path} does not exist; train one with `robust-attn train` or "
                             f"check the path")
-        sha = sha256_file(path)
-        model = load_checkpoint(path, expected_sha256=sha)
+        sha = expected_sha or sha256_file(path)
+        model = load_checkpoint(path, expected_sha256=expected_sha)
         arch = model.arch_args
         if args.model and args.model != arch["name"]:
             raise UserError(f"--model {args.model} but checkpoint {path} holds {arch['name']}; drop --model "

@@ -44,12 +44,12 @@ def run_list(args: argparse.Namespace) -> int:
         big = model_complexity(name, 1000, "imagenet")
         small = model_complexity(name, 100, "cifar")
         ref = reference.get(name)
-        paper = f"{ref['params_M']:.1f}M/{ref['flops_G']:.1f}G" if ref else "-"
+        paper = f"{ref['params_M']:.1f}M/{ref['macs_G']:.2f}G" if ref else "-"
         print(f"{name:<18} {model_info(name).family:<7} {big['params'] / 1e6:>10.2f}M {big['macs'] / 1e9:>8.2f}G "
               f"{paper:>13} {small['params'] / 1e6:>9.2f}M {small['macs'] / 1e9:>7.3f}G")
     print("params(224)/MACs(224): 1000 classes at 224x224; params(32)/MACs(32): 100 classes at 32x32. "
-          "paper: the publication's params/FLOPs (see reports/reference; SASA, GSA and AA count "
-          "multiplies and adds separately, i.e. 2x MACs).")
+          "paper: the publication's params/multiply-adds at 224 (reports/reference; SASA, GSA and AA "
+          "FLOPs, which count multiplies and adds separately, are halved).")
     return 0
 
 

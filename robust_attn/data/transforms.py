@@ -75,7 +75,10 @@ class SeededAugment(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        item_seed = (self.seed * 1_000_003 + self.epoch) * 100_000_007 + int(index)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(item_seed % (2**63 - 1))
+        item_seed = ((self.seed * 1_000_003 + self.epoch) * 100_000_007 + int(index)) % (2**63 - 1)
+        state = torch.get_rng_state()
+        try:  # seeding only the CPU generator: torch.manual_seed also seeds every accelerator (slow)
+            torch.default_generator.manual_seed(item_seed)
             return self.dataset[index]
+        finally:
+            torch.set_rng_state(state)

@@ -5,7 +5,9 @@ The straightforward implementation unfolds ``v`` into a ``k^2``-times larger ten
 unfolded copy for the backward pass. :func:`footprint_aggregate` instead streams over the
 ``k^2`` offsets of the footprint, accumulating into the output, and in the backward pass
 recomputes each shifted view instead of storing it: it saves only the padded ``v`` (about the
-size of ``v``) and the weights (``k^2 / share_planes`` times ``v``'s channel count).
+size of ``v``) and the weights (``k^2 / share_planes`` times ``v``'s channel count). On maps no
+wider than the padding it uses a transient ``F.unfold`` instead (:class:`_UnfoldAggregate`,
+same function, faster there); see :func:`footprint_aggregate`.
 
 Border handling is reflection padding (the SAN authors' choice). :func:`reflect_pad` extends it
 to maps smaller than the footprint by mirroring repeatedly (period ``2 (n - 1)``); for
@@ -46,41 +48,157 @@ def footprint_offsets(footprint: int) -> list[tuple[int, int]]:
     return [(dy, dx) for dy in range(footprint) for dx in range(footprint)]
 
 
-def shifted(xpad: torch.Tensor, offsets: list[tuple[int, int]], height: int, width: int) -> torch.Tensor:
-    """Stack the views ``xpad[..., dy:dy+H, dx:dx+W]`` along a new dim 2: ``(N, C, len(offsets), H, W)``."""
+def _stack_shifted(xpad: torch.Tensor, offsets, height: int, width: int) -> torch.Tensor:
     return torch.stack([xpad[:, :, dy:dy + height, dx:dx + width] for dy, dx in offsets], 2)
 
 
+class _Shifted(torch.autograd.Function):
+    """:func:`shifted` with a backward that adds every offset's gradient into one zero tensor
+    (autograd's per-slice backward would allocate and sum one padded-size tensor per offset)."""
+
+    @staticmethod
+    def forward(ctx, xpad: torch.Tensor, offsets, height: int, width: int) -> torch.Tensor:
+        ctx.offsets, ctx.shape = offsets, xpad.shape
+        return _stack_shifted(xpad, offsets, height, width)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, w = grad.shape[-2:]
+        grad_pad = grad.new_zeros(ctx.shape)
+        for k, (dy, dx) in enumerate(ctx.offsets):
+            grad_pad[:, :, dy:dy + h, dx:dx + w] += grad[:, :, k]
+        return grad_pad, None, None, None
+
+
+def shifted(xpad: torch.Tensor, offsets: list[tuple[int, int]], height: int, width: int) -> torch.Tensor:
+    """Stack the views ``xpad[..., dy:dy+H, dx:dx+W]`` along a new dim 2: ``(N, C, len(offsets), H, W)``."""
+    if torch.is_grad_enabled() and xpad.requires_grad:
+        return _Shifted.apply(xpad, offsets, height, width)
+    return _stack_shifted(xpad, offsets, height, width)
+
+
+#: Maps narrower than this stream over flattened rows (see :class:`_StreamAggregate`).
+FLAT_ROWS_BELOW_WIDTH = 16
+
+
 class _StreamAggregate(torch.autograd.Function):
-    """``out[n,s,g] = sum_k w[n,g,k] * vpad[n,s,g, shift_k]`` with O(|v|) saved memory."""
+    """``out[n,s,g] = sum_k w[n,g,k] * vpad[n,s,g, shift_k]`` with O(|v|) saved memory.
+
+    For each of the ``k^2`` offsets one multiply-add over the shifted view of ``vpad``. On maps
+    narrower than :data:`FLAT_ROWS_BELOW_WIDTH` the rows are flattened at the padded width ``Wp``:
+    offset ``(dy, dx)`` is then the contiguous range ``[dy Wp + dx, dy Wp + dx + H Wp)`` of the
+    flattened ``vpad`` (extended by ``k - 1`` zeros) and the weights get ``Wp - W`` zero columns, so
+    each multiply-add runs over one contiguous range instead of ``H`` rows of a few elements
+    (measured 1.4-2.5x faster on 8x8 and 4x4 maps, slower from 16x16 on); the extra columns are dropped.
+    """
 
     @staticmethod
     def forward(ctx, vpad: torch.Tensor, weight: torch.Tensor, footprint: int) -> torch.Tensor:
         n, s, g, hp, wp = vpad.shape
         h, w = hp - footprint + 1, wp - footprint + 1
-        out = vpad.new_zeros(n, s, g, h, w)
-        for k, (dy, dx) in enumerate(footprint_offsets(footprint)):
-            out.addcmul_(vpad[..., dy:dy + h, dx:dx + w], weight[:, None, :, k])
         ctx.save_for_backward(vpad, weight)
         ctx.footprint = footprint
-        return out
+        offsets = footprint_offsets(footprint)
+        if w >= FLAT_ROWS_BELOW_WIDTH:
+            out = vpad.new_zeros(n, s, g, h, w)
+            for k, (dy, dx) in enumerate(offsets):
+                out.addcmul_(vpad[..., dy:dy + h, dx:dx + w], weight[:, None, :, k])
+            return out
+        vflat, wflat = _flat(vpad, footprint), _flat_weight(weight, wp)
+        out = vpad.new_zeros(n, s, g, h * wp)
+        for k, (dy, dx) in enumerate(offsets):
+            start = dy * wp + dx
+            out.addcmul_(vflat[..., start:start + h * wp], wflat[:, None, :, k])
+        return out.view(n, s, g, h, wp)[..., :w]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
         vpad, weight = ctx.saved_tensors
+        k = ctx.footprint
+        n, s, g, hp, wp = vpad.shape
+        h, w = grad_out.shape[-2:]
+        offsets = footprint_offsets(k)
+        grad_v = grad_w = None
+        if w >= FLAT_ROWS_BELOW_WIDTH:
+            if ctx.needs_input_grad[0]:
+                grad_v = torch.zeros_like(vpad)
+                for j, (dy, dx) in enumerate(offsets):
+                    grad_v[..., dy:dy + h, dx:dx + w].addcmul_(grad_out, weight[:, None, :, j])
+            if ctx.needs_input_grad[1]:
+                grad_w = torch.empty_like(weight)
+                for j, (dy, dx) in enumerate(offsets):
+                    grad_w[:, :, j] = (grad_out * vpad[..., dy:dy + h, dx:dx + w]).sum(1)
+            return grad_v, grad_w, None
+        size = h * wp
+        gflat = F.pad(grad_out, (0, wp - w)).reshape(n, s, g, size)
+        if ctx.needs_input_grad[0]:
+            wflat = _flat_weight(weight, wp)
+            grad_flat = vpad.new_zeros(n, s, g, hp * wp + k - 1)
+            for j, (dy, dx) in enumerate(offsets):
+                start = dy * wp + dx
+                grad_flat[..., start:start + size].addcmul_(gflat, wflat[:, None, :, j])
+            grad_v = grad_flat[..., :hp * wp].view(n, s, g, hp, wp)
+        if ctx.needs_input_grad[1]:
+            vflat = _flat(vpad, k)
+            grad_w = weight.new_empty(n, g, k * k, h, wp)
+            prod = torch.empty_like(gflat)
+            for j, (dy, dx) in enumerate(offsets):
+                start = dy * wp + dx
+                torch.mul(gflat, vflat[..., start:start + size], out=prod)
+                torch.sum(prod, 1, out=grad_w[:, :, j].view(n, g, size))
+            grad_w = grad_w[..., :w]
+        return grad_v, grad_w, None
+
+
+def _flat(vpad: torch.Tensor, footprint: int) -> torch.Tensor:
+    """``(N, S, G, Hp, Wp) -> (N, S, G, Hp Wp + k - 1)``: rows flattened, ``k - 1`` zeros appended."""
+    n, s, g, hp, wp = vpad.shape
+    return F.pad(vpad.reshape(n, s, g, hp * wp), (0, footprint - 1))
+
+
+def _flat_weight(weight: torch.Tensor, wp: int) -> torch.Tensor:
+    """``(N, G, K, H, W) -> (N, G, K, H Wp)``: ``Wp - W`` zero columns, rows flattened."""
+    n, g, kk, h, w = weight.shape
+    return F.pad(weight, (0, wp - w)).reshape(n, g, kk, h * wp)
+
+
+class _UnfoldAggregate(torch.autograd.Function):
+    """Same function as :class:`_StreamAggregate` via one ``F.unfold`` (im2col) of ``vpad``, for
+    small maps: there the 49 strided slices of the streaming loop have inner runs of a few
+    elements and are slow, while the unfolded copy is small. The copy is transient (recomputed in
+    the backward pass, whose ``v`` gradient is one ``F.fold``); only ``vpad`` and the weights are saved."""
+
+    @staticmethod
+    def forward(ctx, vpad: torch.Tensor, weight: torch.Tensor, footprint: int) -> torch.Tensor:
+        n, s, g, hp, wp = vpad.shape
+        h, w = hp - footprint + 1, wp - footprint + 1
+        u = F.unfold(vpad.reshape(n, s * g, hp, wp), footprint).view(n, s, g, footprint * footprint, h, w)
+        ctx.save_for_backward(vpad, weight)
+        ctx.footprint = footprint
+        return (u * weight[:, None]).sum(3)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        vpad, weight = ctx.saved_tensors
+        k = ctx.footprint
+        n, s, g, hp, wp = vpad.shape
         h, w = grad_out.shape[-2:]
         grad_v = grad_w = None
-        offsets = footprint_offsets(ctx.footprint)
-        if ctx.needs_input_grad[0]:
-            grad_v = torch.zeros_like(vpad)
-            for k, (dy, dx) in enumerate(offsets):
-                grad_v[..., dy:dy + h, dx:dx + w].addcmul_(grad_out, weight[:, None, :, k])
         if ctx.needs_input_grad[1]:
-            grad_w = torch.empty_like(weight)
-            for k, (dy, dx) in enumerate(offsets):
-                grad_w[:, :, k] = (grad_out * vpad[..., dy:dy + h, dx:dx + w]).sum(1)
+            u = F.unfold(vpad.reshape(n, s * g, hp, wp), k).view(n, s, g, k * k, h, w)
+            grad_w = (u * grad_out[:, :, :, None]).sum(1)
+            del u
+        if ctx.needs_input_grad[0]:
+            cols = (weight[:, None] * grad_out[:, :, :, None]).view(n, s * g * k * k, h * w)
+            grad_v = F.fold(cols, (hp, wp), k).view(n, s, g, hp, wp)
         return grad_v, grad_w, None
+
+
+#: Largest unfolded ``v`` (``N C k^2 H W`` elements, 16 MiB in float32) for which
+#: :func:`footprint_aggregate` picks the unfold kernel on its own (see there).
+UNFOLD_AGGREGATE_ELEMENTS = 1 << 22
 
 
 def _check(v: torch.Tensor, weight: torch.Tensor, footprint: int) -> tuple[int, int]:
@@ -95,18 +213,32 @@ def _check(v: torch.Tensor, weight: torch.Tensor, footprint: int) -> tuple[int, 
     return c // groups, groups
 
 
-def footprint_aggregate(v: torch.Tensor, weight: torch.Tensor, footprint: int) -> torch.Tensor:
+def footprint_aggregate(v: torch.Tensor, weight: torch.Tensor, footprint: int,
+                        kernel: str | None = None) -> torch.Tensor:
     """Lean aggregation (SAN eq. 2/4): ``y[n, c, i] = sum_k weight[n, c % G, k, i] * v[n, c, i + offset_k]``.
 
     ``v``: ``(N, C, H, W)`` transformed features beta(x); ``weight``: ``(N, G, k*k, H, W)``, one
     weight per footprint position for each of ``G`` channel groups; channel ``c`` uses group
     ``c % G`` (the SAN authors' kernel). Reflection padding at the borders.
+
+    ``kernel``: ``"stream"`` (:class:`_StreamAggregate`), ``"unfold"`` (:class:`_UnfoldAggregate`)
+    or ``None``: unfold for maps no wider than the padding (``min(H, W) <= k // 2``, e.g. 2x2 maps
+    under a 7x7 footprint, where each streamed slice is a couple of elements wide and the unfold
+    kernel measured 3.5x faster) while the unfolded copy has at most :data:`UNFOLD_AGGREGATE_ELEMENTS`
+    elements; streaming otherwise (on 4x4 and larger maps it measured as fast or up to 8x faster).
+    Both compute the same function.
     """
     s, groups = _check(v, weight, footprint)
     n, c, h, w = v.shape
+    if kernel not in (None, "stream", "unfold"):
+        raise ValueError(f"kernel must be None, 'stream' or 'unfold', got {kernel!r}")
+    if kernel is None:
+        small = min(h, w) <= footprint // 2 and n * c * footprint * footprint * h * w <= UNFOLD_AGGREGATE_ELEMENTS
+        kernel = "unfold" if small else "stream"
     vpad = reflect_pad(v, footprint // 2)
     vpad = vpad.view(n, s, groups, *vpad.shape[-2:])
-    out = _StreamAggregate.apply(vpad, weight.to(vpad.dtype), footprint)
+    fn = _UnfoldAggregate if kernel == "unfold" else _StreamAggregate
+    out = fn.apply(vpad, weight.to(vpad.dtype), footprint)
     return out.reshape(n, c, h, w)
 
 

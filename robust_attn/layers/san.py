@@ -32,16 +32,22 @@ Implementations (``implementation=``), which compute the same function, buffers 
 * ``"unfold"`` (:func:`san_attention_unfold`, the reference): unfold psi/beta/positions over the
   footprint and run gamma on the ``(N, d, k^2, H*W)`` tensor, as the authors' code does.
 * ``"lean"`` (default, :func:`san_attention_lean`): the footprint is processed in chunks of
-  ``chunk_size`` offsets (default ``k``, one row), each under activation checkpointing, so
-  gamma's ``k^2``-expanded hidden activations exist for one chunk at a time and are recomputed
-  in the backward pass; the aggregation streams over offsets (:mod:`.local_aggregation`).
+  offsets (``chunk_size``, default :func:`auto_chunk_size`: a chunk's expanded gamma tensor is
+  at most half the input's size, the whole footprint on small maps), each under activation
+  checkpointing, so gamma's ``k^2``-expanded activations exist for one chunk at a time and are
+  recomputed in the backward pass; the aggregation streams over offsets (:mod:`.local_aggregation`).
   Pairwise gamma's BatchNorms take statistics over all footprint positions, so in training the
-  lean path first accumulates per-channel sums and sums of squares over the chunks (one pass
-  for each BN, differentiable, also checkpointed) and then normalizes every chunk with them; the
-  running statistics are updated exactly as ``nn.BatchNorm2d`` would. Patchwise gamma's first
-  BN has one channel per footprint position, so its statistics are per chunk already.
-  Extra cost: pairwise training recomputes gamma's first layer once more in the forward pass,
-  and both recompute the chunks in the backward pass.
+  lean path first computes them over the chunks (differentiable) and then normalizes every chunk
+  with them; the running statistics are updated exactly as ``nn.BatchNorm2d`` would. Patchwise
+  gamma's first BN has one channel per footprint position, so its statistics are per chunk already.
+
+  Speed (issue 6; each step keeps the function, checked against ``"unfold"`` in the tests):
+  all 1x1 layers of the operator (phi/psi/beta stacked into one, gamma's) are batched matmuls,
+  several times faster on CPU than oneDNN convolutions with so few channels; for the
+  ``subtraction``/``summation`` relations the first BN's statistics come in closed form from
+  k x k window sums (:func:`_difference_moments`) and its affine is applied before expanding;
+  the position channels ``p_i - p_j`` (image-independent) go through gamma's first layer once
+  at batch 1; in the logits pass BN2 is folded into the first 1x1 layer.
 """
 from __future__ import annotations
 
@@ -57,7 +63,7 @@ from robust_attn.layers.local_aggregation import (footprint_aggregate,
                                                   footprint_offsets, reflect_pad, shifted)
 
 __all__ = ["PAIRWISE_RELATIONS", "PATCHWISE_RELATIONS", "SelfAttention2d", "position_grid",
-           "san_attention_unfold", "san_attention_lean"]
+           "san_attention_unfold", "san_attention_lean", "auto_chunk_size", "conv1x1"]
 
 PAIRWISE_RELATIONS = ("summation", "subtraction", "concatenation", "hadamard", "dot")
 PATCHWISE_RELATIONS = ("star", "clique", "concatenation")
@@ -84,7 +90,7 @@ class SelfAttention2d(nn.Module):
         share_planes: channels sharing one attention weight; ``G = C / r2 / share_planes``.
         position_encoding: pairwise only; concatenate ``p_i - p_j`` to delta (section 3.1).
         implementation: ``"lean"`` (default) or ``"unfold"`` (reference), see the module doc.
-        chunk_size: footprint offsets per chunk of the lean path (default ``footprint``).
+        chunk_size: footprint offsets per chunk of the lean path (default: :func:`auto_chunk_size`).
     """
 
     def __init__(self, in_channels: int, *, attention: Literal["pairwise", "patchwise"] = "pairwise",
@@ -116,7 +122,7 @@ class SelfAttention2d(nn.Module):
         self.share_planes = share_planes
         self.position_encoding = position_encoding and attention == "pairwise"
         self.implementation = implementation
-        self.chunk_size = chunk_size or footprint
+        self.chunk_size = chunk_size
         area = footprint * footprint
 
         self.phi = nn.Conv2d(in_channels, rel, 1)
@@ -228,12 +234,12 @@ def _maybe_checkpoint(fn, *args):
     return fn(*args)
 
 
-def _affine_bn(x: torch.Tensor, bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-    """BatchNorm of channel dim 1 with given statistics."""
-    scale = bn.weight * torch.rsqrt(var + bn.eps)
-    shift = bn.bias - mean * scale
+def _affine(x: torch.Tensor, weight, bias, eps: float, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """BatchNorm of channel dim 1 with given statistics and affine parameters."""
+    scale = weight * torch.rsqrt(var + eps)
+    shift = bias - mean * scale
     shape = (1, -1) + (1,) * (x.dim() - 2)
-    return x * scale.view(shape) + shift.view(shape)
+    return torch.addcmul(shift.view(shape), x, scale.view(shape))
 
 
 @torch.no_grad()
@@ -248,14 +254,70 @@ def _update_running(bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tensor, c
     bn.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
 
 
-def _conv(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
-    """1x1 conv on ``(N, C, K, H, W)``."""
-    n, c, kk, h, w = x.shape
-    return F.conv2d(x.reshape(n, c, kk, h * w), conv.weight, conv.bias).view(n, -1, kk, h, w)
+def _mm(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """1x1 layer ``weight (O, C)`` on ``x (N, C, ...)`` as a matmul, plus ``bias`` (anything that
+    broadcasts to ``(N, O, prod(...))``, e.g. ``(O, 1)``).
+
+    With the few channels of gamma (C/16 and C/32) a matmul is several times faster on CPU than
+    ``F.conv2d`` (oneDNN), forward and backward."""
+    n, c = x.shape[:2]
+    # bmm with the weight expanded over the batch: torch.matmul would fold the batch into an mm on
+    # transposed copies, about 5x slower here (forward + backward).
+    wt, xm = weight.expand(n, *weight.shape), x.reshape(n, c, -1)
+    out = torch.bmm(wt, xm) if bias is None else torch.baddbmm(bias, wt, xm)
+    return out.view(n, -1, *x.shape[2:])
+
+
+def _moments(t: torch.Tensor, dims) -> torch.Tensor:
+    """Per-channel sum and sum of squares over ``dims`` (two plain reductions: several times
+    faster on CPU than ``Tensor.var`` over non-adjacent dims)."""
+    t = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    return torch.stack([t.sum(dims), (t * t).sum(dims)])
+
+
+def _mean_var(s: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = s[0] / count
+    return mean, (s[1] / count - mean * mean).clamp_min(0)
 
 
 def _chunks(area: int, size: int) -> list[list[int]]:
     return [list(range(start, min(start + size, area))) for start in range(0, area, size)]
+
+
+#: Default element budget of one chunk's expanded gamma tensor: half the operator input's size, but at
+#: least this many elements (small maps run the whole footprint at once; per-chunk overhead dominates).
+MIN_CHUNK_ELEMENTS = 1 << 20
+
+
+def conv1x1(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+    """``conv(x)`` for a 1x1, stride-1, ungrouped ``conv``, computed as a batched matmul (faster on CPU
+    than oneDNN's convolution for the narrow layers of SAN, forward and backward)."""
+    return _mm(conv.weight.flatten(1), x, None if conv.bias is None else conv.bias[:, None])
+
+
+def _projections(m: SelfAttention2d, x: torch.Tensor):
+    """phi(x), psi(x), beta(x) as one matmul with the three 1x1 layers' weights stacked."""
+    weight = torch.cat([m.phi.weight, m.psi.weight, m.beta.weight]).flatten(1)
+    bias = torch.cat([m.phi.bias, m.psi.bias, m.beta.bias])
+    return _mm(weight, x, bias[:, None]).split([m.rel_channels, m.rel_channels, m.out_channels], 1)
+
+
+def auto_chunk_size(m: SelfAttention2d, batch: int, height: int, width: int) -> int:
+    """Offsets per chunk of the lean path: ``m.chunk_size`` if set, else as many as keep one chunk's
+    expanded gamma tensor (``N x channels-per-offset x chunk x H x W``) within half the input's size
+    ``N x C x H x W`` (at least :data:`MIN_CHUNK_ELEMENTS`): about 7 offsets of a 7x7 pairwise
+    footprint (C/16 + 2 channels each) on large maps, the whole footprint on small ones. Measured:
+    the chunk size barely changes the time (7, 14 and auto within 10%), while 14 offsets brought
+    the pairwise operator's peak memory (2 x 256 x 56 x 56) to 0.23 of the unfold reference's, 7 to 0.18."""
+    area = m.footprint ** 2
+    if m.chunk_size:
+        return m.chunk_size
+    if m.attention == "pairwise":
+        per_offset = m.delta_channels
+    else:
+        per_offset = {"star": 1, "clique": area, "concatenation": m.rel_channels}[m.relation]
+    budget = max(batch * m.in_channels * height * width // 2, MIN_CHUNK_ELEMENTS)
+    return max(1, min(area, budget // (batch * per_offset * height * width)))
 
 
 def san_attention_lean(m: SelfAttention2d, x: torch.Tensor) -> torch.Tensor:
@@ -263,61 +325,118 @@ def san_attention_lean(m: SelfAttention2d, x: torch.Tensor) -> torch.Tensor:
     n, _, h, w = x.shape
     k = m.footprint
     offsets = footprint_offsets(k)
-    chunks = [[offsets[j] for j in chunk] for chunk in _chunks(k * k, m.chunk_size)]
-    index_chunks = _chunks(k * k, m.chunk_size)
-    x1, x2, v = m.phi(x), m.psi(x), m.beta(x)
+    index_chunks = _chunks(k * k, auto_chunk_size(m, n, h, w))
+    chunks = [[offsets[j] for j in chunk] for chunk in index_chunks]
+    x1, x2, v = _projections(m, x)
     x2p = reflect_pad(x2, k // 2)
     if m.attention == "pairwise":
-        weight = _pairwise_weights(m, x, x1, x2p, chunks)
+        weight = _pairwise_weights(m, x, x1, x2p, chunks, index_chunks)
     else:
         weight = _patchwise_weights(m, x1, x2p, chunks, index_chunks)
     return footprint_aggregate(v, weight, k)
 
 
-def _pairwise_weights(m: SelfAttention2d, x, x1, x2p, chunks) -> torch.Tensor:
+def _difference_moments(x1: torch.Tensor, x2p: torch.Tensor, k: int, sign: float) -> torch.Tensor:
+    """Per-channel sum and sum of squares of ``x1_i + sign * x2_j`` over all pairs ``(i, j in R(i))``
+    and the batch, without expanding the footprint: with ``B(t)`` the k x k window sum of ``t``
+    (``avg_pool2d * k^2`` on the padded map), ``sum = k^2 sum x1 + sign sum B(x2p)`` and
+    ``sum of squares = k^2 sum x1^2 + 2 sign sum x1 B(x2p) + sum B(x2p^2)``. Exact up to rounding;
+    differentiable, so BN's gradient through its batch statistics is kept."""
+    t = torch.float32 if x1.dtype in (torch.float16, torch.bfloat16) else x1.dtype
+    x1, x2p = x1.to(t), x2p.to(t)
+    area = k * k
+    b1 = F.avg_pool2d(x2p, k, 1) * area
+    b2 = F.avg_pool2d(x2p * x2p, k, 1) * area
+    dims = (0, 2, 3)
+    total = area * x1.sum(dims) + sign * b1.sum(dims)
+    squares = area * (x1 * x1).sum(dims) + 2 * sign * (x1 * b1).sum(dims) + b2.sum(dims)
+    return torch.stack([total, squares])
+
+
+def _pairwise_weights(m: SelfAttention2d, x, x1, x2p, chunks, index_chunks) -> torch.Tensor:
+    """Pairwise gamma (eq. 3) chunk by chunk. gamma's first BN and 1x1 layer are split into the
+    relation channels and the two position channels: ``p_i - p_j`` does not depend on the image, so
+    its part (BN statistics over N identical copies equal those of one copy) is computed once at
+    batch 1 for the whole footprint and broadcast, instead of being concatenated to every chunk."""
     n, _, h, w = x1.shape
-    k = m.footprint
+    k, area = m.footprint, m.footprint ** 2
     bn1, conv1, bn2, conv2 = m.gamma[0], m.gamma[2], m.gamma[3], m.gamma[5]
-    center = x1[:, :, None]
-    tensors = [x1, x2p]
+    w1, w2 = conv1.weight.flatten(1), conv2.weight.flatten(1)
+    dr = m.delta_channels - (2 if m.position_encoding else 0)
+    slices = [slice(c[0], c[-1] + 1) for c in index_chunks]
+    training = m.training
+    count = n * area * h * w
+    dims = (0, 2, 3, 4)
+
+    def delta(chunk, x1_, x2p_):
+        return _pair_relation(m.relation, x1_[:, :, None], shifted(x2p_, chunk, h, w))
+
+    pd, mean_p, var_p = None, None, None
     if m.position_encoding:
         p = _positions(m, x)
-        tensors += [p, reflect_pad(p, k // 2)]
+        pd = (p[:, :, None] - shifted(reflect_pad(p, k // 2), footprint_offsets(k), h, w)).to(x1.dtype)
+        if training:
+            mean_p, var_p = _mean_var(_moments(pd, dims), area * h * w)
+        else:
+            mean_p, var_p = bn1.running_mean[dr:], bn1.running_var[dr:]
 
-    def delta(chunk, x1_, x2p_, p_=None, pp_=None):
-        d = _pair_relation(m.relation, x1_[:, :, None], shifted(x2p_, chunk, h, w))
-        if p_ is not None:
-            pd = p_[:, :, None] - shifted(pp_, chunk, h, w)
-            d = torch.cat([d, pd.expand(n, -1, -1, -1, -1).to(d.dtype)], 1)
-        return d
+    linear = m.relation in ("subtraction", "summation")
+    sign = -1.0 if m.relation == "subtraction" else 1.0
 
-    def hidden(chunk, mean1, var1, *ts):
-        return _conv(F.relu(_affine_bn(delta(chunk, *ts), bn1, mean1, var1)), conv1)
+    def first(chunk, mean1, var1, x1_, x2p_):
+        """relu(BN1(delta)) of one chunk (relation channels). For ``x1_i +- x2_j`` the BN affine
+        ``s (x1_i +- x2_j) + t = (s x1_i + t) +- s x2_j`` is applied to the unexpanded maps, so the
+        chunk costs one add instead of a subtraction and an affine pass."""
+        scale = bn1.weight[:dr] * torch.rsqrt(var1 + bn1.eps)
+        shift = bn1.bias[:dr] - mean1 * scale
+        if linear:
+            a_ = torch.addcmul(shift.view(1, -1, 1, 1), x1_, scale.view(1, -1, 1, 1))
+            b_ = x2p_ * (sign * scale).view(1, -1, 1, 1)
+            return F.relu(a_[:, :, None] + shifted(b_, chunk, h, w), True)
+        return F.relu(_affine(delta(chunk, x1_, x2p_), bn1.weight[:dr], bn1.bias[:dr], bn1.eps, mean1, var1), True)
 
-    def moments(t):  # per-channel sum and sum of squares over (N, K, H, W)
-        t = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-        return torch.stack([t.sum((0, 2, 3, 4)), (t * t).sum((0, 2, 3, 4))])
+    def pos_part(sl, pos_):
+        """gamma's first layer on the position channels of a chunk, ``(1, rel, Kc * H * W)`` or None."""
+        if not pos_:
+            return None
+        pd_, mp, vp = pos_
+        a = F.relu(_affine(pd_[:, :, sl], bn1.weight[dr:], bn1.bias[dr:], bn1.eps, mp, vp), True)
+        return _mm(w1[:, dr:], a).flatten(2)
 
-    if m.training:
-        count = n * k * k * h * w
-        s1 = sum(_maybe_checkpoint(lambda *ts, c=c: moments(delta(c, *ts)), *tensors) for c in chunks)
-        mean1 = s1[0] / count
-        var1 = (s1[1] / count - mean1 * mean1).clamp_min(0)
-        s2 = sum(_maybe_checkpoint(lambda a, b, *ts, c=c: moments(hidden(c, a, b, *ts)), mean1, var1, *tensors)
-                 for c in chunks)
-        mean2 = s2[0] / count
-        var2 = (s2[1] / count - mean2 * mean2).clamp_min(0)
-        _update_running(bn1, mean1, var1, count)
+    def hidden(chunk, sl, mean1, var1, x1_, x2p_, *pos_):
+        return _mm(w1[:, :dr], first(chunk, mean1, var1, x1_, x2p_), pos_part(sl, pos_))
+
+    extra = (pd, mean_p, var_p) if pd is not None else ()
+    if training:
+        if m.relation in ("subtraction", "summation"):
+            s1 = _difference_moments(x1, x2p, k, -1.0 if m.relation == "subtraction" else 1.0)
+        else:
+            s1 = sum(_maybe_checkpoint(lambda a, b, c=c: _moments(delta(c, a, b), dims), x1, x2p) for c in chunks)
+        mean1, var1 = _mean_var(s1, count)
+        s2 = sum(_maybe_checkpoint(lambda *ts, c=c, sl=sl: _moments(hidden(c, sl, *ts), dims),
+                                   mean1, var1, x1, x2p, *extra) for c, sl in zip(chunks, slices))
+        mean2, var2 = _mean_var(s2, count)
+        if m.position_encoding:
+            _update_running(bn1, torch.cat([mean1, mean_p]), torch.cat([var1, var_p]), count)
+        else:
+            _update_running(bn1, mean1, var1, count)
         _update_running(bn2, mean2, var2, count)
     else:
-        mean1, var1, mean2, var2 = bn1.running_mean, bn1.running_var, bn2.running_mean, bn2.running_var
+        mean1, var1 = bn1.running_mean[:dr], bn1.running_var[:dr]
+        mean2, var2 = bn2.running_mean, bn2.running_var
 
-    def logits(chunk, a, b, c2, d2, *ts):
-        return _conv(F.relu(_affine_bn(hidden(chunk, a, b, *ts), bn2, c2, d2)), conv2)
+    def logits(chunk, sl, c2, d2, mean1, var1, x1_, x2p_, *pos_):
+        # BN2 folded into the first 1x1 layer: s2 (W1 a + pos) + t2 = (s2 W1) a + (s2 pos + t2).
+        scale2 = bn2.weight * torch.rsqrt(d2 + bn2.eps)
+        shift2 = (bn2.bias - c2 * scale2)[:, None]
+        pos = pos_part(sl, pos_)
+        add = shift2 if pos is None else torch.addcmul(shift2, pos, scale2[:, None])
+        hid = F.relu(_mm(w1[:, :dr] * scale2[:, None], first(chunk, mean1, var1, x1_, x2p_), add), True)
+        return _mm(w2, hid, conv2.bias[:, None])
 
-    parts = [_maybe_checkpoint(lambda *args, c=c: logits(c, *args), mean1, var1, mean2, var2, *tensors)
-             for c in chunks]
-    return torch.softmax(torch.cat(parts, 2), dim=2)  # (N, G, K, H, W)
+    parts = [_maybe_checkpoint(lambda *args, c=c, sl=sl: logits(c, sl, *args), mean2, var2, mean1, var1,
+                               x1, x2p, *extra) for c, sl in zip(chunks, slices)]
+    return torch.softmax(torch.cat(parts, 2) if len(parts) > 1 else parts[0], dim=2)  # (N, G, K, H, W)
 
 
 def _patchwise_weights(m: SelfAttention2d, x1, x2p, chunks, index_chunks) -> torch.Tensor:
@@ -339,14 +458,14 @@ def _patchwise_weights(m: SelfAttention2d, x1, x2p, chunks, index_chunks) -> tor
         return torch.einsum("ncjhw,nclhw->nljhw", shifted(x1p_, chunk, h, w), shifted(x2p_, all_offsets, h, w)), ch
 
     def block(f, ch):
+        d, kc = f.shape[1:3]
         if m.training:
-            mean, var = f.mean((0, 3, 4)), f.var((0, 3, 4), unbiased=False)
+            mean, var = _mean_var(_moments(f, (0, 3, 4)), n * h * w)
         else:
             mean, var = bn1.running_mean[ch], bn1.running_var[ch]
-        u = f - mean[None, :, :, None, None]
-        u = u * (bn1.weight[ch] * torch.rsqrt(var + bn1.eps))[None, :, :, None, None] + bn1.bias[ch][None, :, :, None, None]
-        hid = torch.einsum("gdk,ndkhw->nghw", w1[:, ch], F.relu(u))
-        return hid, mean.detach(), var.detach()
+        u = F.relu(_affine(f.reshape(n, d * kc, h, w), bn1.weight[ch].flatten(), bn1.bias[ch].flatten(), bn1.eps,
+                           mean.flatten(), var.flatten()), True)
+        return _mm(w1[:, ch.flatten()], u), mean.detach(), var.detach()
 
     def run(chunk, idx, *ts):
         return block(*features(chunk, idx, *ts))
@@ -365,7 +484,7 @@ def _patchwise_weights(m: SelfAttention2d, x1, x2p, chunks, index_chunks) -> tor
         _update_running(bn1, mean, var, n * h * w)
     hid = sum(o[0] for o in outs)
     hid = F.relu(bn2(hid))
-    return conv2(hid).view(n, m.groups, area, h, w)
+    return _mm(conv2.weight.flatten(1), hid, conv2.bias[:, None]).view(n, m.groups, area, h, w)
 
 
 def _channels_of(m: SelfAttention2d, idx, rel: int, area: int, device) -> torch.Tensor:

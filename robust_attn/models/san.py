@@ -41,7 +41,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from robust_attn.layers.san import SelfAttention2d
+from robust_attn.layers.san import SelfAttention2d, conv1x1
 from robust_attn.registry import register_model
 from robust_attn.resolution import resolve, scaled_width
 
@@ -61,7 +61,10 @@ PAPER_MACS_NOTE = (
 
 
 class SANBlock(nn.Module):
-    """Pre-activation SAN residual block (Figure 1): BN-ReLU-SA(C -> C/4)-BN-ReLU-linear(C/4 -> C) + x."""
+    """Pre-activation SAN residual block (Figure 1): BN-ReLU-SA(C -> C/4)-BN-ReLU-linear(C/4 -> C) + x.
+
+    The linear layer is an ``nn.Conv2d`` (state-dict layout) applied with
+    :func:`~robust_attn.layers.san.conv1x1` (a batched matmul, faster on CPU)."""
 
     def __init__(self, channels: int, *, attention: str, relation: str | None, footprint: int,
                  share_planes: int = 8, implementation: str = "lean"):
@@ -76,7 +79,7 @@ class SANBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.attn(self.relu(self.bn1(x)))
-        return x + self.conv(self.relu(self.bn2(out)))
+        return x + conv1x1(self.relu(self.bn2(out)), self.conv)
 
 
 class SAN(nn.Module):

@@ -11,6 +11,7 @@ unrotated result in brackets, ``51.8(23.1)``; Table 10 shows clean top-1 and, fo
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,16 +150,25 @@ def pgd_table(runs: list[Run], with_reference: bool = True) -> pd.DataFrame:
     """Numeric Table 10: ``clean_top1`` and ``n2_`` / ``n4_`` ``success_rate``, ``top1`` (over all
     images, as the paper) plus the same on the clean-correct subset (``..._clean_correct``)."""
     reference = _reference("san_table10_pgd") if with_reference else {}
+    groups: dict[tuple, list[Run]] = {}
+    for run in (r for r in runs if r.protocol == "pgd"):   # one row per model, checkpoint and image set
+        groups.setdefault(_model_key(run), []).append(run)
     rows = []
-    for run in (r for r in runs if r.protocol == "pgd"):
-        summary = summarize_pgd(run.records).set_index("condition")
+    for group in groups.values():
+        summaries = [summarize_pgd(run.records).set_index("condition") for run in group]
+
+        def pick(condition: str, metric: str) -> float:
+            """The value from the first run of the group that has ``condition``."""
+            return next((s.loc[condition, metric] for s in summaries if condition in s.index), math.nan)
+
+        run = group[0]
+        clean_n = pick(CLEAN, "n")
         row = {"model": run.model, "dataset": run.dataset, "source": "ours", "trained": run.trained,
-               "n": int(summary.loc[CLEAN, "n"]) if CLEAN in summary.index else 0, "run": str(run.path),
-               "clean_top1": summary.loc[CLEAN, "top1"] if CLEAN in summary.index else math.nan}
+               "n": 0 if math.isnan(clean_n) else int(clean_n), "run": ", ".join(str(r.path) for r in group),
+               "clean_top1": pick(CLEAN, "top1")}
         for setting, prefix in TABLE10_SETTINGS:
             for metric in ("success_rate", "top1", "success_rate_clean_correct", "top1_clean_correct"):
-                row[f"{prefix}_{metric}"] = (summary.loc[setting.name, metric]
-                                             if setting.name in summary.index else math.nan)
+                row[f"{prefix}_{metric}"] = pick(setting.name, metric)
         rows.append(row)
         paper = _paper_row(run, reference)
         if paper is not None:
@@ -169,6 +179,13 @@ def pgd_table(runs: list[Run], with_reference: bool = True) -> pd.DataFrame:
                 prow[f"{prefix}_top1"] = paper[f"{prefix}_top1"]
             rows.append(prow)
     return pd.DataFrame(rows)
+
+
+def _model_key(run: Run) -> tuple:
+    """Runs with equal keys evaluated the same weights on the same images."""
+    checkpoint = run.description.get("checkpoint") or {}
+    return (run.model, json.dumps(run.description["dataset"], sort_keys=True), checkpoint.get("sha256"),
+            run.description.get("init_seed"))
 
 
 def format_pgd(table: pd.DataFrame) -> pd.DataFrame:

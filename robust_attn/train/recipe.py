@@ -44,6 +44,7 @@ class DataConfig:
     batch_size: int = 256             # global batch, split evenly over the processes
     eval_batch_size: int = 256        # per process
     workers: int = 4                  # DataLoader workers per process
+    augment: bool = True              # the dataset's training augmentation (see robust_attn.data.transforms)
     holdout: bool = False             # exclude SAN's held-out "val" images from training
     eval_split: str = "test"          # evaluated after every epoch: "test" or "val"
     limit_train: int | None = None    # train on a fixed random subset (smoke runs)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import json
 import platform
 import shutil
 import subprocess
@@ -175,7 +174,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
         net = net.to(memory_format=torch.channels_last)
 
     # data
-    train_set = SeededAugment(build_dataset(recipe.dataset, dcfg.root, "train", augment=True,
+    train_set = SeededAugment(build_dataset(recipe.dataset, dcfg.root, "train", augment=dcfg.augment,
                                             holdout=dcfg.holdout, limit=dcfg.limit_train), seed=recipe.seed)
     eval_set = build_dataset(recipe.dataset, dcfg.root, dcfg.eval_split, limit=dcfg.limit_eval,
                              holdout=dcfg.holdout)
