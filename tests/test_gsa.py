@@ -8,7 +8,6 @@ from robust_attn import create_model
 from robust_attn.complexity import count_params, model_complexity
 from robust_attn.layers.gsa import GlobalSelfAttention2d, content_attention
 from robust_attn.models.resnet import RESNET_LAYERS
-from robust_attn.reference import imagenet_reference
 
 GSA_MODELS = ["gsa_resnet101", "gsa_resnet26", "gsa_resnet38", "gsa_resnet50"]
 
@@ -166,20 +165,6 @@ def test_bad_configurations_raise_clear_errors():
         GlobalSelfAttention2d(16, 16, feature_size=4)(torch.randn(1, 8, 4, 4))
 
 
-@pytest.mark.parametrize("name", ["gsa_resnet38", "gsa_resnet50", "gsa_resnet101"])
-def test_parameter_counts_match_gsa_table6(name):
-    params = model_complexity(name)["params"] / 1e6
-    paper = imagenet_reference()[name]["params_M"]
-    assert abs(params - paper) / paper < 0.02, (params, paper)
-
-
-@pytest.mark.parametrize("name", ["gsa_resnet38", "gsa_resnet50", "gsa_resnet101"])
-def test_multiply_adds_within_10_percent_of_gsa_table6(name):
-    macs = model_complexity(name)["macs"] / 1e9
-    paper_macs = imagenet_reference()[name]["flops_G"] / 2     # the paper counts mults and adds apart
-    assert abs(macs - paper_macs) / paper_macs < 0.10, (macs, paper_macs)
-
-
 def test_gsa_resnet26_parameter_count_matches_derivation():
     # ResNet-26 with each 3x3 conv (9 C^2) swapped for q, k, v 1x1 convs (3 C^2), two relative
     # embedding tables (2 (2L - 1) C/8) and the BN between column and row layers (2 C).
@@ -192,32 +177,6 @@ def test_gsa_resnet26_parameter_count_matches_derivation():
             if stage > 0 and index == 0:
                 size //= 2
     assert model_complexity("gsa_resnet26")["params"] == expected
-
-
-def _check_architecture(name, resolution):
-    image = 64 if resolution == "imagenet" else 32
-    model = create_model(name, num_classes=10, resolution=resolution, width=0.25,
-                         **({"image_size": 64} if resolution == "imagenet" else {}))
-    x = torch.rand(2, 3, image, image)
-    model.train()
-    out = model(x)
-    assert out.shape == (2, 10) and torch.isfinite(out).all()
-    out.logsumexp(1).sum().backward()
-    grads = [p.grad for p in model.parameters()]
-    assert all(g is not None and torch.isfinite(g).all() for g in grads)
-    model.eval()
-    with torch.no_grad():
-        first, second = model(x), model(x)
-        torch.testing.assert_close(first, second, rtol=0, atol=0)
-        clone = create_model(name, num_classes=10, resolution=resolution, **model.arch_args["overrides"])
-        clone.load_state_dict(model.state_dict())
-        torch.testing.assert_close(clone.eval()(x), first)
-
-
-@pytest.mark.parametrize("resolution", ["cifar", "imagenet"])
-@pytest.mark.parametrize("name", GSA_MODELS)
-def test_every_architecture_trains_and_round_trips(name, resolution):
-    _check_architecture(name, resolution)
 
 
 def test_registered_in_the_gsa_family():

@@ -344,7 +344,7 @@ class _DenseLocalAttention(torch.autograd.Function):
         q, k, v, rel, attn, log_norm, out = ctx.saved_tensors
         with _no_autocast(q.device):
             b, h, d, height, width = q.shape
-            n, kk = height * width, rel.shape[2]
+            n = height * width
             offset, _, in_map = _dense_tables(height, width, ctx.kernel_size, q.device)
             grad_out = grad_out.to(q.dtype).flatten(3)
             grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
