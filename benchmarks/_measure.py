@@ -9,6 +9,7 @@ multi-threaded kernels can deadlock, and the peak of one thread's buffers is wha
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -20,7 +21,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["time_ms", "peak_memory_mb", "machine_description", "write_json"]
+__all__ = ["time_ms", "peak_memory_mb", "measure_layer", "machine_description", "write_json"]
 
 
 def _sync(device: torch.device) -> None:
@@ -95,3 +96,31 @@ def write_json(path: str | os.PathLike, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def measure_layer(layer: torch.nn.Module, x: torch.Tensor, device: torch.device | str = "cpu", repeats: int = 5,
+                  amp: bool = False) -> dict:
+    """Forward and train-step (forward + backward of a scalar loss) time and peak memory of ``layer``
+    on input ``x``; ``amp`` runs under autocast (bf16 on CPU, fp16 on CUDA)."""
+    device = torch.device(device)
+
+    def autocast():
+        if not amp:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16)
+
+    def forward():
+        with torch.no_grad(), autocast():
+            layer(x)
+
+    def train_step():
+        xg = x.detach().requires_grad_()
+        with autocast():
+            loss = layer(xg).float().square().mean()
+        loss.backward()
+        layer.zero_grad(set_to_none=True)
+
+    return {"forward_ms": time_ms(forward, device, repeats),
+            "train_step_ms": time_ms(train_step, device, repeats),
+            "forward_peak_mb": peak_memory_mb(forward, device),
+            "train_step_peak_mb": peak_memory_mb(train_step, device)}

@@ -24,7 +24,6 @@ prints the ratios and writes ``benchmarks/results/aa_ea_ops.json``. Not a test. 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _measure import machine_description, peak_memory_mb, time_ms, write_json  # noqa: E402
+from _measure import machine_description, measure_layer, write_json  # noqa: E402
 
 from robust_attn.layers.aa import AugmentedConv2d, aa_dims, relative_index  # noqa: E402
 from robust_attn.layers.external_attention import ExternalAttention  # noqa: E402
@@ -69,29 +68,6 @@ def _layers(channels: int, size: int) -> dict[str, nn.Module]:
     }
 
 
-def _measure(layer: nn.Module, x: torch.Tensor, device: torch.device, repeats: int, amp: bool) -> dict:
-    def autocast():
-        if not amp:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16)
-
-    def forward():
-        with torch.no_grad(), autocast():
-            layer(x)
-
-    def train_step():
-        xg = x.detach().requires_grad_()
-        with autocast():
-            loss = layer(xg).float().square().mean()
-        loss.backward()
-        layer.zero_grad(set_to_none=True)
-
-    return {"forward_ms": time_ms(forward, device, repeats),
-            "train_step_ms": time_ms(train_step, device, repeats),
-            "forward_peak_mb": peak_memory_mb(forward, device),
-            "train_step_peak_mb": peak_memory_mb(train_step, device)}
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -120,7 +96,7 @@ def main(argv=None) -> None:
                 continue
             layer.to(device).train()
             try:
-                res = _measure(layer, x, device, args.repeats, args.amp)
+                res = measure_layer(layer, x, device, args.repeats, args.amp)
             except (RuntimeError, MemoryError) as err:      # e.g. CUDA out of memory for aa_naive
                 res = {"error": str(err).split("\n")[0]}
                 if device.type == "cuda":

@@ -27,7 +27,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _measure import machine_description, peak_memory_mb, time_ms, write_json  # noqa: E402
+from _measure import machine_description, measure_layer, write_json  # noqa: E402
 
 from robust_attn.layers.gsa import GlobalSelfAttention2d  # noqa: E402
 from robust_attn.layers.sasa import SASAttention2d  # noqa: E402
@@ -42,22 +42,6 @@ def _layers(channels: int, size: int) -> dict[str, nn.Module]:
         "gsa": GlobalSelfAttention2d(channels, channels, feature_size=size, heads=8),
         "conv3x3": nn.Conv2d(channels, channels, 3, padding=1, bias=False),
     }
-
-
-def _measure(layer: nn.Module, x: torch.Tensor, device: torch.device, repeats: int) -> dict:
-    def forward():
-        with torch.no_grad():
-            layer(x)
-
-    def train_step():
-        xg = x.detach().requires_grad_()
-        layer(xg).square().mean().backward()
-        layer.zero_grad(set_to_none=True)
-
-    return {"forward_ms": time_ms(forward, device, repeats),
-            "train_step_ms": time_ms(train_step, device, repeats),
-            "forward_peak_mb": peak_memory_mb(forward, device),
-            "train_step_peak_mb": peak_memory_mb(train_step, device)}
 
 
 def main(argv=None) -> None:
@@ -83,7 +67,7 @@ def main(argv=None) -> None:
         results[shape_name] = {"batch": batch, "size": size, "channels": args.channels, "layers": {}}
         for name, layer in _layers(args.channels, size).items():
             layer.to(device).train()
-            results[shape_name]["layers"][name] = _measure(layer, x, device, args.repeats)
+            results[shape_name]["layers"][name] = measure_layer(layer, x, device, args.repeats)
             print(f"{shape_name} {name}: {results[shape_name]['layers'][name]}", flush=True)
 
     metrics = ["forward_ms", "train_step_ms", "forward_peak_mb", "train_step_peak_mb"]
