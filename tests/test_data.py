@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED
 
 from robust_attn.data import build_dataset, dataset_info, locate_dataset, SeededAugment
 from robust_attn.data import cifar100, fashion_mnist
 from robust_attn.data.splits import holdout_split, subset_indices
 from robust_attn.data.transforms import RandomCropFlip
 
-SHARED = Path(os.environ.get("ROBUST_ATTN_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 CIFAR_BUNDLE = SHARED / "data" / "cifar100"
 FASHION_DEBIAN = Path("/usr/share/datasets/fashion-mnist")
 
