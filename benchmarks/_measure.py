@@ -9,19 +9,21 @@ multi-threaded kernels can deadlock, and the peak of one thread's buffers is wha
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import multiprocessing as mp
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-__all__ = ["time_ms", "peak_memory_mb", "measure_layer", "machine_description", "write_json"]
+__all__ = ["time_ms", "peak_memory_mb", "measure_layer", "run_layer_benchmark", "machine_description", "write_json"]
 
 
 def _sync(device: torch.device) -> None:
@@ -124,3 +126,46 @@ def measure_layer(layer: torch.nn.Module, x: torch.Tensor, device: torch.device 
             "train_step_ms": time_ms(train_step, device, repeats),
             "forward_peak_mb": peak_memory_mb(forward, device),
             "train_step_peak_mb": peak_memory_mb(train_step, device)}
+
+
+def run_layer_benchmark(build_layers: Callable[[int, int], dict], description: str,
+                        argv: list[str] | None = None) -> tuple[argparse.Namespace, torch.device, dict]:
+    """The shared driver of the per-operator benchmarks: parse the common options, then measure
+    every layer of ``build_layers(channels, size)`` at an ImageNet stage (56x56) and a CIFAR stage
+    (32x32) with :func:`measure_layer`. Returns the options, the device and
+    ``{shape: {"batch", "size", "channels", "layers": {name: metrics}}}``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--channels", type=int, default=64)
+    parser.add_argument("--imagenet-batch", type=int, default=8, help="batch at 56x56 (default 8)")
+    parser.add_argument("--cifar-batch", type=int, default=64, help="batch at 32x32 (default 64)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--amp", action="store_true", help="run under torch.autocast")
+    parser.add_argument("--skip", nargs="*", default=[], help="layer names to leave out")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args(argv)
+    args.command = " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda given but CUDA is not available; use --device cpu")
+    torch.manual_seed(0)
+    results: dict[str, dict] = {}
+    for shape_name, (batch, size) in {"imagenet_stage1": (args.imagenet_batch, 56),
+                                      "cifar_stage1": (args.cifar_batch, 32)}.items():
+        x = torch.randn(batch, args.channels, size, size, device=device)
+        results[shape_name] = {"batch": batch, "size": size, "channels": args.channels, "layers": {}}
+        for name, layer in build_layers(args.channels, size).items():
+            if name in args.skip:
+                continue
+            layer.to(device).train()
+            try:
+                res = measure_layer(layer, x, device, args.repeats, args.amp)
+            except (RuntimeError, MemoryError) as err:      # e.g. CUDA out of memory for a naive layer
+                res = {"error": str(err).split("\n")[0]}
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            results[shape_name]["layers"][name] = res
+            print(f"{shape_name} {name}: {res}", flush=True)
+    return args, device, results

@@ -23,7 +23,6 @@ prints the ratios and writes ``benchmarks/results/aa_ea_ops.json``. Not a test. 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _measure import machine_description, measure_layer, write_json  # noqa: E402
+from _measure import machine_description, run_layer_benchmark, write_json  # noqa: E402
 
 from robust_attn.layers.aa import AugmentedConv2d, aa_dims, relative_index  # noqa: E402
 from robust_attn.layers.external_attention import ExternalAttention  # noqa: E402
@@ -69,40 +68,7 @@ def _layers(channels: int, size: int) -> dict[str, nn.Module]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--channels", type=int, default=64)
-    parser.add_argument("--imagenet-batch", type=int, default=8, help="batch at 56x56 (default 8)")
-    parser.add_argument("--cifar-batch", type=int, default=64, help="batch at 32x32 (default 64)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--amp", action="store_true", help="run under torch.autocast")
-    parser.add_argument("--skip", nargs="*", default=[], help="layer names to leave out (e.g. aa_naive)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda given but CUDA is not available; use --device cpu")
-    torch.manual_seed(0)
-
-    shapes = {"imagenet_stage1": (args.imagenet_batch, 56), "cifar_stage1": (args.cifar_batch, 32)}
-    results: dict[str, dict] = {}
-    for shape_name, (batch, size) in shapes.items():
-        x = torch.randn(batch, args.channels, size, size, device=device)
-        results[shape_name] = {"batch": batch, "size": size, "channels": args.channels, "layers": {}}
-        for name, layer in _layers(args.channels, size).items():
-            if name in args.skip:
-                continue
-            layer.to(device).train()
-            try:
-                res = measure_layer(layer, x, device, args.repeats, args.amp)
-            except (RuntimeError, MemoryError) as err:      # e.g. CUDA out of memory for aa_naive
-                res = {"error": str(err).split("\n")[0]}
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            results[shape_name]["layers"][name] = res
-            print(f"{shape_name} {name}: {res}", flush=True)
+    args, device, results = run_layer_benchmark(_layers, __doc__.split("\n")[0], argv)
 
     metrics = ["forward_ms", "train_step_ms", "forward_peak_mb", "train_step_peak_mb"]
     print(f"\n{machine_description(device)}{' (autocast)' if args.amp else ''}")
@@ -124,7 +90,7 @@ def main(argv=None) -> None:
 
     payload = {"device": str(device), "machine": machine_description(device), "repeats": args.repeats,
                "amp": args.amp,
-               "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+               "command": args.command,
                "shapes": results}
     write_json(RESULTS / "aa_ea_ops.json", payload)
 
