@@ -1,7 +1,10 @@
 """Shipped recipes (zoo/recipes) against the papers' settings, and recipe validation."""
 from __future__ import annotations
 
-import tomllib
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (a dependency there)
+    import tomli as tomllib
 from pathlib import Path
 
 import pytest

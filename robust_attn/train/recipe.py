@@ -25,7 +25,10 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import tomllib
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (a dependency there)
+    import tomli as tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
