@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["zoo", "train", "eval", "report"]
+COMMANDS = ["zoo", "train", "eval", "report", "study"]
 
 
 class UserError(Exception):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -66,6 +67,15 @@ class AttackSetting:
 
 
 PAPER_SETTINGS = (AttackSetting(8, 4, 2), AttackSetting(8, 2, 4))
+_NAME = re.compile(r"pgd_eps(?P<eps>[0-9.e+-]+)_step(?P<step>[0-9.e+-]+)_n(?P<steps>[0-9]+)")
+
+
+def parse_setting_name(name: str) -> AttackSetting:
+    """The inverse of ``AttackSetting.name``: ``"pgd_eps8_step2_n4"`` -> ``AttackSetting(8, 2, 4)``."""
+    match = _NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a PGD condition name (pgd_eps<E>_step<S>_n<N>)")
+    return AttackSetting(float(match["eps"]), float(match["step"]), int(match["steps"]))
 
 
 def pgd_settings(eps: Sequence[float] = (8,), steps: Sequence[int] = (2, 4),

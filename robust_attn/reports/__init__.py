@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from robust_attn.reports.comparison import DEFAULT_BASELINE, compare_models, findings_text
 from robust_attn.reports.plots import plot_pgd, plot_rotation
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, load_runs, pgd_sweep, pgd_table,
@@ -31,9 +32,11 @@ def _write_csv(frame: pd.DataFrame, path: Path) -> Path:
 
 
 def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
-                plots: bool = True) -> list[Path]:
+                plots: bool = True, baseline: str = DEFAULT_BASELINE, preamble: list[str] | None = None) -> list[Path]:
     """Write the tables, sweeps, intervals and plots of ``run_dirs`` into ``out_dir``; returns
-    the files written. ``report.md`` gathers everything."""
+    the files written. ``report.md`` gathers everything: ``preamble`` lines first, then, when
+    two or more models ran on the same images, the findings (which model loses least, paired
+    bootstrap; :mod:`robust_attn.reports.comparison`), then the tables."""
     runs = load_runs(run_dirs)
     if not runs:
         raise ValueError("give at least one run directory")
@@ -47,6 +50,13 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
     if any(not r.trained for r in runs):
         md += ["**Warning: some runs used random weights (no checkpoint); their numbers say nothing "
                "about the architectures.**", ""]
+    md += list(preamble or [])
+
+    comparison = compare_models(runs, n_boot=n_boot, seed=seed, level=level, baseline=baseline)
+    if not comparison.empty and comparison["model"].nunique() > 1:
+        files.append(_write_csv(comparison, out / "comparison.csv"))
+        md += ["## Findings: which model loses least", ""] + findings_text(comparison, baseline) + [
+            "Every number above, with its interval: `comparison.csv`.", ""]
 
     t9 = rotation_table(runs)
     if not t9.empty:

@@ -1,0 +1,55 @@
+"""``robust-attn study``: SAN section 5.4 on every zoo model of a dataset (rotation, Table 10
+PGD and an eps sweep on the same images), then the report with the findings
+(:mod:`robust_attn.study`). Resumable: run it again to finish an interrupted study."""
+from __future__ import annotations
+
+import argparse
+
+from robust_attn.cli import UserError
+from robust_attn.commands.eval import parse_list
+
+__all__ = ["add_parser", "run_study_cmd"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from robust_attn.study import BACKENDS, StudyConfig
+
+    d = StudyConfig()
+    p = sub.add_parser("study", help="rotation + PGD on every zoo model of a dataset, then the report")
+    p.add_argument("--dataset", default=d.dataset, help=f"zoo dataset (default {d.dataset})")
+    p.add_argument("--models", help="comma list of zoo entries (default: every entry for --dataset)")
+    p.add_argument("--root", help="data folder (default: $ROBUST_ATTN_DATA, ./data or the system copy)")
+    p.add_argument("--split", default=d.split, choices=["test", "val", "train"])
+    p.add_argument("--limit", type=int, help="a fixed-seed subset of this many images (default: all)")
+    p.add_argument("--angle-step", type=float, default=d.angle_step,
+                   help=f"rotation sweep every this many degrees, 0 for none (default {d.angle_step:g})")
+    p.add_argument("--sweep-eps", default=",".join(f"{e:g}" for e in d.sweep_eps),
+                   help="eps sweep in 1/255, comma list (default %(default)s)")
+    p.add_argument("--sweep-steps", type=int, default=d.sweep_steps, help="PGD steps of the sweep (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="images per batch and record chunk")
+    p.add_argument("--backend", default=d.backend, choices=BACKENDS)
+    p.add_argument("--seed", type=int, default=d.seed, help="attack targets and bootstrap seed")
+    p.add_argument("--bootstrap", type=int, default=d.bootstrap, help="bootstrap resamples (default %(default)s)")
+    p.add_argument("--baseline", default=d.baseline, help="convolutional reference model (default %(default)s)")
+    p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--manifest", help="zoo manifest (default zoo/manifest.json)")
+    p.add_argument("--runs", default=None, help="run directories (default runs/study-<dataset>)")
+    p.add_argument("--out", default=None, help="report folder (default reports/study-<dataset>)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_study_cmd)
+
+
+def run_study_cmd(args) -> int:
+    from robust_attn.study import StudyConfig, run_study
+
+    try:
+        config = StudyConfig(dataset=args.dataset, split=args.split, limit=args.limit,
+                             models=tuple(m.strip() for m in (args.models or "").split(",") if m.strip()),
+                             angle_step=args.angle_step, sweep_eps=tuple(parse_list(args.sweep_eps, float, "--sweep-eps")),
+                             sweep_steps=args.sweep_steps, batch_size=args.batch_size, seed=args.seed,
+                             backend=args.backend, bootstrap=args.bootstrap, baseline=args.baseline)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    run_study(config, args.runs or f"runs/study-{args.dataset}", args.out or f"reports/study-{args.dataset}",
+              root=args.root, device=args.device, manifest=args.manifest, progress=not args.no_progress)
+    return 0

@@ -1,0 +1,203 @@
+"""Which model loses least? Paired bootstrap comparisons of robustness across models.
+
+SAN section 5.4 reads Tables 9 and 10 as "which architecture loses least". Here that reading
+is made explicit and given an uncertainty. Every measure is a mean over images of a per-image
+loss, so two models evaluated on the same images can be compared image by image:
+
+* ``rotation_drop``: top-1 hit on the unrotated image minus the mean hit over the four rotated
+  conditions of Table 9 (90°, 180°, 270° clockwise and upside-down), in points.
+* ``pgd_drop:<setting>``: top-1 hit on the clean image minus the hit under that targeted PGD
+  setting (every setting the runs share: Table 10's two and any eps sweep), in points.
+* ``pgd_success:<setting>``: targeted attack success (prediction equals the target), in %.
+
+Lower is better for all three. For each measure the model with the lowest mean is "best"; the
+difference of every other model to it, and to the convolutional baseline, is bootstrapped over
+images *paired* (one resample of image indices serves both models), which is what makes a
+difference of a few tenths of a point resolvable on 10,000 images when the separate intervals
+overlap. A difference whose interval contains 0 is reported as not resolved.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS
+from robust_attn.reports.stats import bootstrap_mean_ci
+
+__all__ = ["per_image_losses", "compare_models", "findings_text", "ROTATED", "DEFAULT_BASELINE"]
+
+ROTATED = ("cw90", "cw180", "cw270", "flip_ud")  # Table 9's four rotated conditions
+DEFAULT_BASELINE = "resnet26"
+_HEADLINE_PGD = PAPER_SETTINGS[1].name           # {8, 2, 4}: the stronger of Table 10's two settings
+
+
+@dataclass(frozen=True)
+class Measure:
+    key: str
+    title: str
+    unit: str
+
+
+def _measure(key: str) -> Measure:
+    kind, _, setting = key.partition(":")
+    if kind == "rotation_drop":
+        return Measure(key, "rotation: mean top-1 drop over 90°, 180°, 270° and upside-down", "points")
+    label = _setting_label(key)
+    if kind == "pgd_drop":
+        return Measure(key, f"targeted PGD ({label}): top-1 drop (clean minus attacked)", "points")
+    return Measure(key, f"targeted PGD ({label}): attack success rate", "%")
+
+
+def _hits(records: pd.DataFrame, column: str) -> pd.DataFrame:
+    """image index x condition table of a 0/1 column."""
+    return records.pivot_table(index="index", columns="condition", values=column, aggfunc="first")
+
+
+def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
+    """``{(image set, measure key): DataFrame (image index x model)}`` from finished runs.
+
+    The image set is the run's dataset description (name, split, limit) as JSON: only runs on
+    the same images are compared. A model with several runs of a protocol contributes each
+    condition once (the first run that has it)."""
+    columns: dict[tuple[str, str], dict[str, pd.Series]] = {}
+
+    def put(run, key: str, values: pd.Series) -> None:
+        images = json.dumps(run.description["dataset"], sort_keys=True)
+        columns.setdefault((images, key), {}).setdefault(run.model, values.astype(float))
+
+    for run in runs:
+        if run.protocol == "rotation":
+            top1 = _hits(run.records, "top1")
+            if "none" in top1 and all(c in top1 for c in ROTATED):
+                put(run, "rotation_drop", top1["none"] - top1[list(ROTATED)].mean(axis=1))
+        elif run.protocol == "pgd":
+            top1, success = _hits(run.records, "top1"), _hits(run.records, "success")
+            for setting in (c for c in top1.columns if c != CLEAN):
+                if CLEAN in top1:
+                    put(run, f"pgd_drop:{setting}", top1[CLEAN] - top1[setting])
+                put(run, f"pgd_success:{setting}", success[setting])
+    return {key: pd.DataFrame(cols).dropna() for key, cols in columns.items()}
+
+
+def _family(model: str) -> str:
+    from robust_attn.registry import model_info
+
+    try:
+        return model_info(model).family
+    except (KeyError, ValueError):
+        return ""
+
+
+def compare_models(runs, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
+                   baseline: str = DEFAULT_BASELINE) -> pd.DataFrame:
+    """One row per (image set, measure, model): the mean loss with its interval, and the paired
+    differences to the best model and to ``baseline`` with theirs (``nan`` where not defined).
+    Rows of a measure are sorted best first (``rank`` 1)."""
+    rows = []
+    for (images, key), losses in per_image_losses(runs).items():
+        if losses.empty:
+            continue
+        means = losses.mean().sort_values(kind="stable")
+        best = means.index[0]
+        for rank, model in enumerate(means.index, start=1):
+            own = bootstrap_mean_ci(losses[model], n_boot=n_boot, seed=seed, level=level)
+            row = {"images": images, "measure": key, "title": _measure(key).title, "unit": _measure(key).unit,
+                   "rank": rank, "model": model, "family": _family(model), "value": own.value,
+                   "low": own.low, "high": own.high, "n": len(losses), "level": level, "n_boot": n_boot}
+            for name, other in (("best", best), ("baseline", baseline)):
+                if other in losses and other != model:
+                    diff = bootstrap_mean_ci(losses[model] - losses[other], n_boot=n_boot, seed=seed, level=level)
+                    row.update({f"minus_{name}": diff.value, f"minus_{name}_low": diff.low,
+                                f"minus_{name}_high": diff.high})
+                else:
+                    row.update({f"minus_{name}": np.nan, f"minus_{name}_low": np.nan, f"minus_{name}_high": np.nan})
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _resolved(low: float, high: float) -> bool:
+    return low > 0 or high < 0
+
+
+def _diff(value: float, low: float, high: float) -> str:
+    if np.isnan(value):
+        return "-"
+    return f"{value:+.2f} [{low:+.2f}, {high:+.2f}]" + ("" if _resolved(low, high) else " (n.s.)")
+
+
+def _sentence(group: pd.DataFrame) -> str:
+    first = group.iloc[0]
+    text = (f"**{first['title']}**: {first['model']} loses least ({first['value']:.2f} {first['unit']}, "
+            f"{first['level']:.0%} interval [{first['low']:.2f}, {first['high']:.2f}]).")
+    if len(group) > 1:
+        second = group.iloc[1]
+        if _resolved(second["minus_best_low"], second["minus_best_high"]):
+            text += (f" The runner-up, {second['model']}, loses {second['minus_best']:.2f} {first['unit']} more "
+                     f"[{second['minus_best_low']:.2f}, {second['minus_best_high']:.2f}]: the lead is resolved.")
+        else:
+            tied = [r["model"] for _, r in group.iloc[1:].iterrows()
+                    if not _resolved(r["minus_best_low"], r["minus_best_high"])]
+            text += (f" Not resolved from {', '.join(tied)} (paired differences whose interval contains 0), "
+                     f"so the lead is not established on these {int(first['n'])} images.")
+        if len(group) > 2:
+            worst = group.iloc[-1]
+            text += f" Last: {worst['model']} ({worst['value']:.2f} {first['unit']})."
+    return text
+
+
+def findings_text(comparison: pd.DataFrame, baseline: str = DEFAULT_BASELINE) -> list[str]:
+    """Markdown lines: a sentence and a table per headline measure (rotation; Table 10's
+    {8, 2, 4} setting), then a compact table of the top-1 drop for every shared PGD setting."""
+    if comparison.empty:
+        return []
+    lines = []
+    headline = ["rotation_drop", f"pgd_drop:{_HEADLINE_PGD}", f"pgd_success:{_HEADLINE_PGD}"]
+    for images, frame in comparison.groupby("images", sort=False):
+        described = json.loads(images)
+        lines += [f"Image set: {described.get('name')} / {described.get('split')}"
+                  + (f" (limit {described['limit']})" if described.get("limit") else "")
+                  + f", {int(frame['n'].iloc[0])} images. Lower is better everywhere; intervals are "
+                  f"{frame['level'].iloc[0]:.0%} percentile bootstrap over images ({int(frame['n_boot'].iloc[0])} "
+                  "resamples), differences paired image by image; (n.s.) marks a difference whose interval "
+                  "contains 0.", ""]
+        for key in headline:
+            group = frame[frame["measure"] == key].sort_values("rank")
+            if group.empty:
+                continue
+            lines += [_sentence(group), "",
+                      f"| model | family | {group['unit'].iloc[0]} [interval] | minus best | minus {baseline} |",
+                      "|:--|:--|--:|--:|--:|"]
+            for _, r in group.iterrows():
+                lines.append(f"| {r['model']} | {r['family']} | {r['value']:.2f} [{r['low']:.2f}, {r['high']:.2f}] | "
+                             f"{_diff(r['minus_best'], r['minus_best_low'], r['minus_best_high'])} | "
+                             f"{_diff(r['minus_baseline'], r['minus_baseline_low'], r['minus_baseline_high'])} |")
+            lines.append("")
+        drops = frame[frame["measure"].str.startswith("pgd_drop:")]
+        if drops["measure"].nunique() > 1:
+            table = drops.pivot_table(index="model", columns="measure", values="value", sort=False)
+            order = sorted(table.columns, key=_setting_order)
+            table = table[order].sort_values(order[-1])
+            lines += ["Top-1 drop (points) under every PGD setting the runs share (eps and step in 1/255):", "",
+                      "| model | " + " | ".join(_setting_label(c) for c in order) + " |",
+                      "|:--|" + "--:|" * len(order)]
+            lines += [f"| {model} | " + " | ".join(f"{v:.1f}" for v in row) + " |" for model, row in table.iterrows()]
+            lines.append("")
+    return lines
+
+
+def _setting_order(measure: str) -> tuple:
+    from robust_attn.protocols.pgd import parse_setting_name
+
+    setting = parse_setting_name(measure.partition(":")[2])
+    return (setting.steps, setting.eps, setting.step)
+
+
+def _setting_label(measure: str) -> str:
+    """``"pgd_drop:pgd_eps8_step2_n4"`` -> ``"eps 8, step 2, n 4"`` (1/255 units)."""
+    from robust_attn.protocols.pgd import parse_setting_name
+
+    s = parse_setting_name(measure.partition(":")[2])
+    return f"eps {s.eps:g}, step {s.step:g}, n {s.steps}"

@@ -1,0 +1,187 @@
+"""The complete SAN-style study over a zoo: SAN section 5.4 in one call.
+
+For every zoo model trained on ``config.dataset`` this runs the rotation protocol (Table 9 plus
+the left-right flip and an angle sweep) and targeted PGD (Table 10's two settings plus an eps
+sweep) on the same images with the same attack targets, then writes the report: Tables 9 and
+10, the plots, bootstrap intervals and the findings (which model loses least, paired bootstrap;
+:mod:`robust_attn.reports.comparison`).
+
+    >>> from robust_attn.study import StudyConfig, run_study
+    >>> run_study(StudyConfig(dataset="fashion_mnist"), runs_dir="runs/study", report_dir="reports/study")
+
+Every run directory is resumable (:mod:`robust_attn.results`): calling again after an
+interruption computes only what is missing, and a finished model costs nothing. The wall time
+each call spent per model and protocol is appended to ``<runs_dir>/timings.csv``, so the report
+can say what the study cost.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from robust_attn.protocols.pgd import PAPER_SETTINGS, TARGETS_FILE, AttackSetting, pgd_settings, run_pgd
+from robust_attn.protocols.rotation import rotation_conditions, run_rotation
+from robust_attn.results import RunStore, library_versions
+from robust_attn.utils.io import atomic_path
+
+__all__ = ["StudyConfig", "run_study", "study_models", "TIMINGS_FILE"]
+
+TIMINGS_FILE = "timings.csv"
+BACKENDS = ("native", "torchattacks", "foolbox")
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """What the study runs. eps and steps in 1/255 units, as Table 10."""
+
+    dataset: str = "fashion_mnist"
+    split: str = "test"
+    limit: int | None = None           # None: the whole split
+    models: tuple[str, ...] = ()       # zoo entry names; empty: every entry for ``dataset``
+    angle_step: float = 30.0           # angle sweep (bilinear, zero fill) besides the exact 90s
+    sweep_eps: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)
+    sweep_steps: int = 4               # with step = eps / steps, the rule of both paper settings
+    batch_size: int = 250
+    seed: int = 0                      # attack targets
+    backend: str = "native"
+    bootstrap: int = 1000
+    baseline: str = "resnet26"         # the convolutional reference of the findings
+
+    def __post_init__(self):
+        if self.split not in ("train", "val", "test"):
+            raise ValueError(f"split must be train, val or test, got {self.split!r}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be positive (or None for the whole split), got {self.limit}")
+        if not 0 <= self.angle_step < 360:
+            raise ValueError(f"angle_step must be in [0, 360) degrees (0: no sweep), got {self.angle_step}")
+        if self.sweep_steps < 1 or any(e <= 0 for e in self.sweep_eps):
+            raise ValueError("sweep_eps must be positive and sweep_steps at least 1")
+        if self.batch_size < 1 or self.bootstrap < 1:
+            raise ValueError("batch_size and bootstrap must be positive")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    def attack_settings(self) -> list[AttackSetting]:
+        """Table 10's two settings, then the sweep (without repeating a paper setting)."""
+        settings = list(PAPER_SETTINGS)
+        if self.sweep_eps:
+            settings += [s for s in pgd_settings(self.sweep_eps, [self.sweep_steps]) if s not in settings]
+        return settings
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def study_models(config: StudyConfig, manifest) -> list:
+    """The zoo entries the study covers, in manifest order; a named model the zoo lacks is an
+    error that lists what it has."""
+    have = [e for e in manifest.entries.values() if e.dataset == config.dataset]
+    if not have:
+        raise ValueError(f"the zoo at {manifest.path} has no model trained on {config.dataset!r}; train one "
+                         f"(zoo/recipes) and register it with `robust-attn zoo add`")
+    if not config.models:
+        return have
+    by_name = {e.name: e for e in have}
+    unknown = [m for m in config.models if m not in by_name]
+    if unknown:
+        raise ValueError(f"no zoo model {unknown} for {config.dataset!r}; the zoo has {sorted(by_name)}")
+    return [by_name[m] for m in config.models]
+
+
+def _append_timing(runs_dir: Path, row: dict) -> None:
+    path = runs_dir / TIMINGS_FILE
+    frame = pd.read_csv(path) if path.is_file() else pd.DataFrame()
+    frame = pd.concat([frame, pd.DataFrame([row])], ignore_index=True)
+    with atomic_path(path) as tmp:
+        frame.to_csv(tmp, index=False)
+
+
+def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, fn) -> None:
+    """Run ``fn`` (a protocol call writing into ``out``) and log its wall time and how many
+    record chunks it wrote (0: the run was already complete)."""
+    before = len(RunStore(out).chunks())
+    start = time.perf_counter()
+    fn()
+    store = RunStore(out)
+    _append_timing(runs_dir, {"model": model, "protocol": protocol, "seconds": round(time.perf_counter() - start, 1),
+                              "chunks_written": len(store.chunks()) - before, "chunks_total": len(store.chunks()),
+                              "device": str(device), "threads": torch.get_num_threads(),
+                              "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=None, manifest=None,
+              progress: bool = True, log=print) -> list[Path]:
+    """Run (or resume) the study and write the report; returns the report's files."""
+    from robust_attn.data import build_dataset, dataset_info
+    from robust_attn.reports import make_report
+    from robust_attn.zoo import Manifest, load_entry
+
+    manifest = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
+    entries = study_models(config, manifest)
+    info = dataset_info(config.dataset)
+    dataset = build_dataset(config.dataset, root=root, split=config.split, limit=config.limit)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    runs_dir = Path(runs_dir)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    conditions = rotation_conditions(config.angle_step)
+    settings = config.attack_settings()
+    run_dirs: list[Path] = []
+    targets_file = None
+    for i, entry in enumerate(entries, start=1):
+        log(f"[{i}/{len(entries)}] {entry.name}: loading {entry.weights or entry.torchvision}")
+        model = load_entry(entry, manifest, device=str(device))
+        run_info = {"model": model.arch_args["name"] if hasattr(model, "arch_args") else entry.name,
+                    "zoo_entry": entry.name, "arch": getattr(model, "arch_args", entry.arch),
+                    "checkpoint": {"path": entry.weights, "sha256": entry.sha256},
+                    "dataset": {"name": config.dataset, "split": config.split, "limit": config.limit},
+                    "data_root": str(root) if root else None, "command": list(sys.argv), "device": str(device),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        rotation_dir = runs_dir / f"rotation-{entry.name}"
+        _timed(runs_dir, entry.name, "rotation", rotation_dir, device, lambda: run_rotation(
+            model, dataset, rotation_dir, conditions=conditions, batch_size=config.batch_size, device=device,
+            run_info=run_info, progress=progress))
+        pgd_dir = runs_dir / f"pgd-{entry.name}"
+        _timed(runs_dir, entry.name, "pgd", pgd_dir, device, lambda: run_pgd(
+            model, dataset, pgd_dir, num_classes=info.num_classes, settings=settings, seed=config.seed,
+            backend=config.backend, targets_file=targets_file, batch_size=config.batch_size, device=device,
+            run_info=run_info, progress=progress))
+        targets_file = targets_file or pgd_dir / TARGETS_FILE   # every model attacked towards the same targets
+        run_dirs += [rotation_dir, pgd_dir]
+        log(f"[{i}/{len(entries)}] {entry.name}: done -> {rotation_dir}, {pgd_dir}")
+    files = make_report(run_dirs, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,
+                        preamble=_preamble(config, runs_dir, len(dataset)))
+    study_file = Path(report_dir) / "study.json"
+    with atomic_path(study_file) as tmp:
+        tmp.write_text(json.dumps({"config": config.describe(), "runs": [str(p) for p in run_dirs],
+                                   "versions": library_versions()}, indent=2) + "\n")
+    log(f"study of {len(entries)} model(s) on {len(dataset)} images: report in {Path(report_dir) / 'report.md'}")
+    return files + [study_file]
+
+
+def _preamble(config: StudyConfig, runs_dir: Path, num_images: int) -> list[str]:
+    eps = ", ".join(f"{e:g}" for e in config.sweep_eps)
+    lines = [f"Study: every zoo model trained on `{config.dataset}`, evaluated on {num_images} images of its "
+             f"'{config.split}' split. Rotation: SAN Table 9's conditions, the left-right flip and a sweep every "
+             f"{config.angle_step:g}° (bilinear, zero fill). PGD: targeted L-inf, Table 10's {{8, 4, 2}} and "
+             f"{{8, 2, 4}} plus eps {{{eps}}}/255 with {config.sweep_steps} steps of eps/{config.sweep_steps}, "
+             f"{config.backend} backend; every model attacked towards the same targets (seed {config.seed}).", ""]
+    timings_path = runs_dir / TIMINGS_FILE
+    if timings_path.is_file():
+        timings = pd.read_csv(timings_path)
+        spent = timings[timings["chunks_written"] > 0].pivot_table(index="model", columns="protocol",
+                                                                   values="seconds", aggfunc="sum", sort=False)
+        if not spent.empty:
+            device = ", ".join(sorted(timings["device"].astype(str).unique()))
+            lines += [f"Wall time spent computing ({device}; summed over resumed calls, from `{TIMINGS_FILE}`):", "",
+                      "| model | " + " | ".join(f"{c} (s)" for c in spent.columns) + " |",
+                      "|:--|" + "--:|" * len(spent.columns)]
+            lines += [f"| {m} | " + " | ".join("-" if pd.isna(v) else f"{v:.0f}" for v in row) + " |"
+                      for m, row in spent.iterrows()]
+            lines.append("")
+    return lines

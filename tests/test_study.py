@@ -1,0 +1,131 @@
+"""The one-command study (robust_attn/study.py) and the findings it writes
+(robust_attn/reports/comparison.py)."""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import robust_attn
+from robust_attn.checkpoint import save_checkpoint
+from robust_attn.cli import main
+from robust_attn.reports.comparison import compare_models, findings_text, per_image_losses
+from robust_attn.reports.tables import Run
+from robust_attn.study import TIMINGS_FILE, StudyConfig, run_study
+from robust_attn.wrapper import NormalizedModel
+
+
+# --- comparison on hand-made records --------------------------------------------------------
+def _rotation_run(model: str, base: np.ndarray, rotated: np.ndarray) -> Run:
+    """A rotation run whose 'none' hits are ``base`` and all four rotated conditions ``rotated``."""
+    n = len(base)
+    frames = [pd.DataFrame({"condition": "none", "index": range(n), "top1": base, "top5": 1})]
+    frames += [pd.DataFrame({"condition": c, "index": range(n), "top1": rotated, "top5": 1})
+               for c in ("cw90", "cw180", "cw270", "flip_ud")]
+    description = {"protocol": "rotation", "model": model, "dataset": {"name": "synthetic", "split": "test",
+                                                                       "limit": None}}
+    return Run(path=f"runs/{model}", description=description, records=pd.concat(frames, ignore_index=True))
+
+
+def test_comparison_finds_the_model_that_loses_least_with_paired_intervals():
+    rng = np.random.default_rng(0)
+    n = 4000
+    base = np.ones(n, dtype=int)
+    # model a loses on 10% of the images, b on 10% plus 3% more; c swaps 3 of a's wins for 2 losses
+    loses_a = rng.random(n) < 0.10
+    loses_b = loses_a | (rng.random(n) < 0.03)
+    loses_c = loses_a.copy()
+    loses_c[np.flatnonzero(~loses_a)[:3]] = True
+    loses_c[np.flatnonzero(loses_a)[:2]] = False
+    runs = [_rotation_run(m, base, (~loses).astype(int))
+            for m, loses in (("resnet26", loses_b), ("sasa_resnet26", loses_a), ("san10_pairwise", loses_c))]
+    table = compare_models(runs, n_boot=300, seed=0)
+    rows = table[table["measure"] == "rotation_drop"].set_index("model")
+    assert list(table.sort_values("rank")["model"]) == ["sasa_resnet26", "san10_pairwise", "resnet26"]
+    assert rows.loc["sasa_resnet26", "value"] == pytest.approx(100 * loses_a.mean())
+    assert rows.loc["sasa_resnet26", "family"] == "sasa"
+    # b's extra 3 points are resolved: the paired interval excludes 0 and contains the truth
+    true_b = 100 * (loses_b.mean() - loses_a.mean())
+    assert rows.loc["resnet26", "minus_best"] == pytest.approx(true_b)
+    assert 0 < rows.loc["resnet26", "minus_best_low"] < true_b < rows.loc["resnet26", "minus_best_high"]
+    # c is one image worse out of 4000 and differs on 5: its interval contains 0
+    assert rows.loc["san10_pairwise", "minus_best"] == pytest.approx(100 / n)
+    assert rows.loc["san10_pairwise", "minus_best_low"] < 0 < rows.loc["san10_pairwise", "minus_best_high"]
+    # versus the convolutional baseline (resnet26): negative = attention loses less
+    assert rows.loc["sasa_resnet26", "minus_baseline"] == pytest.approx(-true_b)
+    assert np.isnan(rows.loc["resnet26", "minus_baseline"])
+    # the paired interval is much narrower than the two separate intervals would suggest
+    width_paired = rows.loc["resnet26", "minus_best_high"] - rows.loc["resnet26", "minus_best_low"]
+    width_own = rows.loc["resnet26", "high"] - rows.loc["resnet26", "low"]
+    assert width_paired < width_own
+    text = "\n".join(findings_text(table))
+    assert "sasa_resnet26 loses least" in text and "the lead is not established" in text
+
+
+def test_runs_on_different_images_are_not_compared():
+    base = np.ones(10, dtype=int)
+    a = _rotation_run("resnet26", base, base)
+    b = _rotation_run("sasa_resnet26", base, base)
+    b.description["dataset"] = {"name": "synthetic", "split": "test", "limit": 10}
+    losses = per_image_losses([a, b])
+    assert len(losses) == 2 and all(frame.shape[1] == 1 for frame in losses.values())
+
+
+# --- the study end to end on tiny models ----------------------------------------------------
+@pytest.fixture
+def tiny_zoo(tmp_path):
+    manifest_path = tmp_path / "zoo" / "manifest.json"
+    for name in ("resnet26", "sasa_resnet26"):
+        torch.manual_seed(0)
+        model = robust_attn.create_model(name, 10, "cifar", width=0.25, stem_downsample=4)
+        path = tmp_path / "ckpt" / f"{name}.safetensors"
+        save_checkpoint(path, NormalizedModel(model, (0.5,) * 3, (0.25,) * 3).eval())
+        assert main(["zoo", "add", name, "--dataset", "synthetic", "--checkpoint", str(path),
+                     "--manifest", str(manifest_path)]) == 0
+    return manifest_path
+
+
+def test_study_runs_every_zoo_model_then_resumes_for_free(tmp_path, tiny_zoo):
+    config = StudyConfig(dataset="synthetic", limit=12, angle_step=90, sweep_eps=(2.0, 8.0), sweep_steps=2,
+                         batch_size=8, bootstrap=50)
+    runs, report = tmp_path / "runs", tmp_path / "report"
+    files = run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    names = {f.name for f in files}
+    assert {"report.md", "table9_rotation.md", "table10_pgd.md", "comparison.csv", "study.json",
+            "rotation_angle.png", "pgd_eps.png"} <= names
+    # both models attacked towards the same targets, with the paper's settings and the sweep
+    targets = [pd.read_csv(runs / f"pgd-{m}" / "targets.csv") for m in ("resnet26", "sasa_resnet26")]
+    pd.testing.assert_frame_equal(targets[0], targets[1])
+    conditions = [c["name"] for c in json.loads((runs / "pgd-resnet26" / "run.json").read_text())["conditions"]]
+    assert conditions == ["clean", "pgd_eps8_step4_n2", "pgd_eps8_step2_n4", "pgd_eps2_step1_n2"]
+    comparison = pd.read_csv(report / "comparison.csv")
+    assert set(comparison["model"]) == {"resnet26", "sasa_resnet26"}
+    assert (comparison["n"] == 12).all()
+    # the findings agree with the per-image records they come from
+    rot = pd.concat(pd.read_csv(p) for p in sorted((runs / "rotation-resnet26" / "records").rglob("*.csv")))
+    hits = rot.pivot_table(index="index", columns="condition", values="top1")
+    expected = 100 * (hits["none"] - hits[["cw90", "cw180", "cw270", "flip_ud"]].mean(axis=1)).mean()
+    got = comparison.query("model == 'resnet26' and measure == 'rotation_drop'")["value"].item()
+    assert got == pytest.approx(expected)
+    report_text = (report / "report.md").read_text()
+    assert "## Findings: which model loses least" in report_text and "loses least" in report_text
+    timings = pd.read_csv(runs / TIMINGS_FILE)
+    assert len(timings) == 4 and (timings["chunks_written"] > 0).all()
+    # a second call finds every run complete: nothing computed, same comparison
+    run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    timings = pd.read_csv(runs / TIMINGS_FILE)
+    assert len(timings) == 8 and (timings["chunks_written"].iloc[4:] == 0).all()
+    pd.testing.assert_frame_equal(pd.read_csv(report / "comparison.csv"), comparison)
+
+
+def test_study_command_names_what_is_wrong(tmp_path, tiny_zoo, capsys):
+    common = ["--dataset", "synthetic", "--manifest", str(tiny_zoo), "--runs", str(tmp_path / "r"),
+              "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main(["study", "--models", "san10_pairwise", *common]) == 2
+    assert "the zoo has ['resnet26', 'sasa_resnet26']" in capsys.readouterr().err
+    assert main(["study", "--sweep-eps", "-1", *common]) == 2
+    assert "sweep_eps must be positive" in capsys.readouterr().err
+    assert main(["study", "--dataset", "cifar100", "--manifest", str(tiny_zoo), "--no-progress"]) == 2
+    assert "no model trained on 'cifar100'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "o").exists()   # nothing half-written
