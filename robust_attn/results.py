@@ -9,6 +9,11 @@ Layout of a run directory::
     targets.csv                       (PGD) the attack target of every image
     ...                               anything else a protocol saves (e.g. sanity checks)
 
+A finished run can be *packed* (:meth:`RunStore.pack`): the same directory with all records
+merged into one ``records.csv.gz`` instead of ``records/``, small enough to commit beside a
+report so that the report can be derived again from what was saved. A packed run reads like
+the original and cannot be written to.
+
 A chunk file is written atomically (temporary file, fsync, rename), so its existence is the
 completion marker: a run killed at any point leaves only whole chunks, and starting the same
 command again computes exactly the missing ones. The chunk grid (``start``, ``stop``) depends
@@ -20,6 +25,7 @@ Aggregates (accuracies, success rates, drops) are always computed from the recor
 """
 from __future__ import annotations
 
+import gzip
 import json
 import platform
 import re
@@ -35,6 +41,7 @@ __all__ = ["RunStore", "RunMismatchError", "load_records", "load_description", "
 
 DESCRIPTION = "run.json"
 RECORDS = "records"
+PACKED = "records.csv.gz"
 # Keys of run.json that may differ between a run and its resumption (where and how it ran,
 # not what it computes).
 VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_workers", "created",
@@ -118,11 +125,17 @@ class RunStore:
             raise ValueError(f"condition name {condition!r} must be letters, digits and _.+-")
         return self.root / RECORDS / condition / f"{start:09d}-{stop:09d}.csv"
 
+    @property
+    def packed(self) -> bool:
+        return (self.root / PACKED).is_file()
+
     def has_chunk(self, condition: str, start: int, stop: int) -> bool:
-        return self.chunk_path(condition, start, stop).is_file()
+        return self.packed or self.chunk_path(condition, start, stop).is_file()
 
     def write_chunk(self, condition: str, start: int, stop: int, records: pd.DataFrame) -> Path:
         """Write the records of items [start, stop) under ``condition``, atomically."""
+        if self.packed:
+            raise ValueError(f"{self.root} is a packed run (finished, {PACKED}); run into another --out")
         if len(records) != stop - start:
             raise ValueError(f"chunk {condition}[{start}:{stop}) has {len(records)} records, "
                              f"expected {stop - start}")
@@ -149,6 +162,8 @@ class RunStore:
     def records(self) -> pd.DataFrame:
         """All complete chunks merged (from any number of processes), sorted by condition in
         the order of the description's ``conditions`` and then by image index."""
+        if self.packed:
+            return pd.read_csv(self.root / PACKED)
         frames = [pd.read_csv(self.chunk_path(c, a, b)) for c, a, b in self.chunks()]
         if not frames:
             return pd.DataFrame(columns=["condition", "index"])
@@ -169,10 +184,31 @@ class RunStore:
     def missing(self) -> list[tuple[str, int, int]]:
         """Chunks the description asks for that are not written yet."""
         desc = self.description()
+        if self.packed:
+            return []
         n, size = desc["num_images"], desc["chunk_size"]
         done = set(self.chunks())
         return [(c, a, min(a + size, n)) for c in self._condition_names() for a in range(0, n, size)
                 if (c, a, min(a + size, n)) not in done]
+
+
+    def pack(self, dest: str | Path) -> "RunStore":
+        """Write this finished run to ``dest`` packed: ``run.json`` and the protocol's other
+        files copied, the records merged into one gzip CSV (byte-reproducible: no timestamp in
+        the gzip header). Returns the packed store."""
+        missing = self.missing()
+        if missing:
+            raise ValueError(f"{self.root} is unfinished ({len(missing)} chunks missing); finish it before packing")
+        dest = Path(dest)
+        if dest.resolve() == self.root.resolve():
+            raise ValueError("pack into another directory than the run itself")
+        for item in sorted(self.root.iterdir()):
+            if item.is_file() and item.name != PACKED and not item.name.startswith("."):
+                with atomic_path(dest / item.name) as tmp:
+                    tmp.write_bytes(item.read_bytes())
+        with atomic_path(dest / PACKED) as tmp:
+            tmp.write_bytes(gzip.compress(self.records().to_csv(index=False).encode(), mtime=0))
+        return RunStore(dest)
 
 
 def load_description(run_dir: str | Path) -> dict:

@@ -10,7 +10,10 @@ sweep) on the same images with the same attack targets, then writes the report: 
     >>> run_study(StudyConfig(dataset="fashion_mnist"), runs_dir="runs/study", report_dir="reports/study")
 
 Every run directory is resumable (:mod:`robust_attn.results`): calling again after an
-interruption computes only what is missing, and a finished model costs nothing. The wall time
+interruption computes only what is missing, and a finished model costs nothing. The report
+folder gets a packed copy of every run (``<report_dir>/runs``: per-image records in one gzip CSV
+each), so ``robust-attn report <report_dir>/runs/* --out DIR`` derives the report again from
+what is committed. The wall time
 each call spent per model and protocol is appended to ``<runs_dir>/timings.csv``, so the report
 can say what the study cost.
 """
@@ -154,14 +157,18 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
         targets_file = targets_file or pgd_dir / TARGETS_FILE   # every model attacked towards the same targets
         run_dirs += [rotation_dir, pgd_dir]
         log(f"[{i}/{len(entries)}] {entry.name}: done -> {rotation_dir}, {pgd_dir}")
-    files = make_report(run_dirs, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,
+    report_dir = Path(report_dir)
+    packed = [RunStore(d).pack(report_dir / "runs" / d.name).root for d in run_dirs]
+    files = make_report(packed, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,
                         preamble=_preamble(config, runs_dir, len(dataset)))
-    study_file = Path(report_dir) / "study.json"
+    with atomic_path(report_dir / TIMINGS_FILE) as tmp:
+        tmp.write_bytes((runs_dir / TIMINGS_FILE).read_bytes())
+    study_file = report_dir / "study.json"
     with atomic_path(study_file) as tmp:
-        tmp.write_text(json.dumps({"config": config.describe(), "runs": [str(p) for p in run_dirs],
+        tmp.write_text(json.dumps({"config": config.describe(), "runs": [str(p) for p in packed],
                                    "versions": library_versions()}, indent=2) + "\n")
     log(f"study of {len(entries)} model(s) on {len(dataset)} images: report in {Path(report_dir) / 'report.md'}")
-    return files + [study_file]
+    return files + [report_dir / TIMINGS_FILE, study_file]
 
 
 def _preamble(config: StudyConfig, runs_dir: Path, num_images: int) -> list[str]:

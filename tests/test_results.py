@@ -128,3 +128,22 @@ def test_store_rejects_bad_chunks_and_reports_missing_run(tmp_path):
         store.write_chunk("a", 0, 4, pd.DataFrame({"index": [0, 1]}))
     with pytest.raises(ValueError, match="condition name"):
         store.chunk_path("a/b", 0, 1)
+
+
+def test_packed_run_reads_like_the_original_and_is_reproducible(tmp_path):
+    store = _open(tmp_path)
+    run_chunks(store, _dataset(), ["a", "b"], Counting(), chunk_size=4, progress=False)
+    with pytest.raises(ValueError, match="unfinished"):       # condition c is still missing
+        store.pack(tmp_path / "packed")
+    run_chunks(store, _dataset(), ["c"], Counting(), chunk_size=4, progress=False)
+    (tmp_path / "run" / "targets.csv").write_text("index,label,target\n")
+    packed = store.pack(tmp_path / "packed")
+    assert sorted(p.name for p in packed.root.iterdir()) == ["records.csv.gz", "run.json", "targets.csv"]
+    pd.testing.assert_frame_equal(load_records(packed.root), load_records(store.root))
+    assert packed.missing() == [] and packed.description() == store.description()
+    again = store.pack(tmp_path / "packed2")
+    assert (again.root / "records.csv.gz").read_bytes() == (packed.root / "records.csv.gz").read_bytes()
+    stats = run_chunks(packed, _dataset(), ["a", "b", "c"], Counting(fail_after=0), chunk_size=4, progress=False)
+    assert stats.computed == 0 and stats.skipped == 9        # nothing left to compute
+    with pytest.raises(ValueError, match="packed run"):
+        packed.write_chunk("a", 0, 4, pd.DataFrame({"index": range(4)}))

@@ -112,6 +112,12 @@ def test_study_runs_every_zoo_model_then_resumes_for_free(tmp_path, tiny_zoo):
     assert "## Findings: which model loses least" in report_text and "loses least" in report_text
     timings = pd.read_csv(runs / TIMINGS_FILE)
     assert len(timings) == 4 and (timings["chunks_written"] > 0).all()
+    # the packed runs beside the report derive the same report again
+    packed = sorted((report / "runs").iterdir())
+    assert [p.name for p in packed] == ["pgd-resnet26", "pgd-sasa_resnet26", "rotation-resnet26",
+                                        "rotation-sasa_resnet26"]
+    assert main(["report", *map(str, packed), "--out", str(tmp_path / "again"), "--bootstrap", "50"]) == 0
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again" / "comparison.csv"), comparison)
     # a second call finds every run complete: nothing computed, same comparison
     run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
     timings = pd.read_csv(runs / TIMINGS_FILE)

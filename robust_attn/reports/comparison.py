@@ -79,7 +79,15 @@ def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
                 if CLEAN in top1:
                     put(run, f"pgd_drop:{setting}", top1[CLEAN] - top1[setting])
                 put(run, f"pgd_success:{setting}", success[setting])
-    return {key: pd.DataFrame(cols).dropna() for key, cols in columns.items()}
+    ordered = sorted(columns, key=lambda k: (k[0], _measure_order(k[1])))   # independent of the runs' order
+    return {key: pd.DataFrame(columns[key]).sort_index(axis=1).dropna() for key in ordered}
+
+
+def _measure_order(key: str) -> tuple:
+    kind, _, setting = key.partition(":")
+    if kind == "rotation_drop":
+        return (0,)
+    return (1 if kind == "pgd_drop" else 2, *_setting_order(key))
 
 
 def _family(model: str) -> str:
