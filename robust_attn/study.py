@@ -19,6 +19,7 @@ can say what the study cost.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
 import time
@@ -98,11 +99,15 @@ def study_models(config: StudyConfig, manifest) -> list:
 
 
 def _append_timing(runs_dir: Path, row: dict) -> None:
+    """Add ``row`` to ``timings.csv``; under a file lock, so studies of different models may
+    share ``runs_dir`` from parallel processes."""
     path = runs_dir / TIMINGS_FILE
-    frame = pd.read_csv(path) if path.is_file() else pd.DataFrame()
-    frame = pd.concat([frame, pd.DataFrame([row])], ignore_index=True)
-    with atomic_path(path) as tmp:
-        frame.to_csv(tmp, index=False)
+    with open(runs_dir / ".timings.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        frame = pd.read_csv(path) if path.is_file() else pd.DataFrame()
+        frame = pd.concat([frame, pd.DataFrame([row])], ignore_index=True)
+        with atomic_path(path) as tmp:
+            frame.to_csv(tmp, index=False)
 
 
 def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, fn) -> None:
