@@ -93,7 +93,7 @@ def test_study_runs_every_zoo_model_then_resumes_for_free(tmp_path, tiny_zoo):
     files = run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
     names = {f.name for f in files}
     assert {"report.md", "table9_rotation.md", "table10_pgd.md", "comparison.csv", "study.json",
-            "rotation_angle.png", "pgd_eps.png"} <= names
+            "rotation_angle.png", "pgd_eps.png", "comparison.png"} <= names
     # both models attacked towards the same targets, with the paper's settings and the sweep
     targets = [pd.read_csv(runs / f"pgd-{m}" / "targets.csv") for m in ("resnet26", "sasa_resnet26")]
     pd.testing.assert_frame_equal(targets[0], targets[1])

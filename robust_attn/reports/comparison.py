@@ -27,11 +27,13 @@ import pandas as pd
 from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS
 from robust_attn.reports.stats import bootstrap_mean_ci
 
-__all__ = ["per_image_losses", "compare_models", "findings_text", "ROTATED", "DEFAULT_BASELINE"]
+__all__ = ["per_image_losses", "compare_models", "findings_text", "ROTATED", "DEFAULT_BASELINE",
+           "HEADLINE_MEASURES"]
 
 ROTATED = ("cw90", "cw180", "cw270", "flip_ud")  # Table 9's four rotated conditions
 DEFAULT_BASELINE = "resnet26"
 _HEADLINE_PGD = PAPER_SETTINGS[1].name           # {8, 2, 4}: the stronger of Table 10's two settings
+HEADLINE_MEASURES = ["rotation_drop", f"pgd_drop:{_HEADLINE_PGD}", f"pgd_success:{_HEADLINE_PGD}"]
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,6 @@ def findings_text(comparison: pd.DataFrame, baseline: str = DEFAULT_BASELINE) ->
     if comparison.empty:
         return []
     lines = []
-    headline = ["rotation_drop", f"pgd_drop:{_HEADLINE_PGD}", f"pgd_success:{_HEADLINE_PGD}"]
     for images, frame in comparison.groupby("images", sort=False):
         described = json.loads(images)
         lines += [f"Image set: {described.get('name')} / {described.get('split')}"
@@ -171,7 +172,7 @@ def findings_text(comparison: pd.DataFrame, baseline: str = DEFAULT_BASELINE) ->
                   f"{frame['level'].iloc[0]:.0%} percentile bootstrap over images ({int(frame['n_boot'].iloc[0])} "
                   "resamples), differences paired image by image; (n.s.) marks a difference whose interval "
                   "contains 0.", ""]
-        for key in headline:
+        for key in HEADLINE_MEASURES:
             group = frame[frame["measure"] == key].sort_values("rank")
             if group.empty:
                 continue

@@ -4,6 +4,8 @@
   0/90/180/270 conditions and the interpolated sweep together, 360 closing the circle.
 * ``pgd_steps.png`` / ``pgd_eps.png``: attack success rate and top-1 under attack against the
   number of steps (one line per model and eps) and against eps (one line per model and steps).
+* ``comparison.png``: the findings' measures (rotation drop; top-1 drop and success rate under
+  Table 10's {8, 2, 4}), one bar per model with its bootstrap interval, best at the top.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-__all__ = ["plot_rotation", "plot_pgd"]
+__all__ = ["plot_rotation", "plot_pgd", "plot_comparison"]
 
 
 def _series_label(model: str, dataset: str) -> str:
@@ -79,3 +81,24 @@ def plot_pgd(sweep: pd.DataFrame, out: Path) -> list[Path]:
         return []
     return [_plot_against(sweep, "steps", "eps", out / "pgd_steps.png", "PGD iterations n"),
             _plot_against(sweep, "eps", "steps", out / "pgd_eps.png", "eps (1/255)")]
+
+
+def plot_comparison(comparison: pd.DataFrame, measures: list[str], out: Path) -> list[Path]:
+    """One panel per measure of ``comparison`` (:func:`robust_attn.reports.comparison.compare_models`):
+    horizontal bars of each model's mean loss with its interval; returns the files written."""
+    frames = [comparison[comparison["measure"] == m].sort_values("rank", ascending=False) for m in measures]
+    frames = [f for f in frames if not f.empty]
+    if not frames:
+        return []
+    fig, axes = plt.subplots(1, len(frames), figsize=(4.2 * len(frames), 0.45 * len(frames[0]) + 1.6), squeeze=False)
+    for ax, frame in zip(axes[0], frames):
+        errors = [frame["value"] - frame["low"], frame["high"] - frame["value"]]
+        ax.barh(frame["model"], frame["value"], xerr=errors, color="tab:blue", alpha=0.7, capsize=3)
+        ax.set_title(frame["title"].iloc[0], fontsize=8)
+        ax.set_xlabel(f"{frame['unit'].iloc[0]} (lower is better)")
+        ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    path = out / "comparison.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
