@@ -38,6 +38,7 @@ __all__ = ["StudyConfig", "run_study", "study_models", "TIMINGS_FILE"]
 
 TIMINGS_FILE = "timings.csv"
 BACKENDS = ("native", "torchattacks", "foolbox")
+PROTOCOLS = ("rotation", "pgd")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class StudyConfig:
     backend: str = "native"
     bootstrap: int = 1000
     baseline: str = "resnet26"         # the convolutional reference of the findings
+    protocols: tuple[str, ...] = PROTOCOLS   # a subset runs only those (the report covers what exists)
 
     def __post_init__(self):
         if self.split not in ("train", "val", "test"):
@@ -68,6 +70,8 @@ class StudyConfig:
             raise ValueError("sweep_eps must be positive and sweep_steps at least 1")
         if self.batch_size < 1 or self.bootstrap < 1:
             raise ValueError("batch_size and bootstrap must be positive")
+        if not self.protocols or set(self.protocols) - set(PROTOCOLS):
+            raise ValueError(f"protocols must be a non-empty subset of {PROTOCOLS}, got {self.protocols}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
@@ -150,18 +154,20 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
                     "dataset": {"name": config.dataset, "split": config.split, "limit": config.limit},
                     "data_root": str(root) if root else None, "command": list(sys.argv), "device": str(device),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        rotation_dir = runs_dir / f"rotation-{entry.name}"
-        _timed(runs_dir, entry.name, "rotation", rotation_dir, device, lambda: run_rotation(
-            model, dataset, rotation_dir, conditions=conditions, batch_size=config.batch_size, device=device,
-            run_info=run_info, progress=progress))
-        pgd_dir = runs_dir / f"pgd-{entry.name}"
-        _timed(runs_dir, entry.name, "pgd", pgd_dir, device, lambda: run_pgd(
-            model, dataset, pgd_dir, num_classes=info.num_classes, settings=settings, seed=config.seed,
-            backend=config.backend, targets_file=targets_file, batch_size=config.batch_size, device=device,
-            run_info=run_info, progress=progress))
-        targets_file = targets_file or pgd_dir / TARGETS_FILE   # every model attacked towards the same targets
-        run_dirs += [rotation_dir, pgd_dir]
-        log(f"[{i}/{len(entries)}] {entry.name}: done -> {rotation_dir}, {pgd_dir}")
+        rotation_dir, pgd_dir = runs_dir / f"rotation-{entry.name}", runs_dir / f"pgd-{entry.name}"
+        if "rotation" in config.protocols:
+            _timed(runs_dir, entry.name, "rotation", rotation_dir, device, lambda: run_rotation(
+                model, dataset, rotation_dir, conditions=conditions, batch_size=config.batch_size, device=device,
+                run_info=run_info, progress=progress))
+            run_dirs.append(rotation_dir)
+        if "pgd" in config.protocols:
+            _timed(runs_dir, entry.name, "pgd", pgd_dir, device, lambda: run_pgd(
+                model, dataset, pgd_dir, num_classes=info.num_classes, settings=settings, seed=config.seed,
+                backend=config.backend, targets_file=targets_file, batch_size=config.batch_size, device=device,
+                run_info=run_info, progress=progress))
+            targets_file = targets_file or pgd_dir / TARGETS_FILE   # every model attacked towards the same targets
+            run_dirs.append(pgd_dir)
+        log(f"[{i}/{len(entries)}] {entry.name}: done -> {', '.join(str(d) for d in run_dirs[-len(config.protocols):])}")
     report_dir = Path(report_dir)
     packed = [RunStore(d).pack(report_dir / "runs" / d.name).root for d in run_dirs]
     files = make_report(packed, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,

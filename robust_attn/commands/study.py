@@ -27,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="eps sweep in 1/255, comma list (default %(default)s)")
     p.add_argument("--sweep-steps", type=int, default=d.sweep_steps, help="PGD steps of the sweep (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="images per batch and record chunk")
+    p.add_argument("--protocols", default=",".join(d.protocols),
+                   help="comma list of rotation, pgd (default both; separate processes may share --runs)")
     p.add_argument("--backend", default=d.backend, choices=BACKENDS)
     p.add_argument("--seed", type=int, default=d.seed, help="attack targets and bootstrap seed")
     p.add_argument("--bootstrap", type=int, default=d.bootstrap, help="bootstrap resamples (default %(default)s)")
@@ -47,7 +49,8 @@ def run_study_cmd(args) -> int:
                              models=tuple(m.strip() for m in (args.models or "").split(",") if m.strip()),
                              angle_step=args.angle_step, sweep_eps=tuple(parse_list(args.sweep_eps, float, "--sweep-eps")),
                              sweep_steps=args.sweep_steps, batch_size=args.batch_size, seed=args.seed,
-                             backend=args.backend, bootstrap=args.bootstrap, baseline=args.baseline)
+                             backend=args.backend, bootstrap=args.bootstrap, baseline=args.baseline,
+                             protocols=tuple(p.strip() for p in args.protocols.split(",") if p.strip()))
     except ValueError as err:
         raise UserError(str(err)) from None
     run_study(config, args.runs or f"runs/study-{args.dataset}", args.out or f"reports/study-{args.dataset}",
