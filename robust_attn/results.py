@@ -46,6 +46,10 @@ PACKED = "records.csv.gz"
 # not what it computes).
 VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_workers", "created",
                            "host", "data_root"})
+# Entries of run.json's "parameters" that record where an input came from rather than what it is:
+# the PGD targets may be drawn from a seed or read from another run's targets.csv; the targets
+# themselves are compared by content (the run's targets.csv) when a run is resumed.
+PROVENANCE_PARAMETERS = frozenset({"targets"})
 _CONDITION_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _CHUNK_RE = re.compile(r"^(\d+)-(\d+)\.csv$")
 
@@ -107,7 +111,7 @@ class RunStore:
         if self.exists():
             stored = self.description()
             keys = (set(stored) | set(description)) - VOLATILE_KEYS
-            differ = sorted(k for k in keys if stored.get(k) != description.get(k))
+            differ = sorted(k for k in keys if _comparable(k, stored.get(k)) != _comparable(k, description.get(k)))
             if differ:
                 detail = "; ".join(f"{k}: stored {stored.get(k)!r}, now {description.get(k)!r}"
                                    for k in differ[:4])
@@ -209,6 +213,13 @@ class RunStore:
         with atomic_path(dest / PACKED) as tmp:
             tmp.write_bytes(gzip.compress(self.records().to_csv(index=False).encode(), mtime=0))
         return RunStore(dest)
+
+
+def _comparable(key: str, value):
+    """``value`` of run.json's ``key`` as compared on resumption (provenance entries dropped)."""
+    if key == "parameters" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in PROVENANCE_PARAMETERS}
+    return value
 
 
 def load_description(run_dir: str | Path) -> dict:

@@ -2,7 +2,8 @@
 
 For every zoo model trained on ``config.dataset`` this runs the rotation protocol (Table 9 plus
 the left-right flip and an angle sweep) and targeted PGD (Table 10's two settings plus an eps
-sweep) on the same images with the same attack targets, then writes the report: Tables 9 and
+sweep) on the same images with the same attack targets (drawn from the labels with one seed,
+so every model and every resumed or parallel call gets the same ones), then writes the report: Tables 9 and
 10, the plots, bootstrap intervals and the findings (which model loses least, paired bootstrap;
 :mod:`robust_attn.reports.comparison`).
 
@@ -15,7 +16,8 @@ folder gets a packed copy of every run (``<report_dir>/runs``: per-image records
 each), so ``robust-attn report <report_dir>/runs/* --out DIR`` derives the report again from
 what is committed. The wall time
 each call spent per model and protocol is appended to ``<runs_dir>/timings.csv``, so the report
-can say what the study cost.
+can say what the study cost. Under ``torchrun --nproc_per_node=N -m robust_attn.cli study`` each
+rank evaluates a disjoint shard of every run's images and rank 0 writes the report.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from robust_attn.protocols.pgd import PAPER_SETTINGS, TARGETS_FILE, AttackSetting, pgd_settings, run_pgd
+from robust_attn.distributed import init_distributed, world_size as process_count
+from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings, run_pgd
 from robust_attn.protocols.rotation import rotation_conditions, run_rotation
 from robust_attn.results import RunStore, library_versions
 from robust_attn.utils.io import atomic_path
@@ -114,16 +117,20 @@ def _append_timing(runs_dir: Path, row: dict) -> None:
             frame.to_csv(tmp, index=False)
 
 
-def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, fn) -> None:
-    """Run ``fn`` (a protocol call writing into ``out``) and log its wall time and how many
-    record chunks it wrote (0: the run was already complete)."""
+def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: int, fn) -> None:
+    """Run ``fn`` (a protocol call writing into ``out``; it ends with a barrier under torchrun)
+    and log, on rank 0, its wall time and how many record chunks were written (0: the run was
+    already complete)."""
     before = len(RunStore(out).chunks())
     start = time.perf_counter()
     fn()
+    if rank != 0:
+        return
     store = RunStore(out)
     _append_timing(runs_dir, {"model": model, "protocol": protocol, "seconds": round(time.perf_counter() - start, 1),
                               "chunks_written": len(store.chunks()) - before, "chunks_total": len(store.chunks()),
                               "device": str(device), "threads": torch.get_num_threads(),
+                              "processes": process_count(),
                               "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
@@ -138,13 +145,13 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     entries = study_models(config, manifest)
     info = dataset_info(config.dataset)
     dataset = build_dataset(config.dataset, root=root, split=config.split, limit=config.limit)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rank, world_size, device = init_distributed(device)   # under torchrun: each rank a shard of the images
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
+    shard = {"rank": rank, "world_size": world_size}
     conditions = rotation_conditions(config.angle_step)
     settings = config.attack_settings()
     run_dirs: list[Path] = []
-    targets_file = None
     for i, entry in enumerate(entries, start=1):
         log(f"[{i}/{len(entries)}] {entry.name}: loading {entry.weights or entry.torchvision}")
         model = load_entry(entry, manifest, device=str(device))
@@ -156,18 +163,19 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         rotation_dir, pgd_dir = runs_dir / f"rotation-{entry.name}", runs_dir / f"pgd-{entry.name}"
         if "rotation" in config.protocols:
-            _timed(runs_dir, entry.name, "rotation", rotation_dir, device, lambda: run_rotation(
+            _timed(runs_dir, entry.name, "rotation", rotation_dir, device, rank, lambda: run_rotation(
                 model, dataset, rotation_dir, conditions=conditions, batch_size=config.batch_size, device=device,
-                run_info=run_info, progress=progress))
+                run_info=run_info, progress=progress, **shard))
             run_dirs.append(rotation_dir)
         if "pgd" in config.protocols:
-            _timed(runs_dir, entry.name, "pgd", pgd_dir, device, lambda: run_pgd(
+            _timed(runs_dir, entry.name, "pgd", pgd_dir, device, rank, lambda: run_pgd(
                 model, dataset, pgd_dir, num_classes=info.num_classes, settings=settings, seed=config.seed,
-                backend=config.backend, targets_file=targets_file, batch_size=config.batch_size, device=device,
-                run_info=run_info, progress=progress))
-            targets_file = targets_file or pgd_dir / TARGETS_FILE   # every model attacked towards the same targets
+                backend=config.backend, batch_size=config.batch_size, device=device,
+                run_info=run_info, progress=progress, **shard))
             run_dirs.append(pgd_dir)
         log(f"[{i}/{len(entries)}] {entry.name}: done -> {', '.join(str(d) for d in run_dirs[-len(config.protocols):])}")
+    if rank != 0:
+        return []
     report_dir = Path(report_dir)
     packed = [RunStore(d).pack(report_dir / "runs" / d.name).root for d in run_dirs]
     files = make_report(packed, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,

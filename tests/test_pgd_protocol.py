@@ -101,6 +101,14 @@ def test_targets_are_saved_and_shared_across_models(tmp_path):
         run_pgd(_tiny(0), other, tmp_path / "d", targets_file=a.root / "targets.csv", **kw)
     with pytest.raises(ValueError, match="different run"):  # same directory, other seed
         run_pgd(_tiny(0), dataset, tmp_path / "a", seed=8, **kw)
+    # where the targets come from may change on resumption (c was made with a's file, is resumed
+    # with b's file of the same content): only their content must be the same
+    run_pgd(_tiny(2), dataset, tmp_path / "c", seed=99, targets_file=b.root / "targets.csv", **kw)
+    shifted = ta.assign(target=(ta["target"] + 1) % 10)
+    shifted.loc[shifted["target"] == shifted["label"], "target"] = (shifted["label"] + 2) % 10
+    shifted.to_csv(tmp_path / "shifted.csv", index=False)
+    with pytest.raises(ValueError, match="other targets"):
+        run_pgd(_tiny(2), dataset, tmp_path / "c", seed=99, targets_file=tmp_path / "shifted.csv", **kw)
 
 
 def test_real_attack_records_are_consistent(tmp_path):

@@ -135,3 +135,31 @@ def test_study_command_names_what_is_wrong(tmp_path, tiny_zoo, capsys):
     assert main(["study", "--dataset", "cifar100", "--manifest", str(tiny_zoo), "--no-progress"]) == 2
     assert "no model trained on 'cifar100'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists() and not (tmp_path / "o").exists()   # nothing half-written
+
+
+@pytest.mark.slow
+def test_study_under_torchrun_gives_the_single_process_records(tmp_path, tiny_zoo):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from robust_attn.results import load_records
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    args = ["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), "--limit", "6", "--batch-size", "2",
+            "--angle-step", "90", "--sweep-eps", "2", "--sweep-steps", "1", "--bootstrap", "20", "--device", "cpu",
+            "--no-progress"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "robust_attn.cli", *args, "--runs", str(tmp_path / "ddp"), "--out", str(tmp_path / "ddp_report")]
+    result = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert main([*args, "--runs", str(tmp_path / "one"), "--out", str(tmp_path / "one_report")]) == 0
+    for run in ("rotation-resnet26", "pgd-sasa_resnet26"):
+        pd.testing.assert_frame_equal(load_records(tmp_path / "ddp" / run), load_records(tmp_path / "one" / run))
+    assert (pd.read_csv(tmp_path / "ddp" / TIMINGS_FILE)["processes"] == 2).all()
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "ddp_report" / "comparison.csv"),
+                                  pd.read_csv(tmp_path / "one_report" / "comparison.csv"))

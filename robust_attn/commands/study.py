@@ -1,6 +1,7 @@
 """``robust-attn study``: SAN section 5.4 on every zoo model of a dataset (rotation, Table 10
 PGD and an eps sweep on the same images), then the report with the findings
-(:mod:`robust_attn.study`). Resumable: run it again to finish an interrupted study."""
+(:mod:`robust_attn.study`). Resumable: run it again to finish an interrupted study. Runs under
+``torchrun --nproc_per_node=N -m robust_attn.cli study ...`` too (each rank a shard of the images)."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +54,11 @@ def run_study_cmd(args) -> int:
                              protocols=tuple(p.strip() for p in args.protocols.split(",") if p.strip()))
     except ValueError as err:
         raise UserError(str(err)) from None
-    run_study(config, args.runs or f"runs/study-{args.dataset}", args.out or f"reports/study-{args.dataset}",
-              root=args.root, device=args.device, manifest=args.manifest, progress=not args.no_progress)
+    from robust_attn.distributed import cleanup
+
+    try:
+        run_study(config, args.runs or f"runs/study-{args.dataset}", args.out or f"reports/study-{args.dataset}",
+                  root=args.root, device=args.device, manifest=args.manifest, progress=not args.no_progress)
+    finally:
+        cleanup()   # leave the torchrun process group, also on errors
     return 0
