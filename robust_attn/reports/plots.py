@@ -51,23 +51,30 @@ def plot_rotation(sweep: pd.DataFrame, out: Path) -> list[Path]:
     return [path]
 
 
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
 def _plot_against(sweep: pd.DataFrame, x: str, line: str, path: Path, xlabel: str) -> Path:
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    """One colour per model, one line style per value of ``line`` (eps or steps)."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     attacked = sweep[sweep["condition"] != "clean"]
+    colours = {key: f"C{i % 10}" for i, key in enumerate(attacked.groupby(["model", "dataset"], sort=False).groups)}
+    styles = {v: _LINESTYLES[i % len(_LINESTYLES)] for i, v in enumerate(sorted(attacked[line].unique()))}
     for (model, dataset, key), group in attacked.groupby(["model", "dataset", line], sort=False):
         # several step sizes at one (x, line) point: one line per step size
         for step, sub in group.groupby("step", sort=True) if group.duplicated(x).any() else [(None, group)]:
             sub = sub.sort_values(x)
             label = f"{_series_label(model, dataset)} {line}={key:g}" + ("" if step is None else f" step={step:g}")
-            axes[0].plot(sub[x], sub["success_rate"], marker="o", label=label)
-            axes[1].plot(sub[x], sub["top1"], marker="o", label=label)
+            style = dict(color=colours[(model, dataset)], linestyle=styles[key], marker="o", markersize=4)
+            axes[0].plot(sub[x], sub["success_rate"], label=label, **style)
+            axes[1].plot(sub[x], sub["top1"], label=label, **style)
     for ax, name in zip(axes, ("attack success rate (%)", "top-1 under attack (%)")):
         if x == "steps":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(xlabel)
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.suptitle("Targeted L-inf PGD")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
