@@ -126,9 +126,9 @@ def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: i
     fn()
     if rank != 0:
         return
-    store = RunStore(out)
+    after = len(RunStore(out).chunks())
     _append_timing(runs_dir, {"model": model, "protocol": protocol, "seconds": round(time.perf_counter() - start, 1),
-                              "chunks_written": len(store.chunks()) - before, "chunks_total": len(store.chunks()),
+                              "chunks_written": after - before, "chunks_total": after,
                               "device": str(device), "threads": torch.get_num_threads(),
                               "processes": process_count(),
                               "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})

@@ -111,10 +111,10 @@ def compare_models(runs, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
         if losses.empty:
             continue
         means = losses.mean().sort_values(kind="stable")
-        best = means.index[0]
+        best, measure = means.index[0], _measure(key)
         for rank, model in enumerate(means.index, start=1):
             own = bootstrap_mean_ci(losses[model], n_boot=n_boot, seed=seed, level=level)
-            row = {"images": images, "measure": key, "title": _measure(key).title, "unit": _measure(key).unit,
+            row = {"images": images, "measure": key, "title": measure.title, "unit": measure.unit,
                    "rank": rank, "model": model, "family": _family(model), "value": own.value,
                    "low": own.low, "high": own.high, "n": len(losses), "level": level, "n_boot": n_boot}
             for name, other in (("best", best), ("baseline", baseline)):
