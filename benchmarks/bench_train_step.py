@@ -6,12 +6,17 @@ and one depth-26 member of every registered family, side by side with their rati
     python benchmarks/bench_train_step.py --device cuda --amp bf16 --resolution imagenet --batch 64 --width 1
 
 Writes benchmarks/results/train_step.json (``--out``). A step is what the trainer does per batch:
-autocast forward, cross-entropy, backward, SGD with momentum. Peak memory is measured by
-``benchmarks/_measure.py`` (CUDA allocator peak, or the growth of the peak RSS on CPU).
+autocast forward, cross-entropy, backward, SGD with momentum. The models' steps are timed in
+turns (one step of each per round, median over ``--repeats`` rounds). Peak memory is measured by
+``benchmarks/_measure.py`` (CUDA allocator peak, or the growth of the peak RSS on CPU, there in a
+fresh process per model: :func:`model_peak_memory`).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +26,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _measure import machine_description, peak_memory_mb, time_ms, write_json  # noqa: E402
+from _measure import machine_description, peak_memory_mb, time_interleaved_ms, write_json  # noqa: E402
 
 from robust_attn.registry import create_model, list_models, model_info  # noqa: E402
 
@@ -66,6 +71,24 @@ def make_step(name: str, args, device: torch.device):
     return step, params
 
 
+def model_peak_memory(name: str, args, device: torch.device, step) -> float:
+    """Peak memory (MiB) of one train step of ``name``. On CPU in a fresh process (this script with
+    ``--memory-of``) started with glibc's mmap threshold at 64 KiB, so neither another model's
+    heap nor this one's history can hide or add memory (see ``_measure.peak_memory_mb``)."""
+    if device.type == "cuda":
+        return peak_memory_mb(step, device)
+    argv = [sys.executable, str(Path(__file__).resolve()), "--device", args.device, "--amp", args.amp,
+            "--resolution", args.resolution, "--batch", str(args.batch), "--width", str(args.width),
+            "--num-classes", str(args.num_classes), "--memory-of", name]
+    if args.stem_downsample:
+        argv += ["--stem-downsample", str(args.stem_downsample)]
+    if args.channels_last:
+        argv.append("--channels-last")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak_memory_MiB"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
@@ -80,27 +103,32 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--models", nargs="*", default=None, help="default: resnet26 + one depth-26 member per family")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)  # internal: one model's CPU peak
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "train_step.json"))
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.memory_of:
+        step, _ = make_step(args.memory_of, args, device)
+        step()
+        print(json.dumps({"peak_memory_MiB": peak_memory_mb(step, device)}))
+        return 0
     models = args.models or default_models()
     if "resnet26" not in models:
         models = ["resnet26", *models]
 
-    rows = []
+    steps = {}
     for name in models:
-        step, params = make_step(name, args, device)
-        ms = time_ms(step, device, repeats=args.repeats, warmup=1)
-        mem = None if args.no_memory else peak_memory_mb(step,
-                                                          device)
-        rows.append({"model": name, "params_M": params / 1e6, "ms_per_step": ms,
-                     "images_per_s": args.batch / ms * 1e3, "peak_memory_MiB": mem})
-        print(f"  {name}: {ms:.1f} ms/step", file=sys.stderr, flush=True)
-        del step
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        steps[name] = make_step(name, args, device)
+    # Timed in turns (one step of each model per round), so machine drift cannot skew the ratios.
+    ms = time_interleaved_ms({name: step for name, (step, _) in steps.items()}, device, repeats=args.repeats)
+    rows = []
+    for name, (step, params) in steps.items():
+        mem = None if args.no_memory else model_peak_memory(name, args, device, step)
+        rows.append({"model": name, "params_M": params / 1e6, "ms_per_step": ms[name],
+                     "images_per_s": args.batch / ms[name] * 1e3, "peak_memory_MiB": mem})
+        print(f"  {name}: {ms[name]:.1f} ms/step", file=sys.stderr, flush=True)
 
     base = rows[0]
     for row in rows:

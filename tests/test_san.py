@@ -9,7 +9,7 @@ from robust_attn import create_model
 from robust_attn.layers import local_aggregation
 from robust_attn.complexity import count_params
 from robust_attn.layers.local_aggregation import (footprint_aggregate, footprint_aggregate_unfold,
-                                                  reflect_pad, shifted)
+                                                  footprint_offsets, reflect_pad, shifted)
 from robust_attn.layers.san import (PAIRWISE_RELATIONS, PATCHWISE_RELATIONS, SelfAttention2d,
                                     _difference_moments, auto_chunk_size, conv1x1, san_attention_unfold)
 
@@ -131,6 +131,39 @@ def test_lean_equals_unfold_in_training(attention, relation):
         torch.testing.assert_close(b_lean, b_ref, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("relation", ["subtraction", "concatenation"])
+def test_pairwise_lean_equals_unfold_in_eval_mode_with_chunks(relation):
+    """Eval mode with gradients (as attacks run): running BN statistics, several chunks, every gradient."""
+    lean = _op("pairwise", relation, footprint=5, chunk_size=7).eval()  # 25 offsets: 4 chunks, one partial
+    ref = copy.deepcopy(lean)
+    ref.implementation = "unfold"
+    x = torch.randn(2, 16, 6, 5, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for m in (lean, ref):
+        y = m(x)
+        grads.append((y.detach(), *torch.autograd.grad(y.square().sum(), [x, *m.parameters()])))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert torch.autograd.gradcheck(lean, (x,), atol=1e-6, fast_mode=True)
+
+
+def test_pairwise_gamma_gradients_reach_every_parameter_in_training():
+    """The hand-written backward of pairwise gamma: a gradient for gamma's layers, BN2's affine and
+    the position encoding, equal to the reference's (two-pass backward: several chunks)."""
+    lean = _op("pairwise", "subtraction", footprint=3, chunk_size=2).train()
+    ref = copy.deepcopy(lean)
+    ref.implementation = "unfold"
+    x = torch.randn(3, 16, 4, 4, dtype=torch.float64)
+    named = {}
+    for m in (lean, ref):
+        y = m(x)
+        named[m.implementation] = dict(zip([n for n, _ in m.named_parameters()],
+                                           torch.autograd.grad(y.square().sum(), list(m.parameters()))))
+    for name in ("gamma.2.weight", "gamma.3.weight", "gamma.3.bias", "gamma.5.weight", "gamma.5.bias", "pos.weight"):
+        assert named["lean"][name].abs().sum() > 0, name
+        torch.testing.assert_close(named["lean"][name], named["unfold"][name], rtol=1e-8, atol=1e-10)
+
+
 def test_lean_equals_unfold_in_float32():
     for attention in ("pairwise", "patchwise"):
         lean = _randomize(SelfAttention2d(32, attention=attention, footprint=7))
@@ -195,6 +228,13 @@ def test_shifted_backward_adds_every_offset_into_one_gradient():
     torch.testing.assert_close(grad, expected)
 
 
+def test_shifted_copies_runs_of_offsets_like_stacking_each_view():
+    xpad = torch.randn(2, 3, 8, 9)
+    for offsets in (footprint_offsets(3), footprint_offsets(5)[3:17], [(0, 1), (0, 2), (2, 0), (1, 3), (1, 4)]):
+        expected = torch.stack([xpad[:, :, dy:dy + 4, dx:dx + 5] for dy, dx in offsets], 2)
+        assert torch.equal(shifted(xpad, offsets, 4, 5), expected)
+
+
 @pytest.mark.parametrize("size,footprint", [(6, 3), (5, 5), (2, 7)])
 @pytest.mark.parametrize("sign", [-1.0, 1.0])
 def test_difference_moments_equal_the_expanded_sums(size, footprint, sign):
@@ -222,10 +262,13 @@ def test_auto_chunk_size_follows_the_input_size_and_explicit_sizes_win():
     assert auto_chunk_size(SelfAttention2d(64, footprint=7, chunk_size=5), 32, 64, 64) == 5
 
 
-def test_conv1x1_equals_the_convolution():
+def test_conv1x1_equals_the_convolution_on_small_and_large_maps():
     conv = nn.Conv2d(8, 5, 1)
-    x = torch.randn(2, 8, 3, 4)
-    torch.testing.assert_close(conv1x1(x, conv), conv(x))
+    for size in (3, 16):  # F.conv2d below BMM_MIN_POSITIONS positions, a batched matmul from there
+        x = torch.randn(2, 8, size, size + 1, requires_grad=True)
+        y = conv1x1(x, conv)
+        torch.testing.assert_close(y, conv(x))
+        torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0], torch.autograd.grad(conv(x).sum(), x)[0])
 
 
 @pytest.mark.parametrize("attention", ["pairwise", "patchwise"])

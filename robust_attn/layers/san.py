@@ -33,30 +33,40 @@ Implementations (``implementation=``), which compute the same function, buffers 
   footprint and run gamma on the ``(N, d, k^2, H*W)`` tensor, as the authors' code does.
 * ``"lean"`` (default, :func:`san_attention_lean`): the footprint is processed in chunks of
   offsets (``chunk_size``, default :func:`auto_chunk_size`: a chunk's expanded gamma tensor is
-  at most half the input's size, the whole footprint on small maps), each under activation
-  checkpointing, so gamma's ``k^2``-expanded activations exist for one chunk at a time and are
-  recomputed in the backward pass; the aggregation streams over offsets (:mod:`.local_aggregation`).
-  Pairwise gamma's BatchNorms take statistics over all footprint positions, so in training the
-  lean path first computes them over the chunks (differentiable) and then normalizes every chunk
-  with them; the running statistics are updated exactly as ``nn.BatchNorm2d`` would. Patchwise
-  gamma's first BN has one channel per footprint position, so its statistics are per chunk already.
+  at most half the input's size, the whole footprint on small maps), so gamma's ``k^2``-expanded
+  activations exist for one chunk at a time and are recomputed in the backward pass; the
+  aggregation streams over offsets (:mod:`.local_aggregation`).
 
-  Speed (issue 6; each step keeps the function, checked against ``"unfold"`` in the tests):
-  all 1x1 layers of the operator (phi/psi/beta stacked into one, gamma's) are batched matmuls,
-  several times faster on CPU than oneDNN convolutions with so few channels; for the
-  ``subtraction``/``summation`` relations the first BN's statistics come in closed form from
-  k x k window sums (:func:`_difference_moments`) and its affine is applied before expanding;
-  the position channels ``p_i - p_j`` (image-independent) go through gamma's first layer once
-  at batch 1; in the logits pass BN2 is folded into the first 1x1 layer.
+  - Pairwise: gamma after its first BN-ReLU is :class:`_PairwiseGamma`, an autograd function with
+    a hand-written backward (BN2 differentiated in closed form; each chunk recomputed once, or
+    twice with batch statistics and several chunks) that saves nothing ``k^2``-sized. gamma's
+    BatchNorms take statistics over all footprint positions: BN1's come in closed form from
+    k x k window sums for ``subtraction``/``summation`` (:func:`_difference_moments`, its affine
+    then applied before expanding) and from a checkpointed pass over the chunks otherwise; BN2's
+    from a first pass over the chunks. Running statistics are updated as ``nn.BatchNorm2d`` would.
+    The position channels ``p_i - p_j`` (image-independent) go through gamma's first layer once at
+    batch 1. The attention weights after the softmax are kept for the backward pass (1.5 C values
+    per pixel at ``share_planes=8``; the largest tensor the operator saves).
+  - Patchwise: gamma's first BN has one channel per footprint position, so its statistics are per
+    chunk; each chunk runs under activation checkpointing up to gamma's hidden layer (``G``
+    channels); gamma's last layer (``G -> k^2 G``) and the aggregation share one checkpoint, so
+    the weights are recomputed in the backward pass instead of kept.
+  - All 1x1 layers of the operator (phi/psi/beta stacked into one, gamma's) are matmuls
+    (:func:`_mm`), faster on CPU than oneDNN convolutions with so few channels on large maps.
+
+  Each step keeps the function: the tests check outputs, all gradients and running statistics
+  against ``"unfold"`` and run ``gradcheck`` in float64.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from robust_attn.layers.local_aggregation import (footprint_aggregate,
@@ -254,13 +264,27 @@ def _update_running(bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tensor, c
     bn.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
 
 
+#: Positions per image from which :func:`_mm` uses a batched matmul rather than ``F.conv2d``.
+BMM_MIN_POSITIONS = 256
+
+
 def _mm(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """1x1 layer ``weight (O, C)`` on ``x (N, C, ...)`` as a matmul, plus ``bias`` (anything that
     broadcasts to ``(N, O, prod(...))``, e.g. ``(O, 1)``).
 
-    With the few channels of gamma (C/16 and C/32) a matmul is several times faster on CPU than
-    ``F.conv2d`` (oneDNN), forward and backward."""
+    With the few channels of gamma (C/16 and C/32) and many positions a batched matmul is several
+    times faster on CPU than ``F.conv2d`` (oneDNN), forward and backward; on maps of fewer than
+    :data:`BMM_MIN_POSITIONS` positions (8x8 and smaller stages) oneDNN is faster (up to 4x for
+    2048 -> 384 channels at 4x4, batch 16), so those go to ``F.conv2d``."""
     n, c = x.shape[:2]
+    positions = x[0, 0].numel()
+    if positions < BMM_MIN_POSITIONS:
+        per_channel = bias is not None and bias.shape == (weight.shape[0], 1)
+        out = F.conv2d(x.reshape(n, c, positions, 1), weight[:, :, None, None],
+                       bias.flatten() if per_channel else None).flatten(2)
+        if bias is not None and not per_channel:
+            out = out + bias
+        return out.view(n, -1, *x.shape[2:])
     # bmm with the weight expanded over the batch: torch.matmul would fold the batch into an mm on
     # transposed copies, about 5x slower here (forward + backward).
     wt, xm = weight.expand(n, *weight.shape), x.reshape(n, c, -1)
@@ -268,10 +292,15 @@ def _mm(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None)
     return out.view(n, -1, *x.shape[2:])
 
 
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of BatchNorm statistics for activations of ``dtype``: float32 for half types."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _moments(t: torch.Tensor, dims) -> torch.Tensor:
     """Per-channel sum and sum of squares over ``dims`` (two plain reductions: several times
     faster on CPU than ``Tensor.var`` over non-adjacent dims)."""
-    t = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    t = t.to(_stats_dtype(t.dtype))
     return torch.stack([t.sum(dims), (t * t).sum(dims)])
 
 
@@ -332,117 +361,306 @@ def san_attention_lean(m: SelfAttention2d, x: torch.Tensor) -> torch.Tensor:
     if m.attention == "pairwise":
         weight = _pairwise_weights(m, x, x1, x2p, chunks, index_chunks)
     else:
-        weight = _patchwise_weights(m, x1, x2p, chunks, index_chunks)
+        # gamma's last layer (G -> k^2 G per pixel) and the aggregation under one checkpoint: its
+        # k^2-sized output is recomputed in the backward pass rather than kept until then.
+        hidden = _patchwise_hidden(m, x1, x2p, chunks, index_chunks)
+        return _maybe_checkpoint(lambda z, v_: footprint_aggregate(v_, _patchwise_last_layer(m, z), k), hidden, v)
     return footprint_aggregate(v, weight, k)
+
+
+def _window_counts(n: int, k: int, like: torch.Tensor) -> torch.Tensor:
+    """How many of the ``n`` windows of length ``k`` (stride 1) cover each of the ``n + k - 1``
+    positions of a padded axis."""
+    idx = torch.arange(n + k - 1, device=like.device)
+    return (torch.minimum(idx, torch.full_like(idx, n - 1)) - torch.clamp(idx - k + 1, min=0) + 1).to(like.dtype)
 
 
 def _difference_moments(x1: torch.Tensor, x2p: torch.Tensor, k: int, sign: float) -> torch.Tensor:
     """Per-channel sum and sum of squares of ``x1_i + sign * x2_j`` over all pairs ``(i, j in R(i))``
     and the batch, without expanding the footprint: with ``B(t)`` the k x k window sum of ``t``
     (``avg_pool2d * k^2`` on the padded map), ``sum = k^2 sum x1 + sign sum B(x2p)`` and
-    ``sum of squares = k^2 sum x1^2 + 2 sign sum x1 B(x2p) + sum B(x2p^2)``. Exact up to rounding;
+    ``sum of squares = k^2 sum x1^2 + 2 sign sum x1 B(x2p) + sum B(x2p^2)``, where ``sum B(t)`` is
+    ``sum_j c_j t_j`` with ``c_j`` the number of windows covering padded position ``j`` (separable
+    in rows and columns), so only ``B(x2p)`` needs the pooling. Exact up to rounding;
     differentiable, so BN's gradient through its batch statistics is kept."""
-    t = torch.float32 if x1.dtype in (torch.float16, torch.bfloat16) else x1.dtype
+    t = _stats_dtype(x1.dtype)
     x1, x2p = x1.to(t), x2p.to(t)
     area = k * k
-    b1 = F.avg_pool2d(x2p, k, 1) * area
-    b2 = F.avg_pool2d(x2p * x2p, k, 1) * area
+    h, w = x1.shape[-2:]
+    counts = _window_counts(h, k, x2p)[:, None] * _window_counts(w, k, x2p)
     dims = (0, 2, 3)
-    total = area * x1.sum(dims) + sign * b1.sum(dims)
-    squares = area * (x1 * x1).sum(dims) + 2 * sign * (x1 * b1).sum(dims) + b2.sum(dims)
+    weighted = (x2p * counts).sum(dims)
+    squares_weighted = (x2p * x2p * counts).sum(dims)
+    b1 = F.avg_pool2d(x2p, k, 1) * area
+    total = area * x1.sum(dims) + sign * weighted
+    squares = area * (x1 * x1).sum(dims) + 2 * sign * (x1 * b1).sum(dims) + squares_weighted
     return torch.stack([total, squares])
 
 
+def _no_autocast(device: torch.device):
+    """A context with autocast off on ``device`` (nothing to turn off on e.g. the meta device)."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+class _GammaPlan:
+    """What :class:`_PairwiseGamma` needs besides tensors: ``first(chunk, *inputs)`` (the relation
+    channels of gamma's first BN-ReLU for one chunk of offsets, ``(N, d, Kc, H, W)``), the chunks,
+    their slices of the footprint, BN2's mode and ``eps``, and its running statistics (eval mode)."""
+
+    def __init__(self, first, chunks, slices, training: bool, eps: float, running_mean, running_var):
+        self.first, self.chunks, self.slices = first, chunks, slices
+        self.training, self.eps = training, eps
+        self.running_mean, self.running_var = running_mean, running_var
+
+
+def _chunk_bias(w1p: torch.Tensor | None, pos: torch.Tensor | None, sl: slice, scale=None, shift=None):
+    """Per-chunk additive term of gamma's hidden layer: the position part ``w1p pos[:, :, sl]``
+    (``(1, hidden, Kc*H*W)``), optionally through BN2's affine, or BN2's shift alone."""
+    if pos is None:
+        return None if shift is None else shift[:, None]
+    p = _mm(w1p, pos[:, :, sl]).flatten(2)
+    return p if scale is None else torch.addcmul(shift[:, None], p, scale[:, None])
+
+
+class _PairwiseGamma(torch.autograd.Function):
+    """gamma of pairwise attention (eq. 3) after its first BN-ReLU, chunk by chunk over the footprint:
+    ``h = W1 u + pos`` (hidden, pre-BN2), ``logits = W2 relu(BN2(h)) + b2``, with a hand-written
+    backward. Nothing of size ``k^2`` is saved: the backward recomputes each chunk's ``u`` (with
+    autograd, through ``plan.first``) and ``h`` once, and differentiates BN2 (batch statistics in
+    training, the running ones in eval) in closed form, instead of replaying the forward's autograd
+    graph per chunk as activation checkpointing would (measured 1.9x faster forward+backward on a
+    256-channel 32x32 stage). With several chunks and batch statistics the backward takes two passes:
+    BN2's gradient needs sums over the whole footprint first.
+
+    Inputs: ``w1`` ``(hidden, d)`` and ``w1p`` ``(hidden, 2)`` (the relation and position columns of
+    gamma's first 1x1 layer), ``pos`` ``(1, 2, K, H, W)`` or None (the position channels after BN1-ReLU,
+    batch-independent; ``w1p pos`` is added per chunk), ``w2, b2`` (gamma's last layer), ``bn2_weight, bn2_bias``, then
+    ``plan.first``'s tensors. Returns the logits ``(N, G, K, H, W)`` and BN2's batch mean and variance
+    (not differentiable; for the running statistics). Computed in the dtype of ``u``, with BN2's
+    statistics in float32 at least; autocast is off inside."""
+
+    @staticmethod
+    def forward(ctx, plan: _GammaPlan, w1, w1p, pos, w2, b2, bn2_weight, bn2_bias, *inputs):
+        with _no_autocast(w1.device):
+            u = plan.first(plan.chunks[0], *inputs)
+            dt = u.dtype
+            st = _stats_dtype(dt)
+            n, _, _, h, w = u.shape
+            area = sum(len(c) for c in plan.chunks)
+            w1c, w2c, b2c = w1.to(dt), w2.to(dt), b2.to(dt)[:, None]
+            posc = None if pos is None else pos.to(dt)
+            w1pc = None if w1p is None else w1p.to(dt)
+            single = len(plan.chunks) == 1
+            hidden = None
+            if plan.training:
+                sums = 0
+                for i, (chunk, sl) in enumerate(zip(plan.chunks, plan.slices)):
+                    u = u if i == 0 else plan.first(chunk, *inputs)
+                    hid = _mm(w1c, u, _chunk_bias(w1pc, posc, sl))
+                    sums = sums + _moments(hid, (0, 2, 3, 4))
+                    hidden = hid if single else None
+                mean, var = _mean_var(sums, n * area * h * w)
+            else:
+                mean, var = plan.running_mean.to(st), plan.running_var.to(st)
+            scale = bn2_weight.to(st) * torch.rsqrt(var + plan.eps)
+            shift = bn2_bias.to(st) - mean * scale
+            scale_c, shift_c = scale.to(dt), shift.to(dt)
+            logits = None if single else u.new_empty(n, w2.shape[0], area, h, w)
+            for i, (chunk, sl) in enumerate(zip(plan.chunks, plan.slices)):
+                if hidden is not None:  # one chunk in training: h is at hand
+                    y = torch.addcmul(shift_c.view(1, -1, 1, 1, 1), hidden, scale_c.view(1, -1, 1, 1, 1))
+                    del hidden
+                else:  # BN2 folded into the first layer: s (W1 u + pos) + t
+                    u = u if i == 0 and not plan.training else plan.first(chunk, *inputs)
+                    y = _mm(w1c * scale_c[:, None], u, _chunk_bias(w1pc, posc, sl, scale_c, shift_c))
+                del u
+                part = _mm(w2c, y.relu_(), b2c)
+                del y
+                if single:
+                    logits = part
+                else:
+                    logits[:, :, sl] = part
+        ctx.plan = plan
+        ctx.save_for_backward(w1, w1p, pos, w2, b2, bn2_weight, bn2_bias, mean, var, *inputs)
+        ctx.mark_non_differentiable(mean, var)
+        return logits, mean, var
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logits, _grad_mean, _grad_var):
+        plan = ctx.plan
+        w1, w1p, pos, w2, b2, bn2_weight, bn2_bias, mean, var, *inputs = ctx.saved_tensors
+        dt = grad_logits.dtype if not inputs else inputs[0].dtype
+        n, groups, area, h, w = grad_logits.shape
+        count = n * area * h * w
+        grad_logits = grad_logits.to(dt).contiguous()
+        w1c, w2c = w1.to(dt), w2.to(dt)
+        w1t, w2t = w1c.t().contiguous(), w2c.t().contiguous()
+        posc = None if pos is None else pos.to(dt)
+        w1pc = None if w1p is None else w1p.to(dt)
+        st = mean.dtype
+        rstd = torch.rsqrt(var + plan.eps)
+        scale = bn2_weight.to(st) * rstd
+        shift = bn2_bias.to(st) - mean * scale
+        view = (1, -1, 1, 1, 1)
+        scale_c, shift_c = scale.to(dt).view(view), shift.to(dt).view(view)
+
+        def chunk_grads(chunk, sl, chunk_inputs):
+            """u, h and the gradient at h's BN2 output (through relu), and relu(BN2(h))."""
+            u = plan.first(chunk, *chunk_inputs)
+            hid = _mm(w1c, u.detach(), _chunk_bias(w1pc, posc, sl))
+            y = torch.addcmul(shift_c, hid, scale_c)
+            gz = torch.ops.aten.threshold_backward(_mm(w2t, grad_logits[:, :, sl]), y, 0)
+            return u, hid, gz, y.relu_()
+
+        def accumulate(sums, hid, gz, z, gl):
+            """grad W2 and, per hidden channel, sum(gz) and sum(gz * h) (BN2's parameter gradients)."""
+            gw2 = torch.bmm(gl.reshape(n, groups, -1), z.reshape(n, z.shape[1], -1).transpose(1, 2)).sum(0)
+            dims = (0, 2, 3, 4)
+            s = torch.stack([gz.to(st).sum(dims), (gz * hid).to(st).sum(dims)])
+            return (sums[0] + gw2.to(st), sums[1] + s)
+
+        two_pass = plan.training and len(plan.chunks) > 1
+        sums = (0, 0)
+        if two_pass:
+            with torch.no_grad():
+                for chunk, sl in zip(plan.chunks, plan.slices):
+                    _, hid, gz, z = chunk_grads(chunk, sl, inputs)
+                    sums = accumulate(sums, hid, gz, z, grad_logits[:, :, sl])
+                    del hid, gz, z
+
+        needs = ctx.needs_input_grad[8:]
+        wanted = [i for i, t in enumerate(inputs) if needs[i]]
+        grad_inputs: list = [None] * len(inputs)
+        grad_w1 = torch.zeros_like(w1, dtype=st)
+        grad_pos = None if pos is None else torch.zeros_like(pos, dtype=dt)
+        grad_w1p = None if pos is None else torch.zeros_like(w1p, dtype=st)
+        for chunk, sl in zip(plan.chunks, plan.slices):
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_(needs[i]) for i, t in enumerate(inputs)]
+                u, hid, gz, z = chunk_grads(chunk, sl, leaves)
+            if not two_pass:
+                sums = accumulate(sums, hid, gz, z, grad_logits[:, :, sl])
+            del z
+            if plan.training:  # BN2 on batch statistics: gh = a gz + b h + c per channel
+                g_bias, g_hsum = sums[1]
+                g_weight = rstd * (g_hsum - mean * g_bias)
+                a = scale
+                b = -scale * rstd * g_weight / count
+                c = -a * g_bias / count - b * mean
+                gh = gz.mul_(a.to(dt).view(view)).addcmul_(hid, b.to(dt).view(view)).add_(c.to(dt).view(view))
+            else:
+                gh = gz.mul_(scale_c)
+            del hid
+            grad_w1 += torch.bmm(gh.reshape(n, gh.shape[1], -1), u.detach().reshape(n, u.shape[1], -1)
+                                 .transpose(1, 2)).sum(0).to(st)
+            if grad_pos is not None:  # pos enters as w1p pos, the same for every image
+                g_pos = gh.sum(0, keepdim=True)
+                grad_w1p += (g_pos.flatten(2)[0] @ posc[:, :, sl].flatten(2)[0].t()).to(st)
+                grad_pos[:, :, sl] = _mm(w1pc.t().contiguous(), g_pos)
+                del g_pos
+            grad_u = _mm(w1t, gh)
+            del gh
+            if wanted:
+                grads = torch.autograd.grad(u, [leaves[i] for i in wanted], grad_u)
+                for i, g in zip(wanted, grads):
+                    grad_inputs[i] = g if grad_inputs[i] is None else grad_inputs[i] + g
+            del u, grad_u
+
+        grad_w2, (g_bias, g_hsum) = sums
+        g_weight = rstd * (g_hsum - mean * g_bias)
+        grad_b2 = grad_logits.to(st).sum((0, 2, 3, 4))
+        return (None, grad_w1.to(w1.dtype), None if grad_w1p is None else grad_w1p.to(w1p.dtype),
+                None if grad_pos is None else grad_pos.to(pos.dtype),
+                grad_w2.to(w2.dtype), grad_b2.to(b2.dtype), g_weight.to(bn2_weight.dtype),
+                g_bias.to(bn2_bias.dtype), *grad_inputs)
+
+
 def _pairwise_weights(m: SelfAttention2d, x, x1, x2p, chunks, index_chunks) -> torch.Tensor:
-    """Pairwise gamma (eq. 3) chunk by chunk. gamma's first BN and 1x1 layer are split into the
-    relation channels and the two position channels: ``p_i - p_j`` does not depend on the image, so
-    its part (BN statistics over N identical copies equal those of one copy) is computed once at
-    batch 1 for the whole footprint and broadcast, instead of being concatenated to every chunk."""
+    """Pairwise attention weights ``softmax_j gamma(delta(x_i, x_j))`` (eq. 3), ``(N, G, K, H, W)``.
+
+    gamma's first BN and 1x1 layer are split into the relation channels and the two position
+    channels: ``p_i - p_j`` does not depend on the image, so its BN1-ReLU (BN statistics over N
+    identical copies equal those of one copy) is computed once at batch 1 for the whole footprint
+    (2 channels) and :class:`_PairwiseGamma` adds its part of the first layer chunk by chunk. BN1's statistics of the relation channels come in
+    closed form for ``subtraction``/``summation`` (:func:`_difference_moments`), whose BN affine
+    ``s (x1_i +- x2_j) + t = (s x1_i + t) +- s x2_j`` is then applied to the unexpanded maps (a chunk
+    costs one add); other relations take them in a checkpointed pass over the chunks."""
     n, _, h, w = x1.shape
     k, area = m.footprint, m.footprint ** 2
     bn1, conv1, bn2, conv2 = m.gamma[0], m.gamma[2], m.gamma[3], m.gamma[5]
-    w1, w2 = conv1.weight.flatten(1), conv2.weight.flatten(1)
+    w1 = conv1.weight.flatten(1)
     dr = m.delta_channels - (2 if m.position_encoding else 0)
     slices = [slice(c[0], c[-1] + 1) for c in index_chunks]
     training = m.training
     count = n * area * h * w
-    dims = (0, 2, 3, 4)
 
     def delta(chunk, x1_, x2p_):
         return _pair_relation(m.relation, x1_[:, :, None], shifted(x2p_, chunk, h, w))
 
-    pd, mean_p, var_p = None, None, None
+    linear = m.relation in ("subtraction", "summation")
+    sign = -1.0 if m.relation == "subtraction" else 1.0
+    if training:
+        if linear:
+            s1 = _difference_moments(x1, x2p, k, sign)
+        else:
+            s1 = sum(_maybe_checkpoint(lambda a, b, c=c: _moments(delta(c, a, b), (0, 2, 3, 4)), x1, x2p)
+                     for c in chunks)
+        mean1, var1 = _mean_var(s1, count)
+    else:
+        mean1, var1 = bn1.running_mean[:dr], bn1.running_var[:dr]
+
+    pos = None
     if m.position_encoding:
         p = _positions(m, x)
         pd = (p[:, :, None] - shifted(reflect_pad(p, k // 2), footprint_offsets(k), h, w)).to(x1.dtype)
         if training:
-            mean_p, var_p = _mean_var(_moments(pd, dims), area * h * w)
+            mean_p, var_p = _mean_var(_moments(pd, (0, 2, 3, 4)), area * h * w)
         else:
             mean_p, var_p = bn1.running_mean[dr:], bn1.running_var[dr:]
-
-    linear = m.relation in ("subtraction", "summation")
-    sign = -1.0 if m.relation == "subtraction" else 1.0
-
-    def first(chunk, mean1, var1, x1_, x2p_):
-        """relu(BN1(delta)) of one chunk (relation channels). For ``x1_i +- x2_j`` the BN affine
-        ``s (x1_i +- x2_j) + t = (s x1_i + t) +- s x2_j`` is applied to the unexpanded maps, so the
-        chunk costs one add instead of a subtraction and an affine pass."""
-        scale = bn1.weight[:dr] * torch.rsqrt(var1 + bn1.eps)
-        shift = bn1.bias[:dr] - mean1 * scale
-        if linear:
-            a_ = torch.addcmul(shift.view(1, -1, 1, 1), x1_, scale.view(1, -1, 1, 1))
-            b_ = x2p_ * (sign * scale).view(1, -1, 1, 1)
-            return F.relu(a_[:, :, None] + shifted(b_, chunk, h, w), True)
-        return F.relu(_affine(delta(chunk, x1_, x2p_), bn1.weight[:dr], bn1.bias[:dr], bn1.eps, mean1, var1), True)
-
-    def pos_part(sl, pos_):
-        """gamma's first layer on the position channels of a chunk, ``(1, rel, Kc * H * W)`` or None."""
-        if not pos_:
-            return None
-        pd_, mp, vp = pos_
-        a = F.relu(_affine(pd_[:, :, sl], bn1.weight[dr:], bn1.bias[dr:], bn1.eps, mp, vp), True)
-        return _mm(w1[:, dr:], a).flatten(2)
-
-    def hidden(chunk, sl, mean1, var1, x1_, x2p_, *pos_):
-        return _mm(w1[:, :dr], first(chunk, mean1, var1, x1_, x2p_), pos_part(sl, pos_))
-
-    extra = (pd, mean_p, var_p) if pd is not None else ()
-    if training:
-        if m.relation in ("subtraction", "summation"):
-            s1 = _difference_moments(x1, x2p, k, -1.0 if m.relation == "subtraction" else 1.0)
-        else:
-            s1 = sum(_maybe_checkpoint(lambda a, b, c=c: _moments(delta(c, a, b), dims), x1, x2p) for c in chunks)
-        mean1, var1 = _mean_var(s1, count)
-        s2 = sum(_maybe_checkpoint(lambda *ts, c=c, sl=sl: _moments(hidden(c, sl, *ts), dims),
-                                   mean1, var1, x1, x2p, *extra) for c, sl in zip(chunks, slices))
-        mean2, var2 = _mean_var(s2, count)
-        if m.position_encoding:
+        pos = F.relu(_affine(pd, bn1.weight[dr:], bn1.bias[dr:], bn1.eps, mean_p, var_p))
+        if training:
             _update_running(bn1, torch.cat([mean1, mean_p]), torch.cat([var1, var_p]), count)
-        else:
-            _update_running(bn1, mean1, var1, count)
-        _update_running(bn2, mean2, var2, count)
+    elif training:
+        _update_running(bn1, mean1, var1, count)
+
+    if linear:
+        scale1 = bn1.weight[:dr] * torch.rsqrt(var1 + bn1.eps)
+        center = torch.addcmul((bn1.bias[:dr] - mean1 * scale1).view(1, -1, 1, 1), x1, scale1.view(1, -1, 1, 1))
+        neighbour = x2p * (sign * scale1).view(1, -1, 1, 1)
+
+        def first(chunk, center_, neighbour_):
+            return shifted(neighbour_, chunk, h, w).add_(center_[:, :, None]).relu_()
+        inputs = (center, neighbour)
     else:
-        mean1, var1 = bn1.running_mean[:dr], bn1.running_var[:dr]
-        mean2, var2 = bn2.running_mean, bn2.running_var
+        def first(chunk, x1_, x2p_, mean1_, var1_, weight1_, bias1_):
+            return F.relu(_affine(delta(chunk, x1_, x2p_), weight1_, bias1_, bn1.eps, mean1_, var1_), True)
+        inputs = (x1, x2p, mean1, var1, bn1.weight[:dr], bn1.bias[:dr])
 
-    def logits(chunk, sl, c2, d2, mean1, var1, x1_, x2p_, *pos_):
-        # BN2 folded into the first 1x1 layer: s2 (W1 a + pos) + t2 = (s2 W1) a + (s2 pos + t2).
-        scale2 = bn2.weight * torch.rsqrt(d2 + bn2.eps)
-        shift2 = (bn2.bias - c2 * scale2)[:, None]
-        pos = pos_part(sl, pos_)
-        add = shift2 if pos is None else torch.addcmul(shift2, pos, scale2[:, None])
-        hid = F.relu(_mm(w1[:, :dr] * scale2[:, None], first(chunk, mean1, var1, x1_, x2p_), add), True)
-        return _mm(w2, hid, conv2.bias[:, None])
-
-    parts = [_maybe_checkpoint(lambda *args, c=c, sl=sl: logits(c, sl, *args), mean2, var2, mean1, var1,
-                               x1, x2p, *extra) for c, sl in zip(chunks, slices)]
-    return torch.softmax(torch.cat(parts, 2) if len(parts) > 1 else parts[0], dim=2)  # (N, G, K, H, W)
+    plan = _GammaPlan(first, chunks, slices, training, bn2.eps, bn2.running_mean, bn2.running_var)
+    w1p = w1[:, dr:] if m.position_encoding else None
+    logits, mean2, var2 = _PairwiseGamma.apply(plan, w1[:, :dr], w1p, pos, conv2.weight.flatten(1),
+                                               conv2.bias, bn2.weight, bn2.bias, *inputs)
+    if training:
+        _update_running(bn2, mean2, var2, count)
+    return torch.softmax(logits, dim=2)
 
 
-def _patchwise_weights(m: SelfAttention2d, x1, x2p, chunks, index_chunks) -> torch.Tensor:
+def _patchwise_last_layer(m: SelfAttention2d, hidden: torch.Tensor) -> torch.Tensor:
+    """gamma's last 1x1 layer on its hidden ``(N, G, H, W)``: the weights ``(N, G, K, H, W)`` (eq. 5)."""
+    n, _, h, w = hidden.shape
+    conv2 = m.gamma[5]
+    return _mm(conv2.weight.flatten(1), hidden, conv2.bias[:, None]).view(n, m.groups, m.footprint ** 2, h, w)
+
+
+def _patchwise_hidden(m: SelfAttention2d, x1, x2p, chunks, index_chunks) -> torch.Tensor:
+    """gamma of patchwise attention (eq. 5) up to its last layer: ``relu(BN2(W1 relu(BN1(delta))))``,
+    ``(N, G, H, W)``; the first layer's input is built chunk by chunk of footprint offsets."""
     n, rel, h, w = x1.shape
     area = m.footprint ** 2
-    bn1, conv1, bn2, conv2 = m.gamma[0], m.gamma[2], m.gamma[3], m.gamma[5]
+    bn1, conv1, bn2 = m.gamma[0], m.gamma[2], m.gamma[3]
     w1 = conv1.weight[:, :, 0, 0]
     x1p = reflect_pad(x1, m.footprint // 2) if m.relation == "clique" else None
     all_offsets = footprint_offsets(m.footprint)
@@ -483,8 +701,7 @@ def _patchwise_weights(m: SelfAttention2d, x1, x2p, chunks, index_chunks) -> tor
             var[ch.flatten()] = sig.flatten().to(var.dtype)
         _update_running(bn1, mean, var, n * h * w)
     hid = sum(o[0] for o in outs)
-    hid = F.relu(bn2(hid))
-    return _mm(conv2.weight.flatten(1), hid, conv2.bias[:, None]).view(n, m.groups, area, h, w)
+    return F.relu(bn2(hid))
 
 
 def _channels_of(m: SelfAttention2d, idx, rel: int, area: int, device) -> torch.Tensor:
