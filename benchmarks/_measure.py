@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["time_ms", "time_interleaved_ms", "peak_memory_mb", "measure_layer", "run_layer_benchmark", "machine_description", "write_json"]
+__all__ = ["time_ms", "time_interleaved_ms", "json_from_fresh_process", "peak_memory_mb", "measure_layer", "run_layer_benchmark", "machine_description", "write_json"]
 
 
 def _sync(device: torch.device) -> None:
@@ -88,6 +89,16 @@ def _small_mmap_threshold() -> None:
 
 #: glibc ``mallopt`` parameters (malloc.h).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def json_from_fresh_process(argv: list[str]) -> dict:
+    """Run ``python *argv`` in a fresh process in which glibc maps every allocation over 64 KiB on
+    its own (``MALLOC_MMAP_THRESHOLD_``), and return the JSON object it prints last on stdout. For
+    CPU peak memory: no other measurement's heap can hide or add memory there, while timing with
+    that setting would be distorted by page faults, so time and memory are separate runs."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+    done = subprocess.run([sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _status_kb(field: str) -> int:

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,7 +21,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _measure import machine_description, peak_memory_mb, time_ms, write_json  # noqa: E402
+from _measure import json_from_fresh_process, machine_description, peak_memory_mb, time_ms, write_json  # noqa: E402
 
 from robust_attn.layers.san import SelfAttention2d  # noqa: E402
 
@@ -69,17 +66,6 @@ def run_all(shapes: dict, device, repeats: int, memory: bool) -> dict:
     return results
 
 
-def cpu_memory_in_subprocess(argv: list[str]) -> dict:
-    """CPU peak memory from a child process in which glibc mmaps every allocation over 64 KiB:
-    otherwise tensors reuse freed heap pages and the peak resident set does not see them, while
-    timing with that setting would be distorted by page faults, so time and memory are separate runs."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "memory.json"
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-        subprocess.run([sys.executable, __file__, *argv, "--memory-only", str(out)], env=env, check=True)
-        return json.loads(out.read_text())
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -88,17 +74,17 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "san_ops.json"))
-    parser.add_argument("--memory-only", metavar="JSON", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     shapes = {"imagenet_56x56": (args.batch_imagenet, 56), "cifar_32x32": (args.batch_cifar, 32)}
     if args.memory_only:
-        Path(args.memory_only).write_text(json.dumps(run_all(shapes, device, args.repeats, memory=True)))
+        print(json.dumps(run_all(shapes, device, args.repeats, memory=True)))
         return
     results = run_all(shapes, device, args.repeats, memory=False)
     passed = [a for a in (argv if argv is not None else sys.argv[1:])]
-    memory = (cpu_memory_in_subprocess(passed) if device.type == "cpu"
+    memory = (json_from_fresh_process([__file__, *passed, "--memory-only"]) if device.type == "cpu"
               else run_all(shapes, device, args.repeats, memory=True))
     for key, row in results.items():
         for kind in ("lean", "unfold", "conv3x3"):

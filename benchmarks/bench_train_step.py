@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +24,8 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _measure import machine_description, peak_memory_mb, time_interleaved_ms, write_json  # noqa: E402
+from _measure import (json_from_fresh_process, machine_description, peak_memory_mb,  # noqa: E402
+                      time_interleaved_ms, write_json)  # noqa: E402
 
 from robust_attn.registry import create_model, list_models, model_info  # noqa: E402
 
@@ -77,16 +76,14 @@ def model_peak_memory(name: str, args, device: torch.device, step) -> float:
     heap nor this one's history can hide or add memory (see ``_measure.peak_memory_mb``)."""
     if device.type == "cuda":
         return peak_memory_mb(step, device)
-    argv = [sys.executable, str(Path(__file__).resolve()), "--device", args.device, "--amp", args.amp,
+    argv = [str(Path(__file__).resolve()), "--device", args.device, "--amp", args.amp,
             "--resolution", args.resolution, "--batch", str(args.batch), "--width", str(args.width),
             "--num-classes", str(args.num_classes), "--memory-of", name]
     if args.stem_downsample:
         argv += ["--stem-downsample", str(args.stem_downsample)]
     if args.channels_last:
         argv.append("--channels-last")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])["peak_memory_MiB"]
+    return json_from_fresh_process(argv)["peak_memory_MiB"]
 
 
 def main(argv=None) -> int:

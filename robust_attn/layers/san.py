@@ -359,13 +359,11 @@ def san_attention_lean(m: SelfAttention2d, x: torch.Tensor) -> torch.Tensor:
     x1, x2, v = _projections(m, x)
     x2p = reflect_pad(x2, k // 2)
     if m.attention == "pairwise":
-        weight = _pairwise_weights(m, x, x1, x2p, chunks, index_chunks)
-    else:
-        # gamma's last layer (G -> k^2 G per pixel) and the aggregation under one checkpoint: its
-        # k^2-sized output is recomputed in the backward pass rather than kept until then.
-        hidden = _patchwise_hidden(m, x1, x2p, chunks, index_chunks)
-        return _maybe_checkpoint(lambda z, v_: footprint_aggregate(v_, _patchwise_last_layer(m, z), k), hidden, v)
-    return footprint_aggregate(v, weight, k)
+        return footprint_aggregate(v, _pairwise_weights(m, x, x1, x2p, chunks, index_chunks), k)
+    # gamma's last layer (G -> k^2 G per pixel) and the aggregation under one checkpoint: its
+    # k^2-sized output is recomputed in the backward pass rather than kept until then.
+    hidden = _patchwise_hidden(m, x1, x2p, chunks, index_chunks)
+    return _maybe_checkpoint(lambda z, v_: footprint_aggregate(v_, _patchwise_last_layer(m, z), k), hidden, v)
 
 
 def _window_counts(n: int, k: int, like: torch.Tensor) -> torch.Tensor:
