@@ -113,43 +113,48 @@ def test_relation_matches_slow_reference_from_the_equations(attention, relation)
         torch.testing.assert_close(grad, grad_expected, rtol=1e-8, atol=1e-9)
 
 
-@pytest.mark.parametrize("attention,relation", RELATIONS)
-def test_lean_equals_unfold_in_training(attention, relation):
-    """Outputs, input and parameter gradients and BN running statistics (BN on batch statistics)."""
-    lean = _op(attention, relation, footprint=5, chunk_size=4).train()  # 25 offsets: a partial chunk
+def _assert_lean_equals_unfold(lean: SelfAttention2d, x: torch.Tensor, grad_rtol: float = 1e-8,
+                               grad_atol: float = 1e-10) -> None:
+    """``lean`` and a copy running the unfold reference agree (float64) in outputs, input and parameter
+    gradients and buffers (BN running statistics, updated in training mode)."""
     ref = copy.deepcopy(lean)
     ref.implementation = "unfold"
-    x = torch.randn(2, 16, 6, 7, dtype=torch.float64, requires_grad=True)
+    results = []
     for m in (lean, ref):
         y = m(x)
-        m.grads = torch.autograd.grad(y.square().sum(), [x, *m.parameters()])
-        m.y = y.detach()
-    torch.testing.assert_close(lean.y, ref.y, rtol=1e-10, atol=1e-12)
-    for g_lean, g_ref in zip(lean.grads, ref.grads):
-        torch.testing.assert_close(g_lean, g_ref, rtol=1e-8, atol=1e-10)
+        results.append((y.detach(), torch.autograd.grad(y.square().sum(), [x, *m.parameters()])))
+    (y_lean, g_lean), (y_ref, g_ref) = results
+    torch.testing.assert_close(y_lean, y_ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(g_lean, g_ref):
+        torch.testing.assert_close(a, b, rtol=grad_rtol, atol=grad_atol)
     for (name, b_lean), b_ref in zip(lean.named_buffers(), ref.buffers()):
         torch.testing.assert_close(b_lean, b_ref, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("attention,relation", RELATIONS)
+def test_lean_equals_unfold_in_training(attention, relation):
+    """Outputs, input and parameter gradients and BN running statistics (BN on batch statistics)."""
+    lean = _op(attention, relation, footprint=5, chunk_size=4).train()  # 25 offsets: a partial chunk
+    _assert_lean_equals_unfold(lean, torch.randn(2, 16, 6, 7, dtype=torch.float64, requires_grad=True))
+
+
+@pytest.mark.parametrize("flat_below", [1, 1000], ids=["rows", "flat"])
 @pytest.mark.parametrize("relation", ["subtraction", "concatenation"])
-def test_pairwise_lean_equals_unfold_in_eval_mode_with_chunks(relation):
-    """Eval mode with gradients (as attacks run): running BN statistics, several chunks, every gradient."""
+def test_pairwise_lean_equals_unfold_in_eval_mode_with_chunks(relation, flat_below, monkeypatch):
+    """Eval mode with gradients (as attacks run): running BN statistics, several chunks, every gradient,
+    with both layouts of the chunk-wise aggregation backward."""
+    monkeypatch.setattr(local_aggregation, "FLAT_ROWS_BELOW_WIDTH", flat_below)
     lean = _op("pairwise", relation, footprint=5, chunk_size=7).eval()  # 25 offsets: 4 chunks, one partial
-    ref = copy.deepcopy(lean)
-    ref.implementation = "unfold"
     x = torch.randn(2, 16, 6, 5, dtype=torch.float64, requires_grad=True)
-    grads = []
-    for m in (lean, ref):
-        y = m(x)
-        grads.append((y.detach(), *torch.autograd.grad(y.square().sum(), [x, *m.parameters()])))
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    _assert_lean_equals_unfold(lean, x, grad_rtol=1e-9, grad_atol=1e-11)
     assert torch.autograd.gradcheck(lean, (x,), atol=1e-6, fast_mode=True)
 
 
-def test_pairwise_gamma_gradients_reach_every_parameter_in_training():
-    """The hand-written backward of pairwise gamma: a gradient for gamma's layers, BN2's affine and
-    the position encoding, equal to the reference's (two-pass backward: several chunks)."""
+@pytest.mark.parametrize("flat_below", [1, 1000], ids=["rows", "flat"])
+def test_pairwise_gamma_gradients_reach_every_parameter_in_training(flat_below, monkeypatch):
+    """The hand-written backward of pairwise attention: a gradient for gamma's layers, BN2's affine,
+    the position encoding and beta, equal to the reference's (two-pass backward: several chunks)."""
+    monkeypatch.setattr(local_aggregation, "FLAT_ROWS_BELOW_WIDTH", flat_below)
     lean = _op("pairwise", "subtraction", footprint=3, chunk_size=2).train()
     ref = copy.deepcopy(lean)
     ref.implementation = "unfold"
@@ -159,7 +164,8 @@ def test_pairwise_gamma_gradients_reach_every_parameter_in_training():
         y = m(x)
         named[m.implementation] = dict(zip([n for n, _ in m.named_parameters()],
                                            torch.autograd.grad(y.square().sum(), list(m.parameters()))))
-    for name in ("gamma.2.weight", "gamma.3.weight", "gamma.3.bias", "gamma.5.weight", "gamma.5.bias", "pos.weight"):
+    for name in ("gamma.2.weight", "gamma.3.weight", "gamma.3.bias", "gamma.5.weight", "gamma.5.bias", "pos.weight",
+                 "beta.weight", "phi.weight", "psi.weight"):
         assert named["lean"][name].abs().sum() > 0, name
         torch.testing.assert_close(named["lean"][name], named["unfold"][name], rtol=1e-8, atol=1e-10)
 
@@ -242,13 +248,14 @@ def test_difference_moments_equal_the_expanded_sums(size, footprint, sign):
     x1 = torch.randn(2, 3, size, size, dtype=torch.float64, requires_grad=True)
     x2 = torch.randn(2, 3, size, size, dtype=torch.float64, requires_grad=True)
     x2p = reflect_pad(x2, footprint // 2)
-    got = _difference_moments(x1, x2p, footprint, sign)
+    got = _difference_moments(x1, x2, footprint, sign)
     pairs = x1.flatten(2)[:, :, None] + sign * F.unfold(x2p, footprint).view(2, 3, footprint ** 2, size * size)
     expected = torch.stack([pairs.sum((0, 2, 3)), pairs.square().sum((0, 2, 3))])
     torch.testing.assert_close(got, expected)
     g = torch.randn_like(expected)
     torch.testing.assert_close(torch.autograd.grad(got, [x1, x2], g, retain_graph=True),
                                torch.autograd.grad(expected, [x1, x2], g))
+    assert torch.autograd.gradcheck(lambda a, b: _difference_moments(a, b, footprint, sign), (x1, x2))
 
 
 def test_auto_chunk_size_follows_the_input_size_and_explicit_sizes_win():
@@ -269,6 +276,14 @@ def test_conv1x1_equals_the_convolution_on_small_and_large_maps():
         y = conv1x1(x, conv)
         torch.testing.assert_close(y, conv(x))
         torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0], torch.autograd.grad(conv(x).sum(), x)[0])
+
+
+@pytest.mark.parametrize("attention", ["pairwise", "patchwise"])
+def test_lean_equals_unfold_in_training_on_maps_smaller_than_the_footprint(attention):
+    """2x3 maps under a 5x5 footprint (the 2x2 last stage of the CPU recipe): repeated mirroring in
+    every padded tensor, the backward passes included, with several chunks."""
+    lean = _op(attention, None, footprint=5, chunk_size=6).train()
+    _assert_lean_equals_unfold(lean, torch.randn(3, 16, 2, 3, dtype=torch.float64, requires_grad=True))
 
 
 @pytest.mark.parametrize("attention", ["pairwise", "patchwise"])

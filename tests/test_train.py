@@ -20,7 +20,7 @@ from robust_attn.cli import main as cli_main
 from robust_attn.registry import list_models, model_info
 from robust_attn.train import build_model, recipe_from_dict, train
 from robust_attn.train.optim import build_optimizer, build_scheduler, lr_factor, param_groups
-from robust_attn.train.trainer import CSV_COLUMNS, ResumeError
+from robust_attn.train.trainer import CSV_COLUMNS, ResumeError, _git_commit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -214,3 +214,23 @@ def test_torchrun_two_processes_gloo(tmp_path):
     assert model(torch.rand(1, 3, 32, 32)).shape == (1, 10)
     state = torch.load(out / "checkpoints" / "epoch_0001" / "state.pt", weights_only=True)
     assert state["world_size"] == 2
+
+
+def test_git_commit_is_marked_dirty_when_tracked_files_changed(tmp_path):
+    """The sidecar's git_commit names a commit only when the checkout matches it."""
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "one")
+    commit = _git_commit(tmp_path)
+    assert commit is not None and len(commit) == 40
+    (tmp_path / "untracked.txt").write_text("not part of the code\n")
+    assert _git_commit(tmp_path) == commit
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert _git_commit(tmp_path) == commit + "-dirty"
+    plain = tmp_path.parent / f"{tmp_path.name}_no_git"
+    plain.mkdir()
+    assert _git_commit(plain) is None

@@ -7,7 +7,9 @@ unfolded copy for the backward pass. :func:`footprint_aggregate` instead streams
 recomputes each shifted view instead of storing it: it saves only the padded ``v`` (about the
 size of ``v``) and the weights (``k^2 / share_planes`` times ``v``'s channel count). On maps no
 wider than the padding it uses a transient ``F.unfold`` instead (:class:`_UnfoldAggregate`,
-same function, faster there); see :func:`footprint_aggregate`.
+same function, faster there); see :func:`footprint_aggregate`. The backward pass for a range of
+offsets (:func:`accumulate_aggregate_grads`) also serves fused operators that recompute their
+weights chunk by chunk of offsets instead of saving them (SAN pairwise attention).
 
 Border handling is reflection padding (the SAN authors' choice). :func:`reflect_pad` extends it
 to maps smaller than the footprint by mirroring repeatedly (period ``2 (n - 1)``); for
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 __all__ = ["reflect_index", "reflect_pad", "footprint_offsets", "shifted", "footprint_aggregate",
-           "footprint_aggregate_unfold"]
+           "footprint_aggregate_unfold", "aggregate_grad_buffer", "accumulate_aggregate_grads", "padded_gradient"]
 
 
 def reflect_index(n: int, pad: int, device=None) -> torch.Tensor:
@@ -130,40 +132,66 @@ class _StreamAggregate(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
         vpad, weight = ctx.saved_tensors
-        k = ctx.footprint
-        n, s, g, hp, wp = vpad.shape
-        h, w = grad_out.shape[-2:]
-        offsets = footprint_offsets(k)
-        grad_v = grad_w = None
-        if w >= FLAT_ROWS_BELOW_WIDTH:
-            if ctx.needs_input_grad[0]:
-                grad_v = torch.zeros_like(vpad)
-                for j, (dy, dx) in enumerate(offsets):
-                    grad_v[..., dy:dy + h, dx:dx + w].addcmul_(grad_out, weight[:, None, :, j])
-            if ctx.needs_input_grad[1]:
-                grad_w = torch.empty_like(weight)
-                for j, (dy, dx) in enumerate(offsets):
-                    grad_w[:, :, j] = (grad_out * vpad[..., dy:dy + h, dx:dx + w]).sum(1)
-            return grad_v, grad_w, None
-        size = h * wp
-        gflat = F.pad(grad_out, (0, wp - w)).reshape(n, s, g, size)
-        if ctx.needs_input_grad[0]:
-            wflat = _flat_weight(weight, wp)
-            grad_flat = vpad.new_zeros(n, s, g, hp * wp + k - 1)
-            for j, (dy, dx) in enumerate(offsets):
-                start = dy * wp + dx
-                grad_flat[..., start:start + size].addcmul_(gflat, wflat[:, None, :, j])
-            grad_v = grad_flat[..., :hp * wp].view(n, s, g, hp, wp)
-        if ctx.needs_input_grad[1]:
-            vflat = _flat(vpad, k)
-            grad_w = weight.new_empty(n, g, k * k, h, wp)
-            prod = torch.empty_like(gflat)
-            for j, (dy, dx) in enumerate(offsets):
-                start = dy * wp + dx
-                torch.mul(gflat, vflat[..., start:start + size], out=prod)
-                torch.sum(prod, 1, out=grad_w[:, :, j].view(n, g, size))
-            grad_w = grad_w[..., :w]
+        grad_buffer = aggregate_grad_buffer(vpad, ctx.footprint) if ctx.needs_input_grad[0] else None
+        grad_w = accumulate_aggregate_grads(vpad, weight, grad_out, ctx.footprint, 0, grad_buffer,
+                                            need_weight_grad=ctx.needs_input_grad[1])
+        grad_v = None if grad_buffer is None else padded_gradient(grad_buffer, vpad.shape)
         return grad_v, grad_w, None
+
+
+def aggregate_grad_buffer(vpad: torch.Tensor, footprint: int) -> torch.Tensor:
+    """Zeroed gradient buffer of ``vpad (N, S, G, Hp, Wp)`` for :func:`accumulate_aggregate_grads`:
+    its rows flattened with ``k - 1`` extra elements (room for the flattened-row kernel's last offset);
+    :func:`padded_gradient` gives the ``vpad``-shaped gradient."""
+    n, s, g, hp, wp = vpad.shape
+    return vpad.new_zeros(n, s, g, hp * wp + footprint - 1)
+
+
+def padded_gradient(grad_buffer: torch.Tensor, shape) -> torch.Tensor:
+    """The ``vpad``-shaped view of a buffer of :func:`aggregate_grad_buffer`."""
+    n, s, g, hp, wp = shape
+    return grad_buffer[..., :hp * wp].view(n, s, g, hp, wp)
+
+
+def accumulate_aggregate_grads(vpad: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, footprint: int,
+                               first: int, grad_buffer: torch.Tensor | None,
+                               need_weight_grad: bool = True) -> torch.Tensor | None:
+    """Backward of the aggregation for the footprint offsets ``first, ..., first + Kc - 1`` (row-major
+    order of :func:`footprint_offsets`), whose weights are ``weight (N, G, Kc, H, W)``: adds their share of
+    the ``vpad`` gradient into ``grad_buffer`` (from :func:`aggregate_grad_buffer`; None: skip) and returns
+    their weight gradient ``(N, G, Kc, H, W)`` (None unless ``need_weight_grad``). ``grad_out``:
+    ``(N, S, G, H, W)``. Called on all offsets at once by :class:`_StreamAggregate`, chunk by chunk by
+    fused operators that recompute the weights. Maps narrower than :data:`FLAT_ROWS_BELOW_WIDTH` use
+    flattened rows (see :class:`_StreamAggregate`)."""
+    n, s, g, hp, wp = vpad.shape
+    h, w = grad_out.shape[-2:]
+    offsets = footprint_offsets(footprint)[first:first + weight.shape[2]]
+    if w >= FLAT_ROWS_BELOW_WIDTH:
+        grad_w = weight.new_empty(weight.shape) if need_weight_grad else None
+        grad_v = None if grad_buffer is None else padded_gradient(grad_buffer, vpad.shape)
+        for j, (dy, dx) in enumerate(offsets):
+            if grad_v is not None:
+                grad_v[..., dy:dy + h, dx:dx + w].addcmul_(grad_out, weight[:, None, :, j])
+            if grad_w is not None:
+                grad_w[:, :, j] = (grad_out * vpad[..., dy:dy + h, dx:dx + w]).sum(1)
+        return grad_w
+    size = h * wp
+    gflat = F.pad(grad_out, (0, wp - w)).reshape(n, s, g, size)
+    if grad_buffer is not None:
+        wflat = _flat_weight(weight, wp)
+        for j, (dy, dx) in enumerate(offsets):
+            start = dy * wp + dx
+            grad_buffer[..., start:start + size].addcmul_(gflat, wflat[:, None, :, j])
+    if not need_weight_grad:
+        return None
+    vflat = _flat(vpad, footprint)
+    grad_flat = weight.new_empty(n, g, len(offsets), h, wp)
+    prod = torch.empty_like(gflat)
+    for j, (dy, dx) in enumerate(offsets):
+        start = dy * wp + dx
+        torch.mul(gflat, vflat[..., start:start + size], out=prod)
+        torch.sum(prod, 1, out=grad_flat[:, :, j].view(n, g, size))
+    return grad_flat[..., :w]
 
 
 def _flat(vpad: torch.Tensor, footprint: int) -> torch.Tensor:

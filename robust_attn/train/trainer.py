@@ -75,15 +75,24 @@ def _versions() -> dict:
             "robust_attn": robust_attn.__version__}
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
+def _git_commit(folder: Path | None = None) -> str | None:
+    """The commit of the checkout holding ``folder`` (default: this package), with ``-dirty`` appended
+    when tracked files differ from it (as ``git describe --dirty``): the commit alone would not
+    reproduce such a run. None outside a git checkout."""
+    folder = folder or Path(__file__).parent
+
+    def git(*args):
+        try:
+            out = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
         return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
+    changes = git("status", "--porcelain", "--untracked-files=no")
+    return commit + ("-dirty" if changes else "")
 
 
 def _amp_context(device: torch.device, amp: str):
