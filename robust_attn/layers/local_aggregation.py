@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 __all__ = ["reflect_index", "reflect_pad", "footprint_offsets", "shifted", "footprint_aggregate",
-           "footprint_aggregate_unfold", "aggregate_grad_buffer", "accumulate_aggregate_grads", "padded_gradient"]
+           "footprint_aggregate_unfold", "aggregate_grad_buffer", "accumulate_aggregate_grads", "padded_gradient",
+           "grouped_padded", "unpadded_gradient"]
 
 
 def reflect_index(n: int, pad: int, device=None) -> torch.Tensor:
@@ -153,6 +154,26 @@ def padded_gradient(grad_buffer: torch.Tensor, shape) -> torch.Tensor:
     return grad_buffer[..., :hp * wp].view(n, s, g, hp, wp)
 
 
+def grouped_padded(v: torch.Tensor, footprint: int, groups: int) -> torch.Tensor:
+    """``v (N, C, H, W)`` reflection-padded for the footprint and viewed as ``(N, C/G, G, Hp, Wp)``:
+    channel ``c`` in group ``c % G``, the layout of the aggregation kernels."""
+    n, c = v.shape[:2]
+    vpad = reflect_pad(v, footprint // 2)
+    return vpad.view(n, c // groups, groups, *vpad.shape[-2:])
+
+
+def unpadded_gradient(grad_buffer: torch.Tensor, v: torch.Tensor, footprint: int) -> torch.Tensor:
+    """The gradient of the unpadded ``v (N, C, H, W)`` from a buffer of :func:`aggregate_grad_buffer`
+    filled for :func:`grouped_padded` ``(v)``: through the reflection padding's adjoint."""
+    n, c, h, w = v.shape
+    pad = footprint // 2
+    grad_vpad = grad_buffer[..., :(h + 2 * pad) * (w + 2 * pad)].reshape(n, c, h + 2 * pad, w + 2 * pad)
+    with torch.enable_grad():
+        leaf = v.detach().requires_grad_()
+        grad_v, = torch.autograd.grad(reflect_pad(leaf, pad), leaf, grad_vpad)
+    return grad_v
+
+
 def accumulate_aggregate_grads(vpad: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, footprint: int,
                                first: int, grad_buffer: torch.Tensor | None,
                                need_weight_grad: bool = True) -> torch.Tensor | None:
@@ -278,8 +299,7 @@ def footprint_aggregate(v: torch.Tensor, weight: torch.Tensor, footprint: int,
     if kernel is None:
         small = min(h, w) <= footprint // 2 and n * c * footprint * footprint * h * w <= UNFOLD_AGGREGATE_ELEMENTS
         kernel = "unfold" if small else "stream"
-    vpad = reflect_pad(v, footprint // 2)
-    vpad = vpad.view(n, s, groups, *vpad.shape[-2:])
+    vpad = grouped_padded(v, footprint, groups)
     fn = _UnfoldAggregate if kernel == "unfold" else _StreamAggregate
     out = fn.apply(vpad, weight.to(vpad.dtype), footprint)
     return out.reshape(n, c, h, w)

@@ -50,8 +50,9 @@ Implementations (``implementation=``), which compute the same function, buffers 
     batch 1.
   - Patchwise: gamma's first BN has one channel per footprint position, so its statistics are per
     chunk; each chunk runs under activation checkpointing up to gamma's hidden layer (``G``
-    channels); gamma's last layer (``G -> k^2 G``) and the aggregation share one checkpoint, so
-    the weights are recomputed in the backward pass instead of kept.
+    channels); gamma's last layer (``G -> k^2 G``) and the aggregation are one autograd function
+    (:class:`_PatchwiseWeightsAggregate`), so the weights are recomputed in the backward pass
+    instead of kept.
   - All 1x1 layers of the operator (phi/psi/beta stacked into one, gamma's) are matmuls
     (:func:`_mm`), faster on CPU than oneDNN convolutions with so few channels on large maps.
 
@@ -71,8 +72,8 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from robust_attn.layers.local_aggregation import (accumulate_aggregate_grads, aggregate_grad_buffer,
-                                                  footprint_aggregate, footprint_offsets, padded_gradient,
-                                                  reflect_pad, shifted)
+                                                  footprint_aggregate, footprint_offsets, grouped_padded,
+                                                  reflect_pad, shifted, unpadded_gradient)
 
 __all__ = ["PAIRWISE_RELATIONS", "PATCHWISE_RELATIONS", "SelfAttention2d", "position_grid",
            "san_attention_unfold", "san_attention_lean", "auto_chunk_size", "conv1x1"]
@@ -361,10 +362,11 @@ def san_attention_lean(m: SelfAttention2d, x: torch.Tensor) -> torch.Tensor:
     x1, x2, v = _projections(m, x)
     if m.attention == "pairwise":
         return _pairwise_attention(m, x, x1, x2, v, chunks, index_chunks)
-    # gamma's last layer (G -> k^2 G per pixel) and the aggregation under one checkpoint: its
+    # gamma's last layer (G -> k^2 G per pixel) and the aggregation in one autograd function: its
     # k^2-sized output is recomputed in the backward pass rather than kept until then.
     hidden = _patchwise_hidden(m, x1, x2, chunks, index_chunks)
-    return _maybe_checkpoint(lambda z, v_: footprint_aggregate(v_, _patchwise_last_layer(m, z), k), hidden, v)
+    conv2 = m.gamma[5]
+    return _PatchwiseWeightsAggregate.apply(hidden, conv2.weight.flatten(1), conv2.bias, v, k)
 
 
 def _window_counts(n: int, k: int, like: torch.Tensor) -> torch.Tensor:
@@ -569,8 +571,7 @@ class _PairwiseAttention(torch.autograd.Function):
         count = n * area * h * w
         grad_y = grad_out.to(v.dtype).reshape(n, c // groups, groups, h, w)
         d_dot = (grad_y * out.reshape(grad_y.shape)).to(st).sum(1)[:, :, None]  # D, (N, G, 1, H, W)
-        vpad = reflect_pad(v, k // 2)
-        vpad = vpad.view(n, c // groups, groups, *vpad.shape[-2:])
+        vpad = grouped_padded(v, k, groups)
         grad_buffer = aggregate_grad_buffer(vpad, k) if ctx.needs_input_grad[8] else None
         w1c, w2c, b2c = w1.to(dt), w2.to(dt), b2.to(dt)[:, None]
         w1t, w2t = w1c.t().contiguous(), w2c.t().contiguous()
@@ -656,12 +657,7 @@ class _PairwiseAttention(torch.autograd.Function):
 
         grad_w2, (g_bias, g_hsum), grad_b2 = sums
         g_weight = rstd * (g_hsum - mean * g_bias)
-        grad_v = None
-        if grad_buffer is not None:  # through the reflection padding
-            with torch.enable_grad():
-                leaf = v.detach().requires_grad_()
-                grad_v, = torch.autograd.grad(reflect_pad(leaf, k // 2),
-                                              leaf, padded_gradient(grad_buffer, vpad.shape).reshape(n, c, *vpad.shape[-2:]))
+        grad_v = None if grad_buffer is None else unpadded_gradient(grad_buffer, v, k)
         return (None, grad_w1.to(w1.dtype), None if grad_w1p is None else grad_w1p.to(w1p.dtype),
                 None if grad_pos is None else grad_pos.to(pos.dtype),
                 grad_w2.to(w2.dtype), grad_b2.to(b2.dtype), g_weight.to(bn2_weight.dtype),
@@ -740,11 +736,42 @@ def _pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) 
     return out
 
 
-def _patchwise_last_layer(m: SelfAttention2d, hidden: torch.Tensor) -> torch.Tensor:
-    """gamma's last 1x1 layer on its hidden ``(N, G, H, W)``: the weights ``(N, G, K, H, W)`` (eq. 5)."""
-    n, _, h, w = hidden.shape
-    conv2 = m.gamma[5]
-    return _mm(conv2.weight.flatten(1), hidden, conv2.bias[:, None]).view(n, m.groups, m.footprint ** 2, h, w)
+class _PatchwiseWeightsAggregate(torch.autograd.Function):
+    """Patchwise attention from gamma's hidden layer on (eq. 4-5): the weights ``W2 hidden + b2``
+    (``G -> k^2 G`` per pixel, weight ``(g, j)`` in channel ``g k^2 + j``) and ``y_i = sum_j w_ij (.) v_j``.
+    Saves ``hidden``, ``v`` and the layer; the backward pass recomputes the ``k^2``-sized weights once
+    (activation checkpointing would also rerun the aggregation). Runs in ``v``'s dtype, autocast off."""
+
+    @staticmethod
+    def forward(ctx, hidden, w2, b2, v, footprint: int):
+        n, _, h, w = hidden.shape
+        with _no_autocast(v.device):
+            weights = _mm(w2.to(v.dtype), hidden.to(v.dtype), b2.to(v.dtype)[:, None])
+            out = footprint_aggregate(v, weights.view(n, w2.shape[0] // footprint ** 2, footprint ** 2, h, w),
+                                      footprint)
+        ctx.footprint = footprint
+        ctx.save_for_backward(hidden, w2, b2, v)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        hidden, w2, b2, v = ctx.saved_tensors
+        k, dt = ctx.footprint, v.dtype
+        n, _, h, w = hidden.shape
+        c, groups = v.shape[1], w2.shape[0] // (k * k)
+        hid, w2c = hidden.to(dt), w2.to(dt)
+        weights = _mm(w2c, hid, b2.to(dt)[:, None]).view(n, groups, k * k, h, w)
+        vpad = grouped_padded(v, k, groups)
+        grad_buffer = aggregate_grad_buffer(vpad, k) if ctx.needs_input_grad[3] else None
+        grad_y = grad_out.to(dt).reshape(n, c // groups, groups, h, w)
+        grad_w = accumulate_aggregate_grads(vpad, weights, grad_y, k, 0, grad_buffer).reshape(n, groups * k * k, h, w)
+        del weights
+        grad_hidden = _mm(w2c.t().contiguous(), grad_w)
+        grad_w2 = torch.bmm(grad_w.reshape(n, groups * k * k, -1), hid.reshape(n, hid.shape[1], -1).transpose(1, 2)).sum(0)
+        grad_b2 = grad_w.sum((0, 2, 3))
+        grad_v = None if grad_buffer is None else unpadded_gradient(grad_buffer, v, k)
+        return grad_hidden.to(hidden.dtype), grad_w2.to(w2.dtype), grad_b2.to(b2.dtype), grad_v, None
 
 
 def _patchwise_hidden(m: SelfAttention2d, x1, x2, chunks, index_chunks) -> torch.Tensor:
