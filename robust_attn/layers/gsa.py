@@ -35,11 +35,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from robust_attn.layers.precision import accumulation_dtype
+
 __all__ = ["content_attention", "relative_to_absolute", "axial_positional_attention", "GlobalSelfAttention2d"]
-
-
-def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def content_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -52,7 +50,7 @@ def content_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     if q.shape != k.shape or v.shape[:2] != q.shape[:2] or v.shape[-1] != q.shape[-1] or q.dim() != 4:
         raise ValueError(f"expected q, k (B, heads, d_k, N) and v (B, heads, d_v, N), "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    k_hat = k.softmax(dim=-1, dtype=_softmax_dtype(k.dtype)).to(v.dtype)
+    k_hat = k.softmax(dim=-1, dtype=accumulation_dtype(k.dtype)).to(v.dtype)
     context = torch.einsum("bnkp,bnvp->bnkv", k_hat, v)
     return torch.einsum("bnkp,bnkv->bnvp", q, context)
 

@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 __all__ = ["reflect_index", "reflect_pad", "footprint_offsets", "shifted", "footprint_aggregate",
            "footprint_aggregate_unfold", "aggregate_grad_buffer", "accumulate_aggregate_grads", "padded_gradient",
-           "grouped_padded", "unpadded_gradient"]
+           "grouped_padded", "unpadded_gradient", "reflect_pad_backward"]
 
 
 def reflect_index(n: int, pad: int, device=None) -> torch.Tensor:
@@ -44,6 +44,15 @@ def reflect_pad(x: torch.Tensor, pad: int) -> torch.Tensor:
     if pad < h and pad < w and x.dim() in (3, 4):
         return F.pad(x, (pad, pad, pad, pad), mode="reflect")
     return x.index_select(-2, reflect_index(h, pad, x.device)).index_select(-1, reflect_index(w, pad, x.device))
+
+
+def reflect_pad_backward(grad_padded: torch.Tensor, x: torch.Tensor, pad: int) -> torch.Tensor:
+    """The gradient of ``x`` from that of :func:`reflect_pad` ``(x, pad)``: every padded position's
+    gradient added to the position it mirrors (the padding's adjoint, by autograd)."""
+    with torch.enable_grad():
+        leaf = x.detach().requires_grad_()
+        grad, = torch.autograd.grad(reflect_pad(leaf, pad), leaf, grad_padded)
+    return grad
 
 
 def footprint_offsets(footprint: int) -> list[tuple[int, int]]:
@@ -168,10 +177,7 @@ def unpadded_gradient(grad_buffer: torch.Tensor, v: torch.Tensor, footprint: int
     n, c, h, w = v.shape
     pad = footprint // 2
     grad_vpad = grad_buffer[..., :(h + 2 * pad) * (w + 2 * pad)].reshape(n, c, h + 2 * pad, w + 2 * pad)
-    with torch.enable_grad():
-        leaf = v.detach().requires_grad_()
-        grad_v, = torch.autograd.grad(reflect_pad(leaf, pad), leaf, grad_vpad)
-    return grad_v
+    return reflect_pad_backward(grad_vpad, v, pad)
 
 
 def accumulate_aggregate_grads(vpad: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, footprint: int,

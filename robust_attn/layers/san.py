@@ -61,7 +61,6 @@ Implementations (``implementation=``), which compute the same function, buffers 
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Literal
 
@@ -73,7 +72,8 @@ from torch.utils.checkpoint import checkpoint
 
 from robust_attn.layers.local_aggregation import (accumulate_aggregate_grads, aggregate_grad_buffer,
                                                   footprint_aggregate, footprint_offsets, grouped_padded,
-                                                  reflect_pad, shifted, unpadded_gradient)
+                                                  reflect_pad, reflect_pad_backward, shifted, unpadded_gradient)
+from robust_attn.layers.precision import accumulation_dtype, autocast_off
 
 __all__ = ["PAIRWISE_RELATIONS", "PATCHWISE_RELATIONS", "SelfAttention2d", "position_grid",
            "san_attention_unfold", "san_attention_lean", "auto_chunk_size", "conv1x1"]
@@ -295,15 +295,17 @@ def _mm(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None)
     return out.view(n, -1, *x.shape[2:])
 
 
-def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of BatchNorm statistics for activations of ``dtype``: float32 for half types."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+def _mm_weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`_mm`'s ``weight (O, C)`` from ``grad_out (N, O, ...)`` and its input ``x (N, C, ...)``:
+    ``sum_n grad_out[n] x[n]^T``."""
+    n = x.shape[0]
+    return torch.bmm(grad_out.reshape(n, grad_out.shape[1], -1), x.reshape(n, x.shape[1], -1).transpose(1, 2)).sum(0)
 
 
 def _moments(t: torch.Tensor, dims) -> torch.Tensor:
     """Per-channel sum and sum of squares over ``dims`` (two plain reductions: several times
     faster on CPU than ``Tensor.var`` over non-adjacent dims)."""
-    t = t.to(_stats_dtype(t.dtype))
+    t = t.to(accumulation_dtype(t.dtype))
     return torch.stack([t.sum(dims), (t * t).sum(dims)])
 
 
@@ -415,7 +417,7 @@ class _DifferenceMoments(torch.autograd.Function):
     @staticmethod
     def _prepare(x1, x2, k):
         """``x1`` and the padded ``x2`` in the statistics dtype, and the window counts ``c``."""
-        t = _stats_dtype(x1.dtype)
+        t = accumulation_dtype(x1.dtype)
         x1, x2p = x1.to(t), reflect_pad(x2.to(t), k // 2)
         h, w = x1.shape[-2:]
         return x1, x2p, _window_counts(h, k, x2p)[:, None] * _window_counts(w, k, x2p)
@@ -424,7 +426,7 @@ class _DifferenceMoments(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x1_in, x2_in = ctx.saved_tensors
-        k, sign, pad = ctx.k, ctx.sign, ctx.k // 2
+        k, sign = ctx.k, ctx.sign
         x1, x2p, counts = _DifferenceMoments._prepare(x1_in, x2_in, k)
         g0, g1 = (g.to(x1.dtype).view(1, -1, 1, 1) for g in grad)
         grad_x1 = grad_x2 = None
@@ -432,22 +434,13 @@ class _DifferenceMoments(torch.autograd.Function):
             grad_x1 = (g0 * (k * k) + 2 * g1 * (x1 * (k * k) + sign * _window_sum(x2p, k))).to(x1_in.dtype)
         if ctx.needs_input_grad[1]:
             grad_x2p = counts * (sign * g0 + 2 * g1 * x2p) + 2 * sign * g1 * _window_sum(F.pad(x1, (k - 1,) * 4), k)
-            with torch.enable_grad():  # through the reflection padding
-                leaf = x2_in.detach().requires_grad_()
-                grad_x2, = torch.autograd.grad(reflect_pad(leaf, pad), leaf, grad_x2p.to(x2_in.dtype))
+            grad_x2 = reflect_pad_backward(grad_x2p.to(x2_in.dtype), x2_in, k // 2)
         return grad_x1, grad_x2, None, None
 
 
 def _difference_moments(x1: torch.Tensor, x2: torch.Tensor, k: int, sign: float) -> torch.Tensor:
     """:class:`_DifferenceMoments` (``x2`` unpadded)."""
     return _DifferenceMoments.apply(x1, x2, k, sign)
-
-
-def _no_autocast(device: torch.device):
-    """A context with autocast off on ``device`` (nothing to turn off on e.g. the meta device)."""
-    if device.type in ("cpu", "cuda"):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
 
 
 class _GammaPlan:
@@ -478,7 +471,7 @@ def _pairwise_logits(plan: _GammaPlan, w1, w1p, pos, w2, b2, bn2_weight, bn2_bia
     layer of the first pass is reused; otherwise BN2 is folded into the first layer."""
     u = plan.first(plan.chunks[0], *inputs)
     dt = u.dtype
-    st = _stats_dtype(dt)
+    st = accumulation_dtype(dt)
     n, _, _, h, w = u.shape
     area = sum(len(c) for c in plan.chunks)
     w1c, w2c, b2c = w1.to(dt), w2.to(dt), b2.to(dt)[:, None]
@@ -543,10 +536,10 @@ class _PairwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: _GammaPlan, w1, w1p, pos, w2, b2, bn2_weight, bn2_bias, v, *inputs):
-        with _no_autocast(w1.device):
+        with autocast_off(w1.device):
             logits, mean, var = _pairwise_logits(plan, w1, w1p, pos, w2, b2, bn2_weight, bn2_bias, inputs)
             ctx.compute_dtype = logits.dtype
-            logits = logits.to(_stats_dtype(logits.dtype))
+            logits = logits.to(accumulation_dtype(logits.dtype))
             peak = logits.amax(2, keepdim=True)
             weights = logits.sub_(peak).exp_()
             total = weights.sum(2, keepdim=True)
@@ -601,7 +594,7 @@ class _PairwiseAttention(torch.autograd.Function):
 
         def accumulate(sums, hid, gz, z, g_logits):
             """grad W2, per hidden channel sum(gz) and sum(gz * h) (BN2's parameter gradients), grad b2."""
-            gw2 = torch.bmm(g_logits.reshape(n, groups, -1), z.reshape(n, z.shape[1], -1).transpose(1, 2)).sum(0)
+            gw2 = _mm_weight_grad(g_logits, z)
             dims = (0, 2, 3, 4)
             s = torch.stack([gz.to(st).sum(dims), (gz * hid).to(st).sum(dims)])
             return (sums[0] + gw2.to(st), sums[1] + s, sums[2] + g_logits.to(st).sum(dims))
@@ -640,8 +633,7 @@ class _PairwiseAttention(torch.autograd.Function):
             else:
                 gh = gz.mul_(scale_c)
             del hid
-            grad_w1 += torch.bmm(gh.reshape(n, gh.shape[1], -1), u.detach().reshape(n, u.shape[1], -1)
-                                 .transpose(1, 2)).sum(0).to(st)
+            grad_w1 += _mm_weight_grad(gh, u.detach()).to(st)
             if grad_pos is not None:  # pos enters as w1p pos, the same for every image
                 g_pos = gh.sum(0, keepdim=True)
                 grad_w1p += (g_pos.flatten(2)[0] @ posc[:, :, sl].flatten(2)[0].t()).to(st)
@@ -745,7 +737,7 @@ class _PatchwiseWeightsAggregate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, w2, b2, v, footprint: int):
         n, _, h, w = hidden.shape
-        with _no_autocast(v.device):
+        with autocast_off(v.device):
             weights = _mm(w2.to(v.dtype), hidden.to(v.dtype), b2.to(v.dtype)[:, None])
             out = footprint_aggregate(v, weights.view(n, w2.shape[0] // footprint ** 2, footprint ** 2, h, w),
                                       footprint)
@@ -768,7 +760,7 @@ class _PatchwiseWeightsAggregate(torch.autograd.Function):
         grad_w = accumulate_aggregate_grads(vpad, weights, grad_y, k, 0, grad_buffer).reshape(n, groups * k * k, h, w)
         del weights
         grad_hidden = _mm(w2c.t().contiguous(), grad_w)
-        grad_w2 = torch.bmm(grad_w.reshape(n, groups * k * k, -1), hid.reshape(n, hid.shape[1], -1).transpose(1, 2)).sum(0)
+        grad_w2 = _mm_weight_grad(grad_w, hid)
         grad_b2 = grad_w.sum((0, 2, 3))
         grad_v = None if grad_buffer is None else unpadded_gradient(grad_buffer, v, k)
         return grad_hidden.to(hidden.dtype), grad_w2.to(w2.dtype), grad_b2.to(b2.dtype), grad_v, None

@@ -41,7 +41,6 @@ einsums ``FlopCounterMode`` sees; the streaming path uses element-wise products 
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -50,20 +49,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from robust_attn.layers.precision import accumulation_dtype, autocast_off
+
 __all__ = ["local_attention", "local_attention_reference", "relative_embedding", "SASAttention2d",
            "AttentionStem"]
-
-
-def _no_autocast(device: torch.device):
-    """Autocast off inside the custom Function (inputs are already cast to one dtype)."""
-    if device.type in ("cpu", "cuda"):
-        return torch.autocast(device_type=device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
-    # half-precision logits are normalised in float32; float64 stays float64 (gradcheck).
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _exp_floor(dtype: torch.dtype) -> float:
@@ -106,7 +95,7 @@ def local_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_unf, v_unf = k_unf.view(b, h, d, kk, height * width), v_unf.view(b, h, dv, kk, height * width)
     q_flat = q.reshape(b, h, d, height * width)
     logits = torch.einsum("bhdp,bhdop->bhop", q_flat, k_unf) + torch.einsum("bhdp,hdo->bhop", q_flat, rel)
-    attn = logits.softmax(dim=2, dtype=_softmax_dtype(logits.dtype)).to(v.dtype)
+    attn = logits.softmax(dim=2, dtype=accumulation_dtype(logits.dtype)).to(v.dtype)
     out = torch.einsum("bhop,bhvop->bhvp", attn, v_unf)
     return out.reshape(b, h, dv, height, width)
 
@@ -172,7 +161,7 @@ def _stream_logits(qc: torch.Tensor, kp: torch.Tensor, rel: torch.Tensor, offset
 def _normalise_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over dim 0 (the offsets), in place unless the dtype changes (half precision is
     normalised in float32); returns the weights and the log-normaliser ``log sum_o exp(l_o)``."""
-    x = logits.to(_softmax_dtype(logits.dtype))
+    x = logits.to(accumulation_dtype(logits.dtype))
     top = x.amax(0)
     x.sub_(top).clamp_(min=_exp_floor(x.dtype)).exp_()
     norm = x.sum(0)
@@ -200,12 +189,12 @@ class _LocalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rel, kernel_size):
-        with _no_autocast(q.device):
+        with autocast_off(q.device):
             b, h, d, height, width = q.shape
             pad = kernel_size // 2
             offsets = _offsets(kernel_size)
             out = q.new_zeros(b, h, v.shape[2], height, width)
-            log_norm = q.new_empty(b, h, height, width, dtype=_softmax_dtype(q.dtype))
+            log_norm = q.new_empty(b, h, height, width, dtype=accumulation_dtype(q.dtype))
             for b0, b1 in _batch_chunks(q, len(offsets)):
                 qc, out_c = q[b0:b1], out[b0:b1]
                 kp = F.pad(k[b0:b1], (pad, pad, pad, pad))
@@ -225,7 +214,7 @@ class _LocalAttention(torch.autograd.Function):
         q, k, v, rel, log_norm, out = ctx.saved_tensors
         kernel_size = ctx.kernel_size
         need_q, need_k, need_v, need_rel = ctx.needs_input_grad[:4]
-        with _no_autocast(q.device):
+        with autocast_off(q.device):
             grad_out = grad_out.to(q.dtype)
             height, width = q.shape[-2:]
             pad = kernel_size // 2
@@ -311,11 +300,11 @@ class _DenseLocalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rel, kernel_size):
-        with _no_autocast(q.device):
+        with autocast_off(q.device):
             b, h, d, height, width = q.shape
             dv, n = v.shape[2], height * width
             offset, not_footprint, in_map = _dense_tables(height, width, kernel_size, q.device)
-            sdt = _softmax_dtype(q.dtype)
+            sdt = accumulation_dtype(q.dtype)
             floor = _exp_floor(sdt)
             attn = q.new_empty(b, h, n, n)
             log_norm = q.new_empty(b, h, n, 1, dtype=sdt)
@@ -342,7 +331,7 @@ class _DenseLocalAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, rel, attn, log_norm, out = ctx.saved_tensors
-        with _no_autocast(q.device):
+        with autocast_off(q.device):
             b, h, d, height, width = q.shape
             n = height * width
             offset, _, in_map = _dense_tables(height, width, ctx.kernel_size, q.device)
