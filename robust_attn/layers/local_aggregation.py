@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from robust_attn.layers import cpu_kernels
+
 __all__ = ["reflect_index", "reflect_pad", "footprint_offsets", "shifted", "footprint_aggregate",
            "footprint_aggregate_unfold", "aggregate_grad_buffer", "accumulate_aggregate_grads", "padded_gradient",
            "grouped_padded", "unpadded_gradient", "reflect_pad_backward"]
@@ -126,6 +128,10 @@ class _StreamAggregate(torch.autograd.Function):
         ctx.save_for_backward(vpad, weight)
         ctx.footprint = footprint
         offsets = footprint_offsets(footprint)
+        if cpu_kernels.uses_kernel(vpad, weight):  # one compiled pass over all offsets
+            out = vpad.new_empty(n, s, g, h, w)
+            cpu_kernels.window_sum(_offset_major(weight), _group_major(vpad), offsets, _group_major(out))
+            return out
         if w >= FLAT_ROWS_BELOW_WIDTH:
             out = vpad.new_zeros(n, s, g, h, w)
             for k, (dy, dx) in enumerate(offsets):
@@ -193,6 +199,15 @@ def accumulate_aggregate_grads(vpad: torch.Tensor, weight: torch.Tensor, grad_ou
     n, s, g, hp, wp = vpad.shape
     h, w = grad_out.shape[-2:]
     offsets = footprint_offsets(footprint)[first:first + weight.shape[2]]
+    if cpu_kernels.uses_kernel(vpad, weight, grad_out):  # compiled passes over all offsets
+        if grad_buffer is not None:
+            cpu_kernels.window_scatter(_offset_major(weight), _group_major(grad_out), offsets,
+                                       _group_major(padded_gradient(grad_buffer, vpad.shape)))
+        if not need_weight_grad:
+            return None
+        grad_w = weight.new_empty(weight.shape)
+        cpu_kernels.window_dot(_group_major(grad_out), _group_major(vpad), offsets, _offset_major(grad_w))
+        return grad_w
     if w >= FLAT_ROWS_BELOW_WIDTH:
         grad_w = weight.new_empty(weight.shape) if need_weight_grad else None
         grad_v = None if grad_buffer is None else padded_gradient(grad_buffer, vpad.shape)
@@ -219,6 +234,16 @@ def accumulate_aggregate_grads(vpad: torch.Tensor, weight: torch.Tensor, grad_ou
         torch.mul(gflat, vflat[..., start:start + size], out=prod)
         torch.sum(prod, 1, out=grad_flat[:, :, j].view(n, g, size))
     return grad_flat[..., :w]
+
+
+def _group_major(t: torch.Tensor) -> torch.Tensor:
+    """``(N, S, G, H, W) -> (N, G, S, H, W)`` view: the features layout of :mod:`.cpu_kernels`."""
+    return t.transpose(1, 2)
+
+
+def _offset_major(weight: torch.Tensor) -> torch.Tensor:
+    """``(N, G, K, H, W) -> (K, N, G, H, W)`` view: the weights layout of :mod:`.cpu_kernels`."""
+    return weight.permute(2, 0, 1, 3, 4)
 
 
 def _flat(vpad: torch.Tensor, footprint: int) -> torch.Tensor:

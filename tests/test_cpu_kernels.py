@@ -1,0 +1,132 @@
+"""The compiled CPU window kernels (robust_attn/layers/csrc/window_ops.cpp) against their PyTorch
+loops, and the attention operators built on them with the kernels on and off."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from robust_attn.layers import cpu_kernels
+from robust_attn.layers.local_aggregation import footprint_aggregate, footprint_aggregate_unfold, footprint_offsets
+from robust_attn.layers.san import SelfAttention2d
+from robust_attn.layers.sasa import local_attention, local_attention_reference
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.kernel_available(),
+                                  reason="no C++ compiler/ninja to build the CPU window kernels")
+
+
+@pytest.fixture
+def kernels_off(monkeypatch):
+    """Run the PyTorch loops, as on a machine where the kernel cannot be built."""
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_load_failed", True)
+
+
+def _operands(dtype, footprint=5, shape=(2, 3, 4, 6, 9), offsets=None):
+    """Features, padded features and weights in the kernels' layouts, all non-contiguous views."""
+    torch.manual_seed(0)
+    b, g, d, h, w = shape
+    pad = footprint - 1
+    offsets = offsets or footprint_offsets(footprint)
+    a = torch.randn(b, d, g, h, w, dtype=dtype).transpose(1, 2)
+    bpad = torch.randn(b, d, g, h + pad, w + pad, dtype=dtype).transpose(1, 2)
+    weight = torch.randn(b, g, len(offsets), h, w, dtype=dtype).permute(2, 0, 1, 3, 4)
+    return a, bpad, weight, offsets
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("footprint,first,count", [(5, 0, 25), (7, 9, 12), (3, 4, 1)])
+def test_kernels_equal_torch_loops(dtype, footprint, first, count):
+    offsets = footprint_offsets(footprint)[first:first + count]
+    a, bpad, weight, offsets = _operands(dtype, footprint, offsets=offsets)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    dot = cpu_kernels.window_dot(a, bpad, offsets, torch.empty(weight.shape, dtype=dtype))
+    torch.testing.assert_close(dot, cpu_kernels.window_dot_torch(a, bpad, offsets, torch.empty_like(dot)), **tol)
+    start = torch.randn(a.shape, dtype=dtype)
+    for accumulate in (False, True):
+        got = cpu_kernels.window_sum(weight, bpad, offsets, start.clone(), accumulate)
+        want = cpu_kernels.window_sum_torch(weight, bpad, offsets, start.clone(), accumulate)
+        torch.testing.assert_close(got, want, **tol)
+    start = torch.randn(bpad.shape, dtype=dtype)
+    got = cpu_kernels.window_scatter(weight, a, offsets, start.clone())
+    torch.testing.assert_close(got, cpu_kernels.window_scatter_torch(weight, a, offsets, start.clone()), **tol)
+
+
+@needs_kernel
+def test_kernel_writes_into_strided_output_views():
+    """SAN hands the kernels (N, S, G, ...) tensors viewed group-major: the results land in place."""
+    a, bpad, weight, offsets = _operands(torch.float32)
+    out = torch.zeros(a.shape[0], a.shape[2], a.shape[1], *a.shape[3:]).transpose(1, 2)  # non-contiguous
+    cpu_kernels.window_sum(weight, bpad, offsets, out)
+    want = cpu_kernels.window_sum_torch(weight, bpad, offsets, torch.zeros(a.shape))
+    torch.testing.assert_close(out, want)
+
+
+@needs_kernel
+def test_kernel_rejects_offsets_outside_the_padded_map():
+    a, bpad, weight, _ = _operands(torch.float32, footprint=3)
+    with pytest.raises(RuntimeError, match="leaves the padded map"):
+        cpu_kernels.window_dot(a, bpad, [(0, 0), (3, 0)], torch.empty(2, *weight.shape[1:]))
+
+
+def test_other_dtypes_use_the_torch_loops():
+    a, bpad, weight, offsets = _operands(torch.bfloat16, footprint=3)
+    assert not cpu_kernels.uses_kernel(a, bpad)
+    assert not cpu_kernels.uses_kernel(a.float(), bpad.double())
+    out = cpu_kernels.window_dot(a, bpad, offsets, torch.empty(weight.shape, dtype=torch.bfloat16))
+    want = cpu_kernels.window_dot_torch(a.float(), bpad.float(), offsets, torch.empty(weight.shape))
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def _aggregate_case():
+    torch.manual_seed(1)
+    v = torch.randn(2, 8, 6, 7, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 4, 9, 6, 7, dtype=torch.float64, requires_grad=True)
+    return v, weight
+
+
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_streaming_aggregation_equals_unfold_and_passes_gradcheck(kernels, request):
+    if kernels == "off":
+        request.getfixturevalue("kernels_off")
+    elif not cpu_kernels.kernel_available():
+        pytest.skip("no C++ compiler/ninja to build the CPU window kernels")
+    v, weight = _aggregate_case()
+    out = footprint_aggregate(v, weight, 3, kernel="stream")
+    torch.testing.assert_close(out, footprint_aggregate_unfold(v, weight, 3))
+    assert torch.autograd.gradcheck(lambda a, b: footprint_aggregate(a, b, 3, kernel="stream"), (v, weight))
+
+
+@needs_kernel
+@pytest.mark.parametrize("attention", ["pairwise", "patchwise"])
+def test_san_lean_same_with_and_without_kernels(attention, monkeypatch):
+    torch.manual_seed(2)
+    m = SelfAttention2d(32, attention=attention, footprint=5, chunk_size=7).double().train()
+    x = torch.randn(2, 32, 9, 17, dtype=torch.float64)
+
+    def run():
+        xi = x.clone().requires_grad_()
+        out = m(xi)
+        out.square().sum().backward()
+        grads = [xi.grad] + [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        return out, grads
+
+    with_kernel = run()
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_load_failed", True)
+    torch.testing.assert_close(run(), with_kernel)
+
+
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_sasa_streaming_equals_reference_both_ways(kernels, request):
+    if kernels == "off":
+        request.getfixturevalue("kernels_off")
+    elif not cpu_kernels.kernel_available():
+        pytest.skip("no C++ compiler/ninja to build the CPU window kernels")
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 3, 9, 10, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    rel = torch.randn(2, 3, 25, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(local_attention(q, k, v, rel, 5, method="stream"),
+                               local_attention_reference(q, k, v, rel, 5))
+    assert torch.autograd.gradcheck(lambda *t: local_attention(*t, 5, method="stream"), (q, k, v, rel))
