@@ -50,6 +50,10 @@ def test_kernels_equal_torch_loops(dtype, footprint, first, count):
     start = torch.randn(bpad.shape, dtype=dtype)
     got = cpu_kernels.window_scatter(weight, a, offsets, start.clone())
     torch.testing.assert_close(got, cpu_kernels.window_scatter_torch(weight, a, offsets, start.clone()), **tol)
+    x = weight.permute(1, 2, 0, 3, 4)  # (B, C, K, H, W), non-contiguous
+    start = torch.randn(bpad.shape[0], bpad.shape[1], *bpad.shape[3:], dtype=dtype)
+    got = cpu_kernels.window_fold(x, offsets, start.clone())
+    torch.testing.assert_close(got, cpu_kernels.window_fold_torch(x, offsets, start.clone()), **tol)
 
 
 @needs_kernel

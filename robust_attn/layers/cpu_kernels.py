@@ -10,6 +10,8 @@ reads ``bpad[..., i + dy, j + dx]``), weights ``w (K, B, G, H, W)``:
 * :func:`window_dot`: ``out[o, b, g, i, j] = sum_d a[b, g, d, i, j] bpad[b, g, d, i + dy_o, j + dx_o]``
 * :func:`window_sum`: ``out[b, g, d, i, j] (+)= sum_o w[o, b, g, i, j] bpad[b, g, d, i + dy_o, j + dx_o]``
 * :func:`window_scatter`: ``outpad[b, g, d, i + dy_o, j + dx_o] += sum_o w[o, b, g, i, j] a[b, g, d, i, j]``
+* :func:`window_fold`: ``outpad[b, c, i + dy_o, j + dx_o] += x[b, c, o, i, j]`` (the adjoint of stacking
+  the shifted windows, :func:`.local_aggregation.shifted`)
 
 The kernel is built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler and
 ninja; about a minute, then cached) for float32 and float64 CPU tensors. Without a compiler, on
@@ -27,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["kernel_available", "uses_kernel", "window_dot", "window_sum", "window_scatter",
-           "window_dot_torch", "window_sum_torch", "window_scatter_torch"]
+__all__ = ["kernel_available", "uses_kernel", "window_dot", "window_sum", "window_scatter", "window_fold",
+           "window_dot_torch", "window_sum_torch", "window_scatter_torch", "window_fold_torch"]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "window_ops.cpp"
 _KERNEL_DTYPES = (torch.float32, torch.float64)
@@ -131,6 +133,14 @@ def window_scatter_torch(w: torch.Tensor, a: torch.Tensor, offsets, outpad: torc
     return outpad
 
 
+def window_fold_torch(x: torch.Tensor, offsets, outpad: torch.Tensor) -> torch.Tensor:
+    """PyTorch loop of :func:`window_fold`."""
+    h, w = x.shape[-2:]
+    for o, (dy, dx) in enumerate(offsets):
+        _window(outpad, dy, dx, h, w).add_(x[:, :, o])
+    return outpad
+
+
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
@@ -157,4 +167,12 @@ def window_scatter(w: torch.Tensor, a: torch.Tensor, offsets, outpad: torch.Tens
     if not uses_kernel(w, a, outpad) or outpad.stride(-1) != 1:
         return window_scatter_torch(w, a, offsets, outpad)
     _module.window_scatter(_last_contiguous(w), _last_contiguous(a), *_split(offsets), outpad)
+    return outpad
+
+
+def window_fold(x: torch.Tensor, offsets, outpad: torch.Tensor) -> torch.Tensor:
+    """``outpad (B, C, Hp, Wp)`` shifted by offset o ``+= x[:, :, o]`` for every o; ``x (B, C, K, H, W)``."""
+    if not uses_kernel(x, outpad) or outpad.stride(-1) != 1:
+        return window_fold_torch(x, offsets, outpad)
+    _module.window_fold(_last_contiguous(x.permute(2, 0, 1, 3, 4)), *_split(offsets), outpad.unsqueeze(2))
     return outpad

@@ -62,28 +62,35 @@ def footprint_offsets(footprint: int) -> list[tuple[int, int]]:
     return [(dy, dx) for dy in range(footprint) for dx in range(footprint)]
 
 
-def _stack_shifted(xpad: torch.Tensor, offsets, height: int, width: int) -> torch.Tensor:
-    """The views of :func:`shifted` copied into one new tensor. Offsets in one footprint row with
-    consecutive ``dx`` (a row-major run, as chunks of :func:`footprint_offsets` are) form a single
-    strided view (``Tensor.unfold`` along the width), so a run costs one copy, not one per offset
-    (measured up to 2x faster than ``torch.stack`` of the single views)."""
-    n, c = xpad.shape[:2]
-    out = xpad.new_empty(n, c, len(offsets), height, width)
+def _runs(offsets):
+    """``(start, end, dy, dx)`` of each run of offsets in one footprint row with consecutive ``dx``
+    (row-major chunks of :func:`footprint_offsets` are a few such runs)."""
     start = 0
     while start < len(offsets):
         dy, dx = offsets[start]
         end = start + 1
         while end < len(offsets) and offsets[end] == (dy, dx + end - start):
             end += 1
+        yield start, end, dy, dx
+        start = end
+
+
+def _stack_shifted(xpad: torch.Tensor, offsets, height: int, width: int) -> torch.Tensor:
+    """The views of :func:`shifted` copied into one new tensor. A run of offsets (:func:`_runs`) forms
+    a single strided view (``Tensor.unfold`` along the width), so a run costs one copy, not one per
+    offset (measured up to 2x faster than ``torch.stack`` of the single views)."""
+    n, c = xpad.shape[:2]
+    out = xpad.new_empty(n, c, len(offsets), height, width)
+    for start, end, dy, dx in _runs(offsets):
         run = xpad[:, :, dy:dy + height, dx:dx + width + end - start - 1].unfold(3, width, 1)
         out[:, :, start:end].copy_(run.permute(0, 1, 3, 2, 4))  # (N, C, run, H, W)
-        start = end
     return out
 
 
 class _Shifted(torch.autograd.Function):
     """:func:`shifted` with a backward that adds every offset's gradient into one zero tensor
-    (autograd's per-slice backward would allocate and sum one padded-size tensor per offset)."""
+    (:func:`.cpu_kernels.window_fold`; autograd's per-slice backward would allocate and sum one
+    padded-size tensor per offset)."""
 
     @staticmethod
     def forward(ctx, xpad: torch.Tensor, offsets, height: int, width: int) -> torch.Tensor:
@@ -92,11 +99,7 @@ class _Shifted(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        h, w = grad.shape[-2:]
-        grad_pad = grad.new_zeros(ctx.shape)
-        for k, (dy, dx) in enumerate(ctx.offsets):
-            grad_pad[:, :, dy:dy + h, dx:dx + w] += grad[:, :, k]
-        return grad_pad, None, None, None
+        return cpu_kernels.window_fold(grad, ctx.offsets, grad.new_zeros(ctx.shape)), None, None, None
 
 
 def shifted(xpad: torch.Tensor, offsets: list[tuple[int, int]], height: int, width: int) -> torch.Tensor:

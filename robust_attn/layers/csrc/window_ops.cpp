@@ -11,6 +11,7 @@
 //   window_dot     out[o, b, g, i, j]   = sum_d a[b, g, d, i, j] * bpad[b, g, d, i + dy_o, j + dx_o]
 //   window_sum     out[b, g, d, i, j]  (+)= sum_o w[o, b, g, i, j] * bpad[b, g, d, i + dy_o, j + dx_o]
 //   window_scatter outpad[b, g, d, i + dy_o, j + dx_o] += sum_o w[o, b, g, i, j] * a[b, g, d, i, j]
+//   window_fold    outpad[b, c, i + dy_o, j + dx_o] += x[o, b, c, i, j]   (outpad passed as (B, C, 1, Hp, Wp))
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -169,10 +170,41 @@ void window_scatter(const at::Tensor& w, const at::Tensor& a, const std::vector<
   });
 }
 
+// outpad[b, c, i + dy, dx:] += x[o, b, c, i, :] for every o: the adjoint of stacking shifted windows
+void window_fold(const at::Tensor& x, const std::vector<int64_t>& dy, const std::vector<int64_t>& dx,
+                 at::Tensor& outpad) {
+  check_5d(x, "x"); check_5d(outpad, "outpad");
+  check_same(x, outpad);
+  const int64_t K = x.size(0), B = x.size(1), C = x.size(2), H = x.size(3), W = x.size(4);
+  TORCH_CHECK(static_cast<int64_t>(dy.size()) == K, "window_fold: ", dy.size(), " offsets for ", K, " windows");
+  TORCH_CHECK(outpad.size(0) == B && outpad.size(1) == C && outpad.size(2) == 1, "window_fold: outpad ",
+              outpad.sizes(), " must be (B, C, 1, Hp, Wp) for x ", x.sizes());
+  check_offsets(dy, dx, H, W, outpad);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "window_fold", [&] {
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    scalar_t* po = outpad.mutable_data_ptr<scalar_t>();
+    const Strides st_x(x), st_outpad(outpad);
+    at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bc = begin; bc < end; ++bc) {
+        const int64_t b = bc / C, c = bc % C;
+        for (int64_t o = 0; o < K; ++o) {
+          for (int64_t i = 0; i < H; ++i) {
+            const scalar_t* __restrict__ xrow = px + st_x(o, b, c, i);
+            scalar_t* __restrict__ prow = po + st_outpad(b, c, 0, i + dy[o]) + dx[o];
+            _Pragma("GCC ivdep")
+            for (int64_t j = 0; j < W; ++j) prow[j] += xrow[j];
+          }
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("window_dot", &window_dot, "out[o,b,g,i,j] = sum_d a[b,g,d,i,j] bpad[b,g,d,i+dy_o,j+dx_o]");
   m.def("window_sum", &window_sum, "out[b,g,d,i,j] (+)= sum_o w[o,b,g,i,j] bpad[b,g,d,i+dy_o,j+dx_o]");
+  m.def("window_fold", &window_fold, "outpad[b,c,i+dy_o,j+dx_o] += x[o,b,c,i,j]");
   m.def("window_scatter", &window_scatter, "outpad[b,g,d,i+dy_o,j+dx_o] += sum_o w[o,b,g,i,j] a[b,g,d,i,j]");
 }
