@@ -14,11 +14,20 @@ needs_kernel = pytest.mark.skipif(not cpu_kernels.kernel_available(),
                                   reason="no C++ compiler/ninja to build the CPU window kernels")
 
 
-@pytest.fixture
-def kernels_off(monkeypatch):
+def _disable_kernels(monkeypatch):
     """Run the PyTorch loops, as on a machine where the kernel cannot be built."""
     monkeypatch.setattr(cpu_kernels, "_module", None)
     monkeypatch.setattr(cpu_kernels, "_load_failed", True)
+
+
+@pytest.fixture(params=["kernels on", "kernels off"])
+def kernel_mode(request, monkeypatch):
+    """Both paths: the compiled kernel (skipped without a compiler) and the PyTorch loops."""
+    if request.param == "kernels off":
+        _disable_kernels(monkeypatch)
+    elif not cpu_kernels.kernel_available():
+        pytest.skip("no C++ compiler/ninja to build the CPU window kernels")
+    return request.param
 
 
 def _operands(dtype, footprint=5, shape=(2, 3, 4, 6, 9), offsets=None):
@@ -89,12 +98,7 @@ def _aggregate_case():
     return v, weight
 
 
-@pytest.mark.parametrize("kernels", ["on", "off"])
-def test_streaming_aggregation_equals_unfold_and_passes_gradcheck(kernels, request):
-    if kernels == "off":
-        request.getfixturevalue("kernels_off")
-    elif not cpu_kernels.kernel_available():
-        pytest.skip("no C++ compiler/ninja to build the CPU window kernels")
+def test_streaming_aggregation_equals_unfold_and_passes_gradcheck(kernel_mode):
     v, weight = _aggregate_case()
     out = footprint_aggregate(v, weight, 3, kernel="stream")
     torch.testing.assert_close(out, footprint_aggregate_unfold(v, weight, 3))
@@ -117,17 +121,11 @@ def test_san_lean_same_with_and_without_kernels(attention, monkeypatch):
         return out, grads
 
     with_kernel = run()
-    monkeypatch.setattr(cpu_kernels, "_module", None)
-    monkeypatch.setattr(cpu_kernels, "_load_failed", True)
+    _disable_kernels(monkeypatch)
     torch.testing.assert_close(run(), with_kernel)
 
 
-@pytest.mark.parametrize("kernels", ["on", "off"])
-def test_sasa_streaming_equals_reference_both_ways(kernels, request):
-    if kernels == "off":
-        request.getfixturevalue("kernels_off")
-    elif not cpu_kernels.kernel_available():
-        pytest.skip("no C++ compiler/ninja to build the CPU window kernels")
+def test_sasa_streaming_equals_reference_both_ways(kernel_mode):
     torch.manual_seed(3)
     q, k, v = (torch.randn(2, 2, 3, 9, 10, dtype=torch.float64, requires_grad=True) for _ in range(3))
     rel = torch.randn(2, 3, 25, dtype=torch.float64, requires_grad=True)

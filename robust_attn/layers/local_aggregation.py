@@ -5,7 +5,9 @@ The straightforward implementation unfolds ``v`` into a ``k^2``-times larger ten
 unfolded copy for the backward pass. :func:`footprint_aggregate` instead streams over the
 ``k^2`` offsets of the footprint, accumulating into the output, and in the backward pass
 recomputes each shifted view instead of storing it: it saves only the padded ``v`` (about the
-size of ``v``) and the weights (``k^2 / share_planes`` times ``v``'s channel count). On maps no
+size of ``v``) and the weights (``k^2 / share_planes`` times ``v``'s channel count). On CPU in float32/64
+the offset loops (forward, weight gradient, ``v`` gradient) are each one pass of a compiled kernel
+(:mod:`.cpu_kernels`); elsewhere, one PyTorch op per offset. On maps no
 wider than the padding it uses a transient ``F.unfold`` instead (:class:`_UnfoldAggregate`,
 same function, faster there); see :func:`footprint_aggregate`. The backward pass for a range of
 offsets (:func:`accumulate_aggregate_grads`) also serves fused operators that recompute their

@@ -29,6 +29,8 @@ Two implementations compute the same function (equal within float rounding):
     accumulating into the output, over cache-sized chunks of the batch. It stores only q, k, v,
     the output and the attention weights (``heads * k*k`` numbers per pixel instead of
     ``2 * C * k*k``) and recomputes the shifted keys and values in backward.
+    The offset loops (logits, aggregation and their gradients) are the window ops of
+    :mod:`.cpu_kernels`: one compiled pass each on CPU, one PyTorch op per offset elsewhere.
   - ``"dense"``, for maps of at most ``1.5 k^2 - 1`` positions (up to 8x8 for 7x7): masked
     attention over all ``H W`` positions of the map with batched matmuls, the zero-padding
     neighbours folded into the softmax denominator. On late-stage 4x4 maps most of a 7x7
