@@ -12,6 +12,9 @@ reads ``bpad[..., i + dy, j + dx]``), weights ``w (K, B, G, H, W)``:
 * :func:`window_scatter`: ``outpad[b, g, d, i + dy_o, j + dx_o] += sum_o w[o, b, g, i, j] a[b, g, d, i, j]``
 * :func:`window_fold`: ``outpad[b, c, i + dy_o, j + dx_o] += x[b, c, o, i, j]`` (the adjoint of stacking
   the shifted windows, :func:`.local_aggregation.shifted`)
+* :func:`window_add_relu`: ``u[b, c, o, i, j] = max(0, center[b, c, i, j] + xpad[b, c, i + dy_o, j + dx_o])``
+  (SAN's gamma input for a linear relation) and :func:`window_add_relu_backward`, its adjoint at ``u``:
+  with ``m = grad * (u > 0)``, ``grad_center += sum_o m`` and ``grad_xpad`` shifted by offset o ``+= m``
 
 The kernel is built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler and
 ninja; about a minute, then cached) for float32 and float64 CPU tensors. Without a compiler, on
@@ -30,7 +33,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["kernel_available", "uses_kernel", "window_dot", "window_sum", "window_scatter", "window_fold",
-           "window_dot_torch", "window_sum_torch", "window_scatter_torch", "window_fold_torch"]
+           "window_add_relu", "window_add_relu_backward", "window_dot_torch", "window_sum_torch",
+           "window_scatter_torch", "window_fold_torch", "window_add_relu_torch", "window_add_relu_backward_torch"]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "window_ops.cpp"
 _KERNEL_DTYPES = (torch.float32, torch.float64)
@@ -141,6 +145,22 @@ def window_fold_torch(x: torch.Tensor, offsets, outpad: torch.Tensor) -> torch.T
     return outpad
 
 
+def window_add_relu_torch(center: torch.Tensor, xpad: torch.Tensor, offsets, out: torch.Tensor) -> torch.Tensor:
+    """PyTorch loop of :func:`window_add_relu`."""
+    h, w = center.shape[-2:]
+    for o, (dy, dx) in enumerate(offsets):
+        torch.add(center, _window(xpad, dy, dx, h, w), out=out[:, :, o]).relu_()
+    return out
+
+
+def window_add_relu_backward_torch(grad: torch.Tensor, u: torch.Tensor, offsets, grad_center: torch.Tensor,
+                                   grad_xpad: torch.Tensor) -> None:
+    """PyTorch ops of :func:`window_add_relu_backward`."""
+    masked = torch.ops.aten.threshold_backward(grad, u, 0)
+    grad_center += masked.sum(2)
+    window_fold_torch(masked, offsets, grad_xpad)
+
+
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
@@ -176,3 +196,24 @@ def window_fold(x: torch.Tensor, offsets, outpad: torch.Tensor) -> torch.Tensor:
         return window_fold_torch(x, offsets, outpad)
     _module.window_fold(_last_contiguous(x.permute(2, 0, 1, 3, 4)), *_split(offsets), outpad.unsqueeze(2))
     return outpad
+
+
+def window_add_relu(center: torch.Tensor, xpad: torch.Tensor, offsets, out: torch.Tensor) -> torch.Tensor:
+    """``out[:, :, o] = relu(center + xpad shifted by offset o)``; ``center (B, C, H, W)``,
+    ``xpad (B, C, Hp, Wp)``, ``out (B, C, K, H, W)``."""
+    if not uses_kernel(center, xpad, out) or out.stride(-1) != 1:
+        return window_add_relu_torch(center, xpad, offsets, out)
+    _module.window_add_relu(_last_contiguous(center).unsqueeze(2), _last_contiguous(xpad).unsqueeze(2),
+                            *_split(offsets), out)
+    return out
+
+
+def window_add_relu_backward(grad: torch.Tensor, u: torch.Tensor, offsets, grad_center: torch.Tensor,
+                             grad_xpad: torch.Tensor) -> None:
+    """The adjoint of :func:`window_add_relu` at its output ``u (B, C, K, H, W)``: with
+    ``m = grad * (u > 0)``, ``grad_center (B, C, H, W) += sum_o m`` and ``grad_xpad (B, C, Hp, Wp)``
+    shifted by offset o ``+= m[:, :, o]``."""
+    if not uses_kernel(grad, u, grad_center, grad_xpad) or grad_center.stride(-1) != 1 or grad_xpad.stride(-1) != 1:
+        return window_add_relu_backward_torch(grad, u, offsets, grad_center, grad_xpad)
+    _module.window_add_relu_backward(_last_contiguous(grad), _last_contiguous(u), *_split(offsets),
+                                     grad_center.unsqueeze(2), grad_xpad.unsqueeze(2))

@@ -72,7 +72,8 @@ from torch.utils.checkpoint import checkpoint
 
 from robust_attn.layers.local_aggregation import (accumulate_aggregate_grads, aggregate_grad_buffer,
                                                   footprint_aggregate, footprint_offsets, grouped_padded,
-                                                  reflect_pad, reflect_pad_backward, shifted, unpadded_gradient)
+                                                  reflect_pad, reflect_pad_backward, shifted, shifted_add_relu,
+                                                  unpadded_gradient)
 from robust_attn.layers.precision import accumulation_dtype, autocast_off
 
 __all__ = ["PAIRWISE_RELATIONS", "PATCHWISE_RELATIONS", "SelfAttention2d", "position_grid",
@@ -712,7 +713,7 @@ def _pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) 
         neighbour = reflect_pad(x2 * (sign * scale1).view(1, -1, 1, 1), k // 2)
 
         def first(chunk, center_, neighbour_):
-            return shifted(neighbour_, chunk, h, w).add_(center_[:, :, None]).relu_()
+            return shifted_add_relu(neighbour_, center_, chunk)
         inputs = (center, neighbour)
     else:
         def first(chunk, x1_, x2p_, mean1_, var1_, weight1_, bias1_):
