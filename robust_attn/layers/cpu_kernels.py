@@ -12,9 +12,11 @@ reads ``bpad[..., i + dy, j + dx]``), weights ``w (K, B, G, H, W)``:
 * :func:`window_scatter`: ``outpad[b, g, d, i + dy_o, j + dx_o] += sum_o w[o, b, g, i, j] a[b, g, d, i, j]``
 * :func:`window_fold`: ``outpad[b, c, i + dy_o, j + dx_o] += x[b, c, o, i, j]`` (the adjoint of stacking
   the shifted windows, :func:`.local_aggregation.shifted`)
-* :func:`window_add_relu`: ``u[b, c, o, i, j] = max(0, center[b, c, i, j] + xpad[b, c, i + dy_o, j + dx_o])``
-  (SAN's gamma input for a linear relation) and :func:`window_add_relu_backward`, its adjoint at ``u``:
-  with ``m = grad * (u > 0)``, ``grad_center += sum_o m`` and ``grad_xpad`` shifted by offset o ``+= m``
+
+``csrc/pairwise_ops.cpp`` holds SAN's whole pairwise operator for the linear relations, fused per
+(image, footprint offset) tile (:func:`pairwise_moments`, :func:`pairwise_forward`,
+:func:`pairwise_backward_logits`, :func:`pairwise_backward_input`; used by
+:mod:`robust_attn.layers.san`, whose chunked PyTorch path is its reference).
 
 The kernel is built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler and
 ninja; about a minute, then cached) for float32 and float64 CPU tensors. Without a compiler, on
@@ -33,10 +35,10 @@ from pathlib import Path
 import torch
 
 __all__ = ["kernel_available", "uses_kernel", "window_dot", "window_sum", "window_scatter", "window_fold",
-           "window_add_relu", "window_add_relu_backward", "window_dot_torch", "window_sum_torch",
-           "window_scatter_torch", "window_fold_torch", "window_add_relu_torch", "window_add_relu_backward_torch"]
+           "window_dot_torch", "window_sum_torch", "window_scatter_torch", "window_fold_torch", "pairwise_moments", "pairwise_forward", "pairwise_backward_logits", "pairwise_backward_input"]
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "window_ops.cpp"
+_SOURCES = [Path(__file__).resolve().parent / "csrc" / name
+            for name in ("module.cpp", "window_ops.cpp", "pairwise_ops.cpp")]
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 _module = None
 _load_failed = False
@@ -66,7 +68,7 @@ def _load():
     quiet.setLevel(logging.ERROR)
     try:
         from torch.utils.cpp_extension import load
-        _module = load(name=f"robust_attn_window_ops_{_cpu_fingerprint()}", sources=[str(_SOURCE)],
+        _module = load(name=f"robust_attn_cpu_kernels_{_cpu_fingerprint()}", sources=[str(p) for p in _SOURCES],
                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler / ninja / headers: fall back to the PyTorch loops
@@ -145,22 +147,6 @@ def window_fold_torch(x: torch.Tensor, offsets, outpad: torch.Tensor) -> torch.T
     return outpad
 
 
-def window_add_relu_torch(center: torch.Tensor, xpad: torch.Tensor, offsets, out: torch.Tensor) -> torch.Tensor:
-    """PyTorch loop of :func:`window_add_relu`."""
-    h, w = center.shape[-2:]
-    for o, (dy, dx) in enumerate(offsets):
-        torch.add(center, _window(xpad, dy, dx, h, w), out=out[:, :, o]).relu_()
-    return out
-
-
-def window_add_relu_backward_torch(grad: torch.Tensor, u: torch.Tensor, offsets, grad_center: torch.Tensor,
-                                   grad_xpad: torch.Tensor) -> None:
-    """PyTorch ops of :func:`window_add_relu_backward`."""
-    masked = torch.ops.aten.threshold_backward(grad, u, 0)
-    grad_center += masked.sum(2)
-    window_fold_torch(masked, offsets, grad_xpad)
-
-
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
@@ -198,22 +184,32 @@ def window_fold(x: torch.Tensor, offsets, outpad: torch.Tensor) -> torch.Tensor:
     return outpad
 
 
-def window_add_relu(center: torch.Tensor, xpad: torch.Tensor, offsets, out: torch.Tensor) -> torch.Tensor:
-    """``out[:, :, o] = relu(center + xpad shifted by offset o)``; ``center (B, C, H, W)``,
-    ``xpad (B, C, Hp, Wp)``, ``out (B, C, K, H, W)``."""
-    if not uses_kernel(center, xpad, out) or out.stride(-1) != 1:
-        return window_add_relu_torch(center, xpad, offsets, out)
-    _module.window_add_relu(_last_contiguous(center).unsqueeze(2), _last_contiguous(xpad).unsqueeze(2),
-                            *_split(offsets), out)
-    return out
+
+# SAN's fused pairwise operator (csrc/pairwise_ops.cpp): callers check uses_kernel first. Tensors
+# contiguous; the position channels ``w1p (Hd, P)`` and ``pos (P, K, H*W)`` may be None.
+
+def _maybe(t: torch.Tensor | None) -> torch.Tensor:
+    return torch.Tensor() if t is None else t
 
 
-def window_add_relu_backward(grad: torch.Tensor, u: torch.Tensor, offsets, grad_center: torch.Tensor,
-                             grad_xpad: torch.Tensor) -> None:
-    """The adjoint of :func:`window_add_relu` at its output ``u (B, C, K, H, W)``: with
-    ``m = grad * (u > 0)``, ``grad_center (B, C, H, W) += sum_o m`` and ``grad_xpad (B, C, Hp, Wp)``
-    shifted by offset o ``+= m[:, :, o]``."""
-    if not uses_kernel(grad, u, grad_center, grad_xpad) or grad_center.stride(-1) != 1 or grad_xpad.stride(-1) != 1:
-        return window_add_relu_backward_torch(grad, u, offsets, grad_center, grad_xpad)
-    _module.window_add_relu_backward(_last_contiguous(grad), _last_contiguous(u), *_split(offsets),
-                                     grad_center.unsqueeze(2), grad_xpad.unsqueeze(2))
+def pairwise_moments(center, nbpad, offsets, w1, w1p, pos) -> torch.Tensor:
+    """Sum and sum of squares of gamma's hidden layer per channel, ``(2, Hd)`` float64 (BN2's batch moments)."""
+    return _module.pairwise_moments(center, nbpad, *_split(offsets), w1, _maybe(w1p), _maybe(pos))
+
+
+def pairwise_forward(center, nbpad, offsets, w1, w1p, pos, scale, shift, w2, b2, vpad):
+    """``(out (N, C'/G, G, H, W), lse (N, G, H, W))`` of pairwise attention with BN2 as ``scale, shift``."""
+    return _module.pairwise_forward(center, nbpad, *_split(offsets), w1, _maybe(w1p), _maybe(pos), scale, shift, w2,
+                                    b2, vpad)
+
+
+def pairwise_backward_logits(center, nbpad, offsets, w1, w1p, pos, scale, shift, w2, b2, vpad, out, lse, grad_out):
+    """First backward pass: ``(keep, grad_w2, grad_b2, sums, grad_vpad)`` (see csrc/pairwise_ops.cpp)."""
+    return _module.pairwise_backward_logits(center, nbpad, *_split(offsets), w1, _maybe(w1p), _maybe(pos), scale,
+                                            shift, w2, b2, vpad, out, lse, grad_out)
+
+
+def pairwise_backward_input(center, nbpad, offsets, w1, w1p, pos, scale, shift, w2, keep, coef_a, coef_h, coef_0):
+    """Second backward pass: ``(grad_w1, grad_w1p, grad_pos, grad_center, grad_nbpad)`` (csrc/pairwise_ops.cpp)."""
+    return _module.pairwise_backward_input(center, nbpad, *_split(offsets), w1, _maybe(w1p), _maybe(pos), scale,
+                                           shift, w2, keep, coef_a, coef_h, coef_0)

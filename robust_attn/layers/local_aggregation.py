@@ -25,8 +25,8 @@ from torch.autograd.function import once_differentiable
 
 from robust_attn.layers import cpu_kernels
 
-__all__ = ["reflect_index", "reflect_pad", "footprint_offsets", "shifted", "shifted_add_relu",
-           "footprint_aggregate", "footprint_aggregate_unfold", "aggregate_grad_buffer", "accumulate_aggregate_grads", "padded_gradient",
+__all__ = ["reflect_index", "reflect_pad", "footprint_offsets", "shifted", "footprint_aggregate",
+           "footprint_aggregate_unfold", "aggregate_grad_buffer", "accumulate_aggregate_grads", "padded_gradient",
            "grouped_padded", "unpadded_gradient", "reflect_pad_backward"]
 
 
@@ -109,39 +109,6 @@ def shifted(xpad: torch.Tensor, offsets: list[tuple[int, int]], height: int, wid
     if torch.is_grad_enabled() and xpad.requires_grad:
         return _Shifted.apply(xpad, offsets, height, width)
     return _stack_shifted(xpad, offsets, height, width)
-
-
-class _ShiftedAddRelu(torch.autograd.Function):
-    """:func:`shifted_add_relu` as one compiled pass forward and one backward
-    (:func:`.cpu_kernels.window_add_relu` and its adjoint); saves only its output, whose sign is the
-    ReLU's mask."""
-
-    @staticmethod
-    def forward(ctx, xpad: torch.Tensor, center: torch.Tensor, offsets) -> torch.Tensor:
-        n, c, h, w = center.shape
-        u = cpu_kernels.window_add_relu(center, xpad, offsets, center.new_empty(n, c, len(offsets), h, w))
-        ctx.offsets, ctx.xpad_shape = offsets, xpad.shape
-        ctx.save_for_backward(u)
-        return u
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        (u,) = ctx.saved_tensors
-        grad_xpad = grad.new_zeros(ctx.xpad_shape)
-        grad_center = grad.new_zeros(u.shape[:2] + u.shape[3:])
-        cpu_kernels.window_add_relu_backward(grad, u, ctx.offsets, grad_center, grad_xpad)
-        return grad_xpad, grad_center, None
-
-
-def shifted_add_relu(xpad: torch.Tensor, center: torch.Tensor, offsets: list[tuple[int, int]]) -> torch.Tensor:
-    """``relu(center[:, :, None] + shifted(xpad, offsets, H, W))``, ``(N, C, len(offsets), H, W)`` for
-    ``center (N, C, H, W)``: one compiled pass each way where :mod:`.cpu_kernels` runs (float32/64 on
-    CPU), else the stacked windows, an add and a ReLU."""
-    if cpu_kernels.uses_kernel(xpad, center):
-        return _ShiftedAddRelu.apply(xpad, center, offsets)
-    h, w = center.shape[-2:]
-    return shifted(xpad, offsets, h, w).add_(center[:, :, None]).relu_()
 
 
 #: Maps narrower than this stream over flattened rows (see :class:`_StreamAggregate`).

@@ -70,10 +70,10 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from robust_attn.layers import cpu_kernels
 from robust_attn.layers.local_aggregation import (accumulate_aggregate_grads, aggregate_grad_buffer,
                                                   footprint_aggregate, footprint_offsets, grouped_padded,
-                                                  reflect_pad, reflect_pad_backward, shifted, shifted_add_relu,
-                                                  unpadded_gradient)
+                                                  reflect_pad, reflect_pad_backward, shifted, unpadded_gradient)
 from robust_attn.layers.precision import accumulation_dtype, autocast_off
 
 __all__ = ["PAIRWISE_RELATIONS", "PATCHWISE_RELATIONS", "SelfAttention2d", "position_grid",
@@ -657,6 +657,87 @@ class _PairwiseAttention(torch.autograd.Function):
                 g_bias.to(bn2_bias.dtype), grad_v, *grad_inputs)
 
 
+def _position_operands(w1p, pos, area: int, positions: int):
+    """The position channels as :mod:`.cpu_kernels`' pairwise operator takes them: ``w1p (Hd, 2)`` and
+    ``pos (2, K, H*W)`` (batch 1), or two Nones."""
+    if pos is None:
+        return None, None
+    return w1p.contiguous(), pos.reshape(pos.shape[1], area, positions).contiguous()
+
+
+class _FusedPairwiseAttention(torch.autograd.Function):
+    """:class:`_PairwiseAttention` for a linear relation (its ``first`` is ``relu(center + neighbour
+    shifted)``) as the compiled CPU kernels of ``csrc/pairwise_ops.cpp``: each pass runs gamma,
+    the softmax and the aggregation per tile of one image and one footprint offset, so the
+    ``k^2``-expanded tensors stay in cache instead of a dozen PyTorch passes through memory per
+    chunk. The same passes and the same closed-form BN2 backward as :class:`_PairwiseAttention`
+    (BN2's batch moments, then the logits; backward: the logits' gradients, kept, then the first
+    layer and the inputs), the same saved tensors. float32/float64 on CPU only
+    (:func:`.cpu_kernels.uses_kernel`).
+
+    Inputs: the footprint ``offsets``, BN2's mode, ``eps`` and running statistics, ``w1, w1p, pos,
+    w2, b2, bn2_weight, bn2_bias, v`` as for :class:`_PairwiseAttention`, ``center (N, R, H, W)``
+    and the padded ``neighbour (N, R, Hp, Wp)``. Returns the output and BN2's batch mean and variance."""
+
+    @staticmethod
+    def forward(ctx, offsets, training: bool, eps: float, running_mean, running_var, w1, w1p, pos, w2, b2,
+                bn2_weight, bn2_bias, v, center, neighbour):
+        n, c, h, w = v.shape
+        groups, area = w2.shape[0], len(offsets)
+        k = math.isqrt(area)
+        center, neighbour, w1, w2, b2 = (t.contiguous() for t in (center, neighbour, w1, w2, b2))
+        positions = _position_operands(w1p, pos, area, h * w)
+        if training:
+            moments = cpu_kernels.pairwise_moments(center, neighbour, offsets, w1, *positions)
+            mean, var = _mean_var(moments, n * area * h * w)
+            mean, var = mean.to(v.dtype), var.to(v.dtype)
+        else:
+            mean, var = running_mean.to(v.dtype), running_var.to(v.dtype)
+        scale = bn2_weight * torch.rsqrt(var + eps)
+        shift = bn2_bias - mean * scale
+        vpad = grouped_padded(v, k, groups).contiguous()
+        out, lse = cpu_kernels.pairwise_forward(center, neighbour, offsets, w1, *positions, scale, shift, w2, b2, vpad)
+        ctx.offsets, ctx.training, ctx.eps = offsets, training, eps
+        ctx.save_for_backward(w1, w1p, pos, w2, b2, bn2_weight, bn2_bias, mean, var, v, out, lse, center, neighbour)
+        ctx.mark_non_differentiable(mean, var)
+        return out.view(n, c, h, w), mean, var
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, _grad_mean, _grad_var):
+        w1, w1p, pos, w2, b2, bn2_weight, bn2_bias, mean, var, v, out, lse, center, neighbour = ctx.saved_tensors
+        offsets = ctx.offsets
+        n, c, h, w = v.shape
+        groups, area = w2.shape[0], len(offsets)
+        k = math.isqrt(area)
+        count = n * area * h * w
+        positions = _position_operands(w1p, pos, area, h * w)
+        rstd = torch.rsqrt(var + ctx.eps)
+        scale = bn2_weight * rstd
+        shift = bn2_bias - mean * scale
+        vpad = grouped_padded(v, k, groups).contiguous()
+        grad_y = grad_out.to(v.dtype).reshape(out.shape).contiguous()
+        keep, grad_w2, grad_b2, sums, grad_vpad = cpu_kernels.pairwise_backward_logits(
+            center, neighbour, offsets, w1, *positions, scale, shift, w2, b2, vpad, out, lse, grad_y)
+        g_bias, g_hsum = sums.to(v.dtype)
+        g_weight = rstd * (g_hsum - mean * g_bias)
+        if ctx.training:  # BN2 on batch statistics: gh = a gz + c1 h + c0 per channel
+            coef_h = -scale * rstd * g_weight / count
+            coef_0 = -scale * g_bias / count - coef_h * mean
+        else:
+            coef_h = coef_0 = torch.zeros_like(scale)
+        grad_w1, grad_w1p, grad_pos, grad_center, grad_neighbour = cpu_kernels.pairwise_backward_input(
+            center, neighbour, offsets, w1, *positions, scale, shift, w2, keep, scale.contiguous(), coef_h, coef_0)
+        del keep
+        if pos is None:
+            grad_w1p = grad_pos = None
+        else:
+            grad_pos = grad_pos.view_as(pos)
+        grad_v = reflect_pad_backward(grad_vpad.view(n, c, *grad_vpad.shape[-2:]), v, k // 2)
+        return (None, None, None, None, None, grad_w1, grad_w1p, grad_pos, grad_w2, grad_b2.to(b2.dtype),
+                g_weight, g_bias, grad_v, grad_center, grad_neighbour)
+
+
 def _pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) -> torch.Tensor:
     """Pairwise attention ``y_i = sum_j softmax_j gamma(delta(x_i, x_j)) v_j`` (eq. 2-3), ``(N, C', H, W)``.
 
@@ -713,17 +794,23 @@ def _pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) 
         neighbour = reflect_pad(x2 * (sign * scale1).view(1, -1, 1, 1), k // 2)
 
         def first(chunk, center_, neighbour_):
-            return shifted_add_relu(neighbour_, center_, chunk)
+            return shifted(neighbour_, chunk, h, w).add_(center_[:, :, None]).relu_()
         inputs = (center, neighbour)
     else:
         def first(chunk, x1_, x2p_, mean1_, var1_, weight1_, bias1_):
             return F.relu(_affine(delta(chunk, x1_, x2p_), weight1_, bias1_, bn1.eps, mean1_, var1_), True)
         inputs = (x1, x2p, mean1, var1, bn1.weight[:dr], bn1.bias[:dr])
 
-    plan = _GammaPlan(first, chunks, slices, k, training, bn2.eps, bn2.running_mean, bn2.running_var)
     w1p = w1[:, dr:] if m.position_encoding else None
-    out, mean2, var2 = _PairwiseAttention.apply(plan, w1[:, :dr], w1p, pos, conv2.weight.flatten(1),
-                                                conv2.bias, bn2.weight, bn2.bias, v, *inputs)
+    w2 = conv2.weight.flatten(1)
+    if linear and cpu_kernels.uses_kernel(v, w1, w2, *inputs):  # whole footprint, fused per tile
+        out, mean2, var2 = _FusedPairwiseAttention.apply(footprint_offsets(k), training, bn2.eps, bn2.running_mean,
+                                                         bn2.running_var, w1[:, :dr], w1p, pos, w2, conv2.bias,
+                                                         bn2.weight, bn2.bias, v, *inputs)
+    else:
+        plan = _GammaPlan(first, chunks, slices, k, training, bn2.eps, bn2.running_mean, bn2.running_var)
+        out, mean2, var2 = _PairwiseAttention.apply(plan, w1[:, :dr], w1p, pos, w2, conv2.bias, bn2.weight,
+                                                    bn2.bias, v, *inputs)
     if training:
         _update_running(bn2, mean2, var2, count)
     return out

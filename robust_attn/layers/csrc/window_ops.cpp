@@ -1,7 +1,8 @@
-// Footprint window operations on CPU: the three loops that local attention (SAN eq. 2-5, SASA eq. 3)
-// runs once per footprint offset, each as one pass that keeps a (batch, group) slice in cache across
-// all offsets instead of one full-tensor PyTorch op per offset. Compiled on first use by
-// robust_attn/layers/cpu_kernels.py; the pure-PyTorch loops there compute the same functions.
+// Footprint window operations on CPU: the loops that local attention (SAN eq. 2-5, SASA eq. 3) runs
+// once per footprint offset, each as one pass that keeps a (batch, group) slice in cache across all
+// offsets instead of one full-tensor PyTorch op per offset. Compiled on first use, with
+// pairwise_ops.cpp (see module.cpp), by robust_attn/layers/cpu_kernels.py; the pure-PyTorch loops
+// there compute the same functions.
 //
 // Layouts (any strides, last dim contiguous):
 //   features a      (B, G, D, H, W)      e.g. queries, or the output gradient
@@ -12,10 +13,6 @@
 //   window_sum     out[b, g, d, i, j]  (+)= sum_o w[o, b, g, i, j] * bpad[b, g, d, i + dy_o, j + dx_o]
 //   window_scatter outpad[b, g, d, i + dy_o, j + dx_o] += sum_o w[o, b, g, i, j] * a[b, g, d, i, j]
 //   window_fold    outpad[b, c, i + dy_o, j + dx_o] += x[o, b, c, i, j]   (outpad passed as (B, C, 1, Hp, Wp))
-//   window_add_relu          u[b, c, o, i, j] = max(0, center[b, c, i, j] + xpad[b, c, i + dy_o, j + dx_o])
-//   window_add_relu_backward with m = grad[b, c, o, i, j] * (u[b, c, o, i, j] > 0):
-//                            grad_center[b, c, i, j] += sum_o m,  grad_xpad[b, c, i + dy_o, j + dx_o] += m
-//   (center, grad_center passed as (B, C, 1, H, W), xpad, grad_xpad as (B, C, 1, Hp, Wp))
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -204,94 +201,11 @@ void window_fold(const at::Tensor& x, const std::vector<int64_t>& dy, const std:
   });
 }
 
-// u[b, c, o, i, :] = max(0, center[b, c, 0, i, :] + xpad[b, c, 0, i + dy, dx:]): SAN's first gamma
-// input for a linear relation (shift, add, ReLU) in one pass instead of a copy, an add and a ReLU.
-void window_add_relu(const at::Tensor& center, const at::Tensor& xpad, const std::vector<int64_t>& dy,
-                     const std::vector<int64_t>& dx, at::Tensor& u) {
-  check_5d(center, "center"); check_5d(xpad, "xpad"); check_5d(u, "u");
-  check_same(center, xpad); check_same(center, u);
-  const int64_t B = center.size(0), C = center.size(1), H = center.size(3), W = center.size(4);
-  const int64_t K = static_cast<int64_t>(dy.size());
-  TORCH_CHECK(center.size(2) == 1 && xpad.size(2) == 1, "window_add_relu: center and xpad must be (B, C, 1, ., .)");
-  TORCH_CHECK(xpad.size(0) == B && xpad.size(1) == C, "window_add_relu: xpad ", xpad.sizes(), " does not match center ",
-              center.sizes());
-  TORCH_CHECK(u.sizes() == at::IntArrayRef({B, C, K, H, W}), "window_add_relu: u must be ", at::IntArrayRef({B, C, K, H, W}));
-  check_offsets(dy, dx, H, W, xpad);
-  AT_DISPATCH_FLOATING_TYPES(center.scalar_type(), "window_add_relu", [&] {
-    const scalar_t* pc = center.const_data_ptr<scalar_t>();
-    const scalar_t* px = xpad.const_data_ptr<scalar_t>();
-    scalar_t* pu = u.mutable_data_ptr<scalar_t>();
-    const Strides st_c(center), st_x(xpad), st_u(u);
-    at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bc = begin; bc < end; ++bc) {
-        const int64_t b = bc / C, c = bc % C;
-        for (int64_t o = 0; o < K; ++o) {
-          for (int64_t i = 0; i < H; ++i) {
-            const scalar_t* __restrict__ crow = pc + st_c(b, c, 0, i);
-            const scalar_t* __restrict__ xrow = px + st_x(b, c, 0, i + dy[o]) + dx[o];
-            scalar_t* __restrict__ urow = pu + st_u(b, c, o, i);
-            _Pragma("GCC ivdep")
-            for (int64_t j = 0; j < W; ++j) {
-              const scalar_t s = crow[j] + xrow[j];
-              urow[j] = s > scalar_t(0) ? s : scalar_t(0);
-            }
-          }
-        }
-      }
-    });
-  });
-}
-
-// The adjoint of window_add_relu at u: m = grad * (u > 0), summed over the offsets into grad_center and
-// folded into grad_xpad (both accumulated), in one pass over grad instead of a mask, a sum and a fold.
-void window_add_relu_backward(const at::Tensor& grad, const at::Tensor& u, const std::vector<int64_t>& dy,
-                              const std::vector<int64_t>& dx, at::Tensor& grad_center, at::Tensor& grad_xpad) {
-  check_5d(grad, "grad"); check_5d(u, "u"); check_5d(grad_center, "grad_center"); check_5d(grad_xpad, "grad_xpad");
-  check_same(grad, u); check_same(grad, grad_center); check_same(grad, grad_xpad);
-  const int64_t B = u.size(0), C = u.size(1), K = u.size(2), H = u.size(3), W = u.size(4);
-  TORCH_CHECK(grad.sizes() == u.sizes(), "window_add_relu_backward: grad ", grad.sizes(), " and u ", u.sizes(), " differ");
-  TORCH_CHECK(static_cast<int64_t>(dy.size()) == K, "window_add_relu_backward: ", dy.size(), " offsets for ", K, " windows");
-  TORCH_CHECK(grad_center.sizes() == at::IntArrayRef({B, C, 1, H, W}), "window_add_relu_backward: grad_center must be ",
-              at::IntArrayRef({B, C, 1, H, W}));
-  TORCH_CHECK(grad_xpad.size(0) == B && grad_xpad.size(1) == C && grad_xpad.size(2) == 1,
-              "window_add_relu_backward: grad_xpad ", grad_xpad.sizes(), " must be (B, C, 1, Hp, Wp)");
-  check_offsets(dy, dx, H, W, grad_xpad);
-  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "window_add_relu_backward", [&] {
-    const scalar_t* pg = grad.const_data_ptr<scalar_t>();
-    const scalar_t* pu = u.const_data_ptr<scalar_t>();
-    scalar_t* pc = grad_center.mutable_data_ptr<scalar_t>();
-    scalar_t* px = grad_xpad.mutable_data_ptr<scalar_t>();
-    const Strides st_g(grad), st_u(u), st_c(grad_center), st_x(grad_xpad);
-    at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bc = begin; bc < end; ++bc) {
-        const int64_t b = bc / C, c = bc % C;
-        for (int64_t o = 0; o < K; ++o) {
-          for (int64_t i = 0; i < H; ++i) {
-            const scalar_t* __restrict__ grow = pg + st_g(b, c, o, i);
-            const scalar_t* __restrict__ urow = pu + st_u(b, c, o, i);
-            scalar_t* __restrict__ crow = pc + st_c(b, c, 0, i);
-            scalar_t* __restrict__ xrow = px + st_x(b, c, 0, i + dy[o]) + dx[o];
-            _Pragma("GCC ivdep")
-            for (int64_t j = 0; j < W; ++j) {
-              const scalar_t m = urow[j] > scalar_t(0) ? grow[j] : scalar_t(0);
-              crow[j] += m;
-              xrow[j] += m;
-            }
-          }
-        }
-      }
-    });
-  });
-}
-
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void register_window_ops(pybind11::module_& m) {
   m.def("window_dot", &window_dot, "out[o,b,g,i,j] = sum_d a[b,g,d,i,j] bpad[b,g,d,i+dy_o,j+dx_o]");
   m.def("window_sum", &window_sum, "out[b,g,d,i,j] (+)= sum_o w[o,b,g,i,j] bpad[b,g,d,i+dy_o,j+dx_o]");
   m.def("window_fold", &window_fold, "outpad[b,c,i+dy_o,j+dx_o] += x[o,b,c,i,j]");
-  m.def("window_add_relu", &window_add_relu, "u[b,c,o,i,j] = max(0, center[b,c,i,j] + xpad[b,c,i+dy_o,j+dx_o])");
-  m.def("window_add_relu_backward", &window_add_relu_backward,
-        "grad_center += sum_o grad*(u>0); grad_xpad[b,c,i+dy_o,j+dx_o] += grad*(u>0)");
   m.def("window_scatter", &window_scatter, "outpad[b,g,d,i+dy_o,j+dx_o] += sum_o w[o,b,g,i,j] a[b,g,d,i,j]");
 }
