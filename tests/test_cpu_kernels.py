@@ -1,12 +1,16 @@
-"""The compiled CPU window kernels (robust_attn/layers/csrc/window_ops.cpp) against their PyTorch
-loops, and the attention operators built on them with the kernels on and off."""
+"""The compiled CPU kernels (robust_attn/layers/csrc/) against their PyTorch counterparts: the window
+kernels against their loops, SAN's fused pairwise operator against the chunked PyTorch path, and the
+attention operators built on them with the kernels on and off."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 from robust_attn.layers import cpu_kernels
 from robust_attn.layers.local_aggregation import footprint_aggregate, footprint_aggregate_unfold, footprint_offsets
+from robust_attn.layers import san
 from robust_attn.layers.san import SelfAttention2d
 from robust_attn.layers.sasa import local_attention, local_attention_reference
 
@@ -123,6 +127,84 @@ def test_san_lean_same_with_and_without_kernels(attention, monkeypatch):
     with_kernel = run()
     _disable_kernels(monkeypatch)
     torch.testing.assert_close(run(), with_kernel)
+
+
+def _train_and_backward(m: SelfAttention2d, x: torch.Tensor):
+    """Output, the input's and every parameter's gradient, and the buffers after one step of ``m``."""
+    xi = x.clone().requires_grad_()
+    out = m(xi)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    grads = [xi.grad] + [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    return out, grads, [b.clone() for b in m.buffers()]
+
+
+@needs_kernel
+@pytest.mark.parametrize("relation", ["subtraction", "summation"])
+@pytest.mark.parametrize("position_encoding", [True, False], ids=["positions", "no-positions"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("size,footprint", [((17, 16), 7), ((5, 6), 7), ((4, 3), 3)])
+def test_fused_pairwise_equals_the_chunked_path(relation, position_encoding, training, size, footprint, monkeypatch):
+    """csrc/pairwise_ops.cpp against _PairwiseAttention (float64): output, every gradient, running
+    statistics; 17x16 has padded tile rows (more than 256 pixels), 5x6 is smaller than the footprint."""
+    torch.manual_seed(4)
+    m = SelfAttention2d(32, relation=relation, position_encoding=position_encoding, footprint=footprint,
+                        chunk_size=5).double()
+    for bn in (m.gamma[0], m.gamma[3]):  # running statistics and affine away from their defaults
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.data.uniform_(0.5, 1.5)
+        bn.bias.data.uniform_(-0.5, 0.5)
+    m.train(training)
+    x = torch.randn(3, 32, *size, dtype=torch.float64)
+    fused_calls = []
+    apply = san._FusedPairwiseAttention.apply
+    monkeypatch.setattr(san._FusedPairwiseAttention, "apply", lambda *a: fused_calls.append(1) or apply(*a))
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    fused = _train_and_backward(m, x)
+    assert fused_calls, "the fused operator did not run"
+    m.load_state_dict(state)
+    _disable_kernels(monkeypatch)
+    chunked = _train_and_backward(m, x)
+    assert len(fused_calls) == 1
+    torch.testing.assert_close(fused, chunked)
+
+
+@needs_kernel
+def test_fused_pairwise_in_float32_is_as_accurate_as_the_chunked_path(monkeypatch):
+    """float32 against the float64 result: the fused kernels' error in the output and every gradient is
+    within a small factor of the chunked PyTorch path's (both share the float32 BN1 in front)."""
+    torch.manual_seed(5)
+    m = SelfAttention2d(32, footprint=7).train()
+    x = torch.randn(4, 32, 16, 17)
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    exact = _train_and_backward(copy.deepcopy(m).double(), x.double())
+    fused = _train_and_backward(m, x)
+    m.load_state_dict(state)
+    _disable_kernels(monkeypatch)
+    chunked = _train_and_backward(m, x)
+    scale = max(g.abs().max().item() for g in exact[1])
+    for f, c, e in zip([fused[0], *fused[1]], [chunked[0], *chunked[1]], [exact[0], *exact[1]]):
+        error_fused, error_chunked = ((t.double() - e).abs().max().item() for t in (f, c))
+        assert error_fused <= 4 * error_chunked + 1e-6 * scale
+
+
+@needs_kernel
+def test_fused_pairwise_kernels_reject_mismatched_operands():
+    n, r, hd, g, h, w = 2, 4, 4, 2, 5, 5
+    offsets = footprint_offsets(3)
+    center, nbpad = torch.randn(n, r, h, w), torch.randn(n, r, h + 2, w + 2)
+    w1, w2, b2 = torch.randn(hd, r), torch.randn(g, hd), torch.randn(g)
+    scale, shift = torch.ones(hd), torch.zeros(hd)
+    vpad = torch.randn(n, 3, g, h + 2, w + 2)
+    out, lse = cpu_kernels.pairwise_forward(center, nbpad, offsets, w1, None, None, scale, shift, w2, b2, vpad)
+    assert out.shape == (n, 3, g, h, w) and lse.shape == (n, g, h, w)
+    with pytest.raises(RuntimeError, match="vpad"):
+        cpu_kernels.pairwise_forward(center, nbpad, offsets, w1, None, None, scale, shift, w2, b2, vpad[:, :, :1])
+    with pytest.raises(RuntimeError, match="leaves the padded map"):
+        cpu_kernels.pairwise_moments(center, nbpad, footprint_offsets(5), w1, None, None)
+    with pytest.raises(RuntimeError, match="pos"):
+        cpu_kernels.pairwise_moments(center, nbpad, offsets, w1, torch.randn(hd, 2), torch.randn(2, 9, 7))
 
 
 def test_sasa_streaming_equals_reference_both_ways(kernel_mode):
