@@ -139,17 +139,24 @@ def _train_and_backward(m: SelfAttention2d, x: torch.Tensor):
     return out, grads, [b.clone() for b in m.buffers()]
 
 
+FUSED_CASES = [("pairwise", "subtraction", True), ("pairwise", "subtraction", False),
+               ("pairwise", "summation", True), ("pairwise", "summation", False),
+               ("patchwise", "concatenation", False)]
+FUSED_OPERATORS = {"pairwise": san._FusedPairwiseAttention, "patchwise": san._FusedPatchwiseConcat}
+
+
 @needs_kernel
-@pytest.mark.parametrize("relation", ["subtraction", "summation"])
-@pytest.mark.parametrize("position_encoding", [True, False], ids=["positions", "no-positions"])
+@pytest.mark.parametrize("attention,relation,position_encoding", FUSED_CASES)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("size,footprint", [((17, 16), 7), ((5, 6), 7), ((4, 3), 3)])
-def test_fused_pairwise_equals_the_chunked_path(relation, position_encoding, training, size, footprint, monkeypatch):
-    """csrc/pairwise_ops.cpp against _PairwiseAttention (float64): output, every gradient, running
-    statistics; 17x16 has padded tile rows (more than 256 pixels), 5x6 is smaller than the footprint."""
+def test_fused_operators_equal_the_chunked_path(attention, relation, position_encoding, training, size, footprint,
+                                                 monkeypatch):
+    """csrc/pairwise_ops.cpp and csrc/patchwise_ops.cpp against the chunked PyTorch path (float64):
+    output, every gradient, running statistics; 17x16 has padded tile rows (more than 256 pixels),
+    5x6 is smaller than the footprint."""
     torch.manual_seed(4)
-    m = SelfAttention2d(32, relation=relation, position_encoding=position_encoding, footprint=footprint,
-                        chunk_size=5).double()
+    m = SelfAttention2d(32, attention=attention, relation=relation, position_encoding=position_encoding,
+                        footprint=footprint, chunk_size=5).double()
     for bn in (m.gamma[0], m.gamma[3]):  # running statistics and affine away from their defaults
         bn.running_mean.uniform_(-0.5, 0.5)
         bn.running_var.uniform_(0.5, 2.0)
@@ -158,8 +165,9 @@ def test_fused_pairwise_equals_the_chunked_path(relation, position_encoding, tra
     m.train(training)
     x = torch.randn(3, 32, *size, dtype=torch.float64)
     fused_calls = []
-    apply = san._FusedPairwiseAttention.apply
-    monkeypatch.setattr(san._FusedPairwiseAttention, "apply", lambda *a: fused_calls.append(1) or apply(*a))
+    operator = FUSED_OPERATORS[attention]
+    apply = operator.apply
+    monkeypatch.setattr(operator, "apply", lambda *a: fused_calls.append(1) or apply(*a))
     state = {k: v.clone() for k, v in m.state_dict().items()}
     fused = _train_and_backward(m, x)
     assert fused_calls, "the fused operator did not run"
@@ -171,11 +179,12 @@ def test_fused_pairwise_equals_the_chunked_path(relation, position_encoding, tra
 
 
 @needs_kernel
-def test_fused_pairwise_in_float32_is_as_accurate_as_the_chunked_path(monkeypatch):
+@pytest.mark.parametrize("attention", ["pairwise", "patchwise"])
+def test_fused_operators_in_float32_are_as_accurate_as_the_chunked_path(attention, monkeypatch):
     """float32 against the float64 result: the fused kernels' error in the output and every gradient is
-    within a small factor of the chunked PyTorch path's (both share the float32 BN1 in front)."""
+    within a small factor of the chunked PyTorch path's (both share the float32 layers around them)."""
     torch.manual_seed(5)
-    m = SelfAttention2d(32, footprint=7).train()
+    m = SelfAttention2d(32, attention=attention, footprint=7).train()
     x = torch.randn(4, 32, 16, 17)
     state = {k: v.clone() for k, v in m.state_dict().items()}
     exact = _train_and_backward(copy.deepcopy(m).double(), x.double())
@@ -190,7 +199,7 @@ def test_fused_pairwise_in_float32_is_as_accurate_as_the_chunked_path(monkeypatc
 
 
 @needs_kernel
-def test_fused_pairwise_kernels_reject_mismatched_operands():
+def test_fused_kernels_reject_mismatched_operands():
     n, r, hd, g, h, w = 2, 4, 4, 2, 5, 5
     offsets = footprint_offsets(3)
     center, nbpad = torch.randn(n, r, h, w), torch.randn(n, r, h + 2, w + 2)
@@ -205,6 +214,13 @@ def test_fused_pairwise_kernels_reject_mismatched_operands():
         cpu_kernels.pairwise_moments(center, nbpad, footprint_offsets(5), w1, None, None)
     with pytest.raises(RuntimeError, match="pos"):
         cpu_kernels.pairwise_moments(center, nbpad, offsets, w1, torch.randn(hd, 2), torch.randn(2, 9, 7))
+    scale = torch.ones(r, 9)
+    hid = cpu_kernels.patchwise_hidden(nbpad, offsets, h, w, scale, scale, torch.randn(9, g, r))
+    assert hid.shape == (n, g, h, w)
+    with pytest.raises(RuntimeError, match="w1 must be"):
+        cpu_kernels.patchwise_hidden(nbpad, offsets, h, w, scale, scale, torch.randn(9, r, g + 1))
+    with pytest.raises(RuntimeError, match="scale must be"):
+        cpu_kernels.patchwise_hidden(nbpad, offsets, h, w, scale[:, :4], scale, torch.randn(9, g, r))
 
 
 def test_sasa_streaming_equals_reference_both_ways(kernel_mode):

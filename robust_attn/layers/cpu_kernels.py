@@ -16,7 +16,9 @@ reads ``bpad[..., i + dy, j + dx]``), weights ``w (K, B, G, H, W)``:
 ``csrc/pairwise_ops.cpp`` holds SAN's whole pairwise operator for the linear relations, fused per
 (image, footprint offset) tile (:func:`pairwise_moments`, :func:`pairwise_forward`,
 :func:`pairwise_backward_logits`, :func:`pairwise_backward_input`; used by
-:mod:`robust_attn.layers.san`, whose chunked PyTorch path is its reference).
+:mod:`robust_attn.layers.san`, whose chunked PyTorch path is its reference); ``csrc/patchwise_ops.cpp``
+the psi part of patchwise concatenation's first gamma layer, likewise fused (:func:`patchwise_moments`,
+:func:`patchwise_hidden`, :func:`patchwise_backward_sums`, :func:`patchwise_backward_input`).
 
 The kernel is built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler and
 ninja; about a minute, then cached) for float32 and float64 CPU tensors. Without a compiler, on
@@ -35,10 +37,11 @@ from pathlib import Path
 import torch
 
 __all__ = ["kernel_available", "uses_kernel", "window_dot", "window_sum", "window_scatter", "window_fold",
-           "window_dot_torch", "window_sum_torch", "window_scatter_torch", "window_fold_torch", "pairwise_moments", "pairwise_forward", "pairwise_backward_logits", "pairwise_backward_input"]
+           "window_dot_torch", "window_sum_torch", "window_scatter_torch", "window_fold_torch", "pairwise_moments",
+           "patchwise_moments", "patchwise_hidden", "patchwise_backward_sums", "patchwise_backward_input", "pairwise_forward", "pairwise_backward_logits", "pairwise_backward_input"]
 
 _SOURCES = [Path(__file__).resolve().parent / "csrc" / name
-            for name in ("module.cpp", "window_ops.cpp", "pairwise_ops.cpp")]
+            for name in ("module.cpp", "window_ops.cpp", "pairwise_ops.cpp", "patchwise_ops.cpp")]
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 _module = None
 _load_failed = False
@@ -213,3 +216,28 @@ def pairwise_backward_input(center, nbpad, offsets, w1, w1p, pos, scale, shift, 
     """Second backward pass: ``(grad_w1, grad_w1p, grad_pos, grad_center, grad_nbpad)`` (csrc/pairwise_ops.cpp)."""
     return _module.pairwise_backward_input(center, nbpad, *_split(offsets), w1, _maybe(w1p), _maybe(pos), scale,
                                            shift, w2, keep, coef_a, coef_h, coef_0)
+
+
+# SAN patchwise concatenation's psi part of gamma's first layer (csrc/patchwise_ops.cpp): callers check
+# uses_kernel first. ``xpad (N, R, Hp, Wp)``, per-channel tensors ``(R, K)``, ``w1 (K, G, R)``, contiguous.
+
+def patchwise_moments(xpad, offsets, height: int, width: int) -> torch.Tensor:
+    """Sum and sum of squares of each psi channel's window per offset, ``(2, R, K)`` float64 (BN1's moments)."""
+    return _module.patchwise_moments(xpad, *_split(offsets), height, width)
+
+
+def patchwise_hidden(xpad, offsets, height: int, width: int, scale, shift, w1) -> torch.Tensor:
+    """``sum_j W1_j relu(scale[:, j] * window_j + shift[:, j])``, ``(N, G, H, W)``."""
+    return _module.patchwise_hidden(xpad, *_split(offsets), height, width, scale, shift, w1)
+
+
+def patchwise_backward_sums(xpad, offsets, height: int, width: int, scale, shift, w1, grad_hid):
+    """First backward pass: ``(grad_w1 (K, G, R), sums (2, R, K))`` (see csrc/patchwise_ops.cpp)."""
+    return _module.patchwise_backward_sums(xpad, *_split(offsets), height, width, scale, shift, w1, grad_hid)
+
+
+def patchwise_backward_input(xpad, offsets, height: int, width: int, scale, shift, w1, grad_hid, coef_a, coef_f,
+                             coef_0) -> torch.Tensor:
+    """Second backward pass: the gradient of ``xpad`` (see csrc/patchwise_ops.cpp)."""
+    return _module.patchwise_backward_input(xpad, *_split(offsets), height, width, scale, shift, w1, grad_hid,
+                                            coef_a, coef_f, coef_0)

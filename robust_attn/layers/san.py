@@ -854,6 +854,74 @@ class _PatchwiseWeightsAggregate(torch.autograd.Function):
         return grad_hidden.to(hidden.dtype), grad_w2.to(w2.dtype), grad_b2.to(b2.dtype), grad_v, None
 
 
+class _FusedPatchwiseConcat(torch.autograd.Function):
+    """The psi part of patchwise concatenation's gamma up to its first layer,
+    ``sum_{c, j} W1[:, rel + c k^2 + j] relu(BN1(psi(x)_c shifted by j))`` ``(N, G, H, W)``, as the
+    compiled CPU kernels of ``csrc/patchwise_ops.cpp``: per tile of one image and one offset, so the
+    ``k^2 C/r1``-channel input never exists; BN1's moments per channel (c, j) come from one pass over
+    the windows; the backward recomputes each tile twice (W1's and BN1's gradients, then psi's, BN1
+    differentiated in closed form). float32/float64 on CPU only (:func:`.cpu_kernels.uses_kernel`).
+
+    Inputs: the footprint ``offsets``, BN1's mode, ``eps`` and the psi channels' running statistics,
+    weight and bias (``C/r1 * k^2``, channel-major), ``x2 = psi(x)`` ``(N, C/r1, H, W)`` and ``w1``
+    ``(G, C/r1 * k^2)``. Returns the hidden layer's psi part and BN1's batch mean and variance ``(C/r1, k^2)``."""
+
+    @staticmethod
+    def forward(ctx, offsets, training: bool, eps: float, running_mean, running_var, x2, bn_weight, bn_bias, w1):
+        n, rel, h, w = x2.shape
+        area = len(offsets)
+        xpad = reflect_pad(x2, math.isqrt(area) // 2).contiguous()
+        if training:
+            mean, var = _mean_var(cpu_kernels.patchwise_moments(xpad, offsets, h, w), n * h * w)
+            mean, var = mean.to(x2.dtype), var.to(x2.dtype)
+        else:
+            mean, var = running_mean.view(rel, area).to(x2.dtype), running_var.view(rel, area).to(x2.dtype)
+        scale, shift = _patchwise_bn1(bn_weight, bn_bias, mean, var, eps)
+        hid = cpu_kernels.patchwise_hidden(xpad, offsets, h, w, scale, shift, _by_offset(w1, area))
+        ctx.offsets, ctx.training, ctx.eps = offsets, training, eps
+        ctx.save_for_backward(x2, bn_weight, bn_bias, w1, mean, var)
+        ctx.mark_non_differentiable(mean, var)
+        return hid, mean, var
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_hid, _grad_mean, _grad_var):
+        x2, bn_weight, bn_bias, w1, mean, var = ctx.saved_tensors
+        offsets = ctx.offsets
+        n, rel, h, w = x2.shape
+        area, groups = len(offsets), w1.shape[0]
+        pad = math.isqrt(area) // 2
+        xpad = reflect_pad(x2, pad).contiguous()
+        scale, shift = _patchwise_bn1(bn_weight, bn_bias, mean, var, ctx.eps)
+        w1k = _by_offset(w1, area)
+        grad_hid = grad_hid.to(x2.dtype).contiguous()
+        grad_w1k, sums = cpu_kernels.patchwise_backward_sums(xpad, offsets, h, w, scale, shift, w1k, grad_hid)
+        g_bias, g_fsum = sums.to(x2.dtype)
+        rstd = torch.rsqrt(var + ctx.eps)
+        g_weight = rstd * (g_fsum - mean * g_bias)
+        if ctx.training:  # BN1 on batch statistics: grad f = a gu + c1 f + c0 per channel (c, j)
+            coef_f = -scale * rstd * g_weight / (n * h * w)
+            coef_0 = -scale * g_bias / (n * h * w) - coef_f * mean
+        else:
+            coef_f = coef_0 = torch.zeros_like(scale)
+        grad_xpad = cpu_kernels.patchwise_backward_input(xpad, offsets, h, w, scale, shift, w1k, grad_hid, scale,
+                                                         coef_f.contiguous(), coef_0.contiguous())
+        grad_w1 = grad_w1k.permute(1, 2, 0).reshape(groups, rel * area)
+        return (None, None, None, None, None, reflect_pad_backward(grad_xpad, x2, pad), g_weight.flatten(),
+                g_bias.flatten(), grad_w1)
+
+
+def _patchwise_bn1(weight, bias, mean, var, eps: float):
+    """BN1 of the psi channels as ``(scale, shift)``, ``(C/r1, k^2)`` each."""
+    scale = weight.view(mean.shape) * torch.rsqrt(var + eps)
+    return scale.contiguous(), (bias.view(mean.shape) - mean * scale).contiguous()
+
+
+def _by_offset(w1: torch.Tensor, area: int) -> torch.Tensor:
+    """gamma's first layer on the psi channels ``(G, C/r1 * k^2)`` regrouped as ``(k^2, G, C/r1)``."""
+    return w1.view(w1.shape[0], -1, area).permute(2, 0, 1).contiguous()
+
+
 def _patchwise_hidden(m: SelfAttention2d, x1, x2, chunks, index_chunks) -> torch.Tensor:
     """gamma of patchwise attention (eq. 5) up to its last layer: ``relu(BN2(W1 relu(BN1(delta))))``,
     ``(N, G, H, W)``; the first layer's input is built chunk by chunk of footprint offsets, each chunk
@@ -889,14 +957,20 @@ def _patchwise_hidden(m: SelfAttention2d, x1, x2, chunks, index_chunks) -> torch
         x1p = reflect_pad(x1_, pad) if m.relation == "clique" else None
         return block(*features(chunk, idx, x1_, reflect_pad(x2_, pad), x1p))
 
-    outs = [_maybe_checkpoint(lambda *ts, c=c, i=i: run(c, i, *ts), x1, x2)
-            for c, i in zip(chunks, index_chunks)]
+    if m.relation == "concatenation" and cpu_kernels.uses_kernel(x2, w1):  # all offsets, fused per tile
+        parts = [list(range(area))]
+        outs = [_FusedPatchwiseConcat.apply(all_offsets, m.training, bn1.eps, bn1.running_mean[rel:],
+                                            bn1.running_var[rel:], x2, bn1.weight[rel:], bn1.bias[rel:], w1[:, rel:])]
+    else:
+        parts = index_chunks
+        outs = [_maybe_checkpoint(lambda *ts, c=c, i=i: run(c, i, *ts), x1, x2)
+                for c, i in zip(chunks, index_chunks)]
     if m.relation == "concatenation":  # phi(x_i) part of the concatenation
         outs.append(block(x1[:, :, None], torch.arange(rel, device=x1.device)[:, None]))
     if m.training:
         mean = torch.zeros_like(bn1.running_mean)
         var = torch.zeros_like(bn1.running_var)
-        for (_, mu, sig), (c, i) in zip(outs, list(zip(chunks, index_chunks)) + [(None, None)]):
+        for (_, mu, sig), i in zip(outs, parts + [None]):
             ch = _channels_of(m, i, rel, area, x1.device)
             mean[ch.flatten()] = mu.flatten().to(mean.dtype)
             var[ch.flatten()] = sig.flatten().to(var.dtype)

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common.h"
 #include "small_gemm.h"
 
 // Reductions over a tile's pixels are written with `omp simd reduction` (compiled with -fopenmp):
@@ -33,6 +34,7 @@ namespace {
 
 using small_gemm::gemm_nn;
 using small_gemm::gemm_nt;
+using fused::PerThread;
 
 // exp that GCC vectorizes (Cephes' expf: 2^n times a degree-5 polynomial on |r| <= ln2/2; about
 // 1 ulp); std::exp stays scalar without -ffast-math. double keeps std::exp (tests, not speed).
@@ -57,12 +59,10 @@ inline double vexp(double x) { return std::exp(x); }
 struct Shape {
   int64_t N, R, Hd, G, Sh, H, W, Hp, Wp, K, T;
   int64_t P;   // position channels (0: none)
-  int64_t ld;  // row stride of the tiles: T, padded on large maps so rows do not fall 4 KiB apart (L1 sets)
+  int64_t ld;  // row stride of the tiles (fused::tile_stride)
 };
 
-void check_cpu_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "pairwise ops: ", name, " must be a contiguous CPU tensor");
-}
+void check_cpu_contiguous(const at::Tensor& t, const char* name) { fused::check_cpu_contiguous(t, "pairwise ops", name); }
 
 // The shape of one call, with every tensor checked against it (v, out: only where given).
 Shape shape_of(const at::Tensor& center, const at::Tensor& nbpad, const std::vector<int64_t>& dy,
@@ -77,15 +77,11 @@ Shape shape_of(const at::Tensor& center, const at::Tensor& nbpad, const std::vec
   s.N = center.size(0); s.R = center.size(1); s.H = center.size(2); s.W = center.size(3);
   s.Hp = nbpad.size(2); s.Wp = nbpad.size(3); s.Hd = w1.size(0); s.K = static_cast<int64_t>(dy.size());
   s.T = s.H * s.W;
-  s.ld = s.T >= 256 ? (s.T + 15) / 16 * 16 + 16 : s.T;  // rows of 1 KiB and more: pad (measured 2x on 32x32)
+  s.ld = fused::tile_stride(s.T);
   TORCH_CHECK(nbpad.size(0) == s.N && nbpad.size(1) == s.R, "pairwise ops: nbpad ", nbpad.sizes(), " vs center ",
               center.sizes());
   TORCH_CHECK(w1.size(1) == s.R, "pairwise ops: w1 ", w1.sizes(), " does not take ", s.R, " channels");
-  TORCH_CHECK(dx.size() == dy.size() && s.K > 0, "pairwise ops: dy and dx differ in length or are empty");
-  for (int64_t o = 0; o < s.K; ++o) {
-    TORCH_CHECK(dy[o] >= 0 && dx[o] >= 0 && dy[o] + s.H <= s.Hp && dx[o] + s.W <= s.Wp, "pairwise ops: offset (",
-                dy[o], ", ", dx[o], ") leaves the padded map ", nbpad.sizes());
-  }
+  fused::check_windows(dy, dx, s.H, s.W, s.Hp, s.Wp, "pairwise ops");
   s.P = pos.defined() && pos.numel() > 0 ? pos.size(0) : 0;
   if (s.P > 0) {
     check_cpu_contiguous(pos, "pos");
@@ -180,19 +176,6 @@ Gamma<S> gamma_of(const Shape& s, const at::Tensor& center, const at::Tensor& nb
                   w1.const_data_ptr<S>(), s.P ? w1p.const_data_ptr<S>() : nullptr,
                   s.P ? pos.const_data_ptr<S>() : nullptr};
 }
-
-// One buffer per thread of at::parallel_for, summed at the end.
-template <typename A>
-struct PerThread {
-  std::vector<std::vector<A>> parts;
-  PerThread(int64_t size) : parts(at::get_num_threads(), std::vector<A>(size, A(0))) {}
-  std::vector<A>& mine() { return parts[at::get_thread_num()]; }
-  template <typename S>
-  void sum_into(S* out) const {
-    for (const auto& p : parts)
-      for (size_t i = 0; i < p.size(); ++i) out[i] += static_cast<S>(p[i]);
-  }
-};
 
 // BN2's batch moments: sum and sum of squares of hid per hidden channel, (2, Hd) in float64.
 at::Tensor pairwise_moments(const at::Tensor& center, const at::Tensor& nbpad, const std::vector<int64_t>& dy,
