@@ -55,6 +55,15 @@ Implementations (``implementation=``), which compute the same function, buffers 
     instead of kept.
   - All 1x1 layers of the operator (phi/psi/beta stacked into one, gamma's) are matmuls
     (:func:`_mm`), faster on CPU than oneDNN convolutions with so few channels on large maps.
+  - On CPU in float32/float64 (:func:`.cpu_kernels.uses_kernel`), two pieces run as compiled
+    kernels fused per tile of one image and one footprint offset, so their ``k^2``-expanded
+    tensors stay in cache: pairwise attention with a linear relation (``subtraction``,
+    ``summation``) from gamma's first ReLU on (:class:`_FusedPairwiseAttention`, the same passes
+    and closed-form BN2 backward as :class:`_PairwiseAttention`, over the whole footprint), and
+    patchwise ``concatenation``'s psi part of gamma's first layer (:class:`_FusedPatchwiseConcat`,
+    BN1's per-(channel, offset) moments in one pass, BN1 differentiated in closed form). The
+    chunked PyTorch path above stays for the other relations, dtypes and devices, and is what the
+    tests check the kernels against.
 
   Each step keeps the function: the tests check outputs, all gradients and running statistics
   against ``"unfold"`` and run ``gradcheck`` in float64.

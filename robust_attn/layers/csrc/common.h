@@ -1,5 +1,5 @@
-// Helpers shared by the fused operators (pairwise_ops.cpp, patchwise_ops.cpp): argument checks and
-// per-thread accumulators for at::parallel_for.
+// Helpers shared by the fused operators (pairwise_ops.cpp, patchwise_ops.cpp): argument checks, the
+// tiles' row stride, a vectorized sum reduction and per-thread accumulators for at::parallel_for.
 #pragma once
 
 #include <torch/extension.h>
@@ -27,6 +27,20 @@ inline void check_windows(const std::vector<int64_t>& dy, const std::vector<int6
 // Row stride of a tile of T pixels: T, padded on large maps so that rows do not fall 4 KiB apart
 // (the same L1 sets; measured 2x on 32 x 32 maps).
 inline int64_t tile_stride(int64_t T) { return T >= 256 ? (T + 15) / 16 * 16 + 16 : T; }
+
+// sum_a += sum(a[0:n]) and sum_ab += sum(a * b) over n contiguous values, as a vectorized reduction
+// (`omp simd reduction`, compiled with -fopenmp: without it GCC keeps a float sum scalar).
+template <typename S>
+inline void add_sum_and_dot(const S* __restrict__ a, const S* __restrict__ b, int64_t n, S& sum_a, S& sum_ab) {
+  S s1 = 0, s2 = 0;
+  _Pragma("omp simd reduction(+ : s1, s2)")
+  for (int64_t q = 0; q < n; ++q) {
+    s1 += a[q];
+    s2 += a[q] * b[q];
+  }
+  sum_a += s1;
+  sum_ab += s2;
+}
 
 // One buffer per thread of at::parallel_for, summed at the end.
 template <typename A>

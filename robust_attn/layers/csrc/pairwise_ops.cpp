@@ -27,9 +27,6 @@
 #include "common.h"
 #include "small_gemm.h"
 
-// Reductions over a tile's pixels are written with `omp simd reduction` (compiled with -fopenmp):
-// without it GCC keeps a float sum scalar, one dependent add per pixel.
-
 namespace {
 
 using small_gemm::gemm_nn;
@@ -195,11 +192,7 @@ at::Tensor pairwise_moments(const at::Tensor& center, const at::Tensor& nbpad, c
           for (int64_t j = 0; j < s.Hd; ++j) {
             const scalar_t* __restrict__ hrow = hid.data() + j * s.ld;
             scalar_t sum = 0, sq = 0;
-            _Pragma("omp simd reduction(+ : sum, sq)")
-            for (int64_t t = 0; t < s.T; ++t) {
-              sum += hrow[t];
-              sq += hrow[t] * hrow[t];
-            }
+            fused::add_sum_and_dot(hrow, hrow, s.T, sum, sq);
             mine[j] += sum;
             mine[s.Hd + j] += sq;
           }
@@ -365,7 +358,7 @@ std::vector<at::Tensor> pairwise_backward_logits(
               }
             }
             S row_sum = 0;
-            _Pragma("omp simd reduction(+ : row_sum)")
+            _Pragma("omp simd reduction(+ : row_sum)")  // see fused::add_sum_and_dot
             for (int64_t t = 0; t < s.T; ++t) {
               w[t] = w[t] * (gw[t] - d[t]);
               row_sum += w[t];
@@ -379,13 +372,9 @@ std::vector<at::Tensor> pairwise_backward_logits(
             S* __restrict__ grow = gz.data() + j * s.ld;
             const S* __restrict__ zrow = z.data() + j * s.ld;
             const S* __restrict__ hrow = hid.data() + j * s.ld;
+            for (int64_t t = 0; t < s.T; ++t) grow[t] = zrow[t] > S(0) ? grow[t] : S(0);
             S sum = 0, sum_h = 0;
-            _Pragma("omp simd reduction(+ : sum, sum_h)")
-            for (int64_t t = 0; t < s.T; ++t) {
-              const S g = zrow[t] > S(0) ? grow[t] : S(0);
-              sum += g;
-              sum_h += g * hrow[t];
-            }
+            fused::add_sum_and_dot(grow, hrow, s.T, sum, sum_h);
             my_sums[j] += sum;
             my_sums[s.Hd + j] += sum_h;
           }

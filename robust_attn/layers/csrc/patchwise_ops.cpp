@@ -88,12 +88,8 @@ at::Tensor patchwise_moments(const at::Tensor& xpad, const std::vector<int64_t>&
         for (int64_t j = 0; j < s.K; ++j) {
           S sum = 0, sq = 0;
           for (int64_t i = 0; i < s.H; ++i) {
-            const S* __restrict__ xrow = px + (bc * s.Hp + i + dy[j]) * s.Wp + dx[j];
-            _Pragma("omp simd reduction(+ : sum, sq)")
-            for (int64_t q = 0; q < s.W; ++q) {
-              sum += xrow[q];
-              sq += xrow[q] * xrow[q];
-            }
+            const S* xrow = px + (bc * s.Hp + i + dy[j]) * s.Wp + dx[j];
+            fused::add_sum_and_dot(xrow, xrow, s.W, sum, sq);
           }
           mine[c * s.K + j] += sum;
           mine[(s.R + c) * s.K + j] += sq;
@@ -200,15 +196,8 @@ std::vector<at::Tensor> patchwise_backward_sums(const at::Tensor& xpad, const st
           gemm_nt<S>(s.G, s.R, s.T, gh.data(), s.ld, u.data(), s.ld, my_w1.data() + j * s.G * s.R, s.R);
           for (int64_t c = 0; c < s.R; ++c) {
             S sum = 0, sum_f = 0;
-            for (int64_t i = 0; i < s.H; ++i) {
-              const S* __restrict__ grow = gu.data() + c * s.ld + i * s.W;
-              const S* __restrict__ frow = bw.window_row(b, c, j, i);
-              _Pragma("omp simd reduction(+ : sum, sum_f)")
-              for (int64_t q = 0; q < s.W; ++q) {
-                sum += grow[q];
-                sum_f += grow[q] * frow[q];
-              }
-            }
+            for (int64_t i = 0; i < s.H; ++i)
+              fused::add_sum_and_dot(gu.data() + c * s.ld + i * s.W, bw.window_row(b, c, j, i), s.W, sum, sum_f);
             my_sums[c * s.K + j] += sum;
             my_sums[(s.R + c) * s.K + j] += sum_f;
           }
