@@ -1,4 +1,5 @@
-"""Footprint window operations, each one pass of a compiled CPU kernel, or a pure-PyTorch loop.
+"""Compiled CPU kernels for local attention (``csrc/``), each with a PyTorch counterpart: footprint
+window operations (one pass of a kernel, or a PyTorch loop) and SAN's fused operators.
 
 Local attention (SAN eq. 2-5, SASA eq. 3) runs three loops over the ``k^2`` footprint offsets. In
 PyTorch each offset is a full-tensor op over the feature map (49 passes through memory for a 7x7
@@ -20,10 +21,11 @@ reads ``bpad[..., i + dy, j + dx]``), weights ``w (K, B, G, H, W)``:
 the psi part of patchwise concatenation's first gamma layer, likewise fused (:func:`patchwise_moments`,
 :func:`patchwise_hidden`, :func:`patchwise_backward_sums`, :func:`patchwise_backward_input`).
 
-The kernel is built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler and
+The module is built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler and
 ninja; about a minute, then cached) for float32 and float64 CPU tensors. Without a compiler, on
 other devices and dtypes, or with ``ROBUST_ATTN_CPU_KERNELS=0``, the same functions run as PyTorch
-loops (:func:`window_dot_torch` and friends), which the tests check the kernel against.
+code (:func:`window_dot_torch` and friends; SAN's chunked path), which the tests check the kernels
+against.
 """
 from __future__ import annotations
 
