@@ -179,6 +179,30 @@ def test_fused_operators_equal_the_chunked_path(attention, relation, position_en
 
 
 @needs_kernel
+@pytest.mark.parametrize("attention,relation,position_encoding", FUSED_CASES[::2] + FUSED_CASES[-1:])
+def test_fused_operators_with_frozen_parameters_give_the_input_gradient(attention, relation, position_encoding,
+                                                                         monkeypatch):
+    """An attack's backward (eval mode, no parameter needs a gradient) skips the weights' gradients and,
+    for pairwise, runs one pass: the input gradient still equals the chunked path's."""
+    torch.manual_seed(6)
+    m = SelfAttention2d(32, attention=attention, relation=relation, position_encoding=position_encoding,
+                        footprint=5).double().eval()
+    m.requires_grad_(False)
+    x = torch.randn(2, 32, 9, 11, dtype=torch.float64)
+
+    def input_gradient():
+        xi = x.clone().requires_grad_()
+        out = m(xi)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        return out, xi.grad
+
+    fused = input_gradient()
+    assert all(p.grad is None for p in m.parameters())
+    _disable_kernels(monkeypatch)
+    torch.testing.assert_close(fused, input_gradient())
+
+
+@needs_kernel
 @pytest.mark.parametrize("attention", ["pairwise", "patchwise"])
 def test_fused_operators_in_float32_are_as_accurate_as_the_chunked_path(attention, monkeypatch):
     """float32 against the float64 result: the fused kernels' error in the output and every gradient is

@@ -16,7 +16,7 @@ reads ``bpad[..., i + dy, j + dx]``), weights ``w (K, B, G, H, W)``:
 
 ``csrc/pairwise_ops.cpp`` holds SAN's whole pairwise operator for the linear relations, fused per
 (image, footprint offset) tile (:func:`pairwise_moments`, :func:`pairwise_forward`,
-:func:`pairwise_backward_logits`, :func:`pairwise_backward_input`; used by
+:func:`pairwise_backward`, :func:`pairwise_backward_input`; used by
 :mod:`robust_attn.layers.san`, whose chunked PyTorch path is its reference); ``csrc/patchwise_ops.cpp``
 the psi part of patchwise concatenation's first gamma layer, likewise fused (:func:`patchwise_moments`,
 :func:`patchwise_hidden`, :func:`patchwise_backward_sums`, :func:`patchwise_backward_input`).
@@ -40,7 +40,8 @@ import torch
 
 __all__ = ["kernel_available", "uses_kernel", "window_dot", "window_sum", "window_scatter", "window_fold",
            "window_dot_torch", "window_sum_torch", "window_scatter_torch", "window_fold_torch", "pairwise_moments",
-           "patchwise_moments", "patchwise_hidden", "patchwise_backward_sums", "patchwise_backward_input", "pairwise_forward", "pairwise_backward_logits", "pairwise_backward_input"]
+           "pairwise_forward", "pairwise_backward", "pairwise_backward_input", "patchwise_moments",
+           "patchwise_hidden", "patchwise_backward_sums", "patchwise_backward_input"]
 
 _SOURCES = [Path(__file__).resolve().parent / "csrc" / name
             for name in ("module.cpp", "window_ops.cpp", "pairwise_ops.cpp", "patchwise_ops.cpp")]
@@ -208,16 +209,20 @@ def pairwise_forward(center, nbpad, offsets, w1, w1p, pos, scale, shift, w2, b2,
                                     b2, vpad)
 
 
-def pairwise_backward_logits(center, nbpad, offsets, w1, w1p, pos, scale, shift, w2, b2, vpad, out, lse, grad_out):
-    """First backward pass: ``(keep, grad_w2, grad_b2, sums, grad_vpad)`` (see csrc/pairwise_ops.cpp)."""
-    return _module.pairwise_backward_logits(center, nbpad, *_split(offsets), w1, _maybe(w1p), _maybe(pos), scale,
-                                            shift, w2, b2, vpad, out, lse, grad_out)
+def pairwise_backward(center, nbpad, offsets, w1, w1p, pos, scale, shift, w2, b2, vpad, out, lse, grad_out,
+                      weight_grads: bool, one_pass: bool):
+    """First backward pass ``(keep, grad_w2, grad_b2, sums, grad_vpad)``, or with ``one_pass`` (BN2 on
+    running statistics) the only one, followed by ``grad_w1, grad_w1p, grad_pos, grad_center, grad_nbpad``;
+    the weights' gradients are None without ``weight_grads`` (see csrc/pairwise_ops.cpp)."""
+    return _module.pairwise_backward(center, nbpad, *_split(offsets), w1, _maybe(w1p), _maybe(pos), scale, shift,
+                                     w2, b2, vpad, out, lse, grad_out, weight_grads, one_pass)
 
 
-def pairwise_backward_input(center, nbpad, offsets, w1, w1p, pos, scale, shift, w2, keep, coef_a, coef_h, coef_0):
+def pairwise_backward_input(center, nbpad, offsets, w1, w1p, pos, scale, shift, w2, keep, coef_a, coef_h, coef_0,
+                            weight_grads: bool):
     """Second backward pass: ``(grad_w1, grad_w1p, grad_pos, grad_center, grad_nbpad)`` (csrc/pairwise_ops.cpp)."""
     return _module.pairwise_backward_input(center, nbpad, *_split(offsets), w1, _maybe(w1p), _maybe(pos), scale,
-                                           shift, w2, keep, coef_a, coef_h, coef_0)
+                                           shift, w2, keep, coef_a, coef_h, coef_0, weight_grads)
 
 
 # SAN patchwise concatenation's psi part of gamma's first layer (csrc/patchwise_ops.cpp): callers check
@@ -233,9 +238,11 @@ def patchwise_hidden(xpad, offsets, height: int, width: int, scale, shift, w1) -
     return _module.patchwise_hidden(xpad, *_split(offsets), height, width, scale, shift, w1)
 
 
-def patchwise_backward_sums(xpad, offsets, height: int, width: int, scale, shift, w1, grad_hid):
-    """First backward pass: ``(grad_w1 (K, G, R), sums (2, R, K))`` (see csrc/patchwise_ops.cpp)."""
-    return _module.patchwise_backward_sums(xpad, *_split(offsets), height, width, scale, shift, w1, grad_hid)
+def patchwise_backward_sums(xpad, offsets, height: int, width: int, scale, shift, w1, grad_hid, weight_grads: bool):
+    """First backward pass: ``(grad_w1 (K, G, R) or None without weight_grads, sums (2, R, K))``
+    (see csrc/patchwise_ops.cpp)."""
+    return _module.patchwise_backward_sums(xpad, *_split(offsets), height, width, scale, shift, w1, grad_hid,
+                                           weight_grads)
 
 
 def patchwise_backward_input(xpad, offsets, height: int, width: int, scale, shift, w1, grad_hid, coef_a, coef_f,

@@ -681,8 +681,9 @@ class _FusedPairwiseAttention(torch.autograd.Function):
     ``k^2``-expanded tensors stay in cache instead of a dozen PyTorch passes through memory per
     chunk. The same passes and the same closed-form BN2 backward as :class:`_PairwiseAttention`
     (BN2's batch moments, then the logits; backward: the logits' gradients, kept, then the first
-    layer and the inputs), the same saved tensors. float32/float64 on CPU only
-    (:func:`.cpu_kernels.uses_kernel`).
+    layer and the inputs; with BN2's running statistics one backward pass), the same saved tensors;
+    the weights' gradients are skipped where no weight needs one (an attack). float32/float64 on CPU
+    only (:func:`.cpu_kernels.uses_kernel`).
 
     Inputs: the footprint ``offsets``, BN2's mode, ``eps`` and running statistics, ``w1, w1p, pos,
     w2, b2, bn2_weight, bn2_bias, v`` as for :class:`_PairwiseAttention`, ``center (N, R, H, W)``
@@ -726,22 +727,23 @@ class _FusedPairwiseAttention(torch.autograd.Function):
         shift = bn2_bias - mean * scale
         vpad = grouped_padded(v, k, groups).contiguous()
         grad_y = grad_out.to(v.dtype).reshape(out.shape).contiguous()
-        keep, grad_w2, grad_b2, sums, grad_vpad = cpu_kernels.pairwise_backward_logits(
-            center, neighbour, offsets, w1, *positions, scale, shift, w2, b2, vpad, out, lse, grad_y)
+        weight_grads = any(ctx.needs_input_grad[5:10])  # w1, w1p, pos, w2, b2; not in an attack
+        one_pass = not ctx.training  # BN2 on running statistics: its gradient is known per tile
+        first = cpu_kernels.pairwise_backward(center, neighbour, offsets, w1, *positions, scale, shift, w2, b2, vpad,
+                                              out, lse, grad_y, weight_grads, one_pass)
+        keep, grad_w2, grad_b2, sums, grad_vpad = first[:5]
         g_bias, g_hsum = sums.to(v.dtype)
         g_weight = rstd * (g_hsum - mean * g_bias)
-        if ctx.training:  # BN2 on batch statistics: gh = a gz + c1 h + c0 per channel
+        if one_pass:
+            grad_w1, grad_w1p, grad_pos, grad_center, grad_neighbour = first[5:]
+        else:  # BN2 on batch statistics: gh = a gz + c1 h + c0 per channel, from the first pass's sums
             coef_h = -scale * rstd * g_weight / count
             coef_0 = -scale * g_bias / count - coef_h * mean
-        else:
-            coef_h = coef_0 = torch.zeros_like(scale)
-        grad_w1, grad_w1p, grad_pos, grad_center, grad_neighbour = cpu_kernels.pairwise_backward_input(
-            center, neighbour, offsets, w1, *positions, scale, shift, w2, keep, scale.contiguous(), coef_h, coef_0)
-        del keep
-        if pos is None:
-            grad_w1p = grad_pos = None
-        else:
-            grad_pos = grad_pos.view_as(pos)
+            grad_w1, grad_w1p, grad_pos, grad_center, grad_neighbour = cpu_kernels.pairwise_backward_input(
+                center, neighbour, offsets, w1, *positions, scale, shift, w2, keep, scale.contiguous(), coef_h,
+                coef_0, weight_grads)
+        del first, keep
+        grad_pos = None if grad_pos is None else grad_pos.view_as(pos)
         grad_v = reflect_pad_backward(grad_vpad.view(n, c, *grad_vpad.shape[-2:]), v, k // 2)
         return (None, None, None, None, None, grad_w1, grad_w1p, grad_pos, grad_w2, grad_b2.to(b2.dtype),
                 g_weight, g_bias, grad_v, grad_center, grad_neighbour)
@@ -904,20 +906,23 @@ class _FusedPatchwiseConcat(torch.autograd.Function):
         scale, shift = _patchwise_bn1(bn_weight, bn_bias, mean, var, ctx.eps)
         w1k = _by_offset(w1, area)
         grad_hid = grad_hid.to(x2.dtype).contiguous()
-        grad_w1k, sums = cpu_kernels.patchwise_backward_sums(xpad, offsets, h, w, scale, shift, w1k, grad_hid)
-        g_bias, g_fsum = sums.to(x2.dtype)
-        rstd = torch.rsqrt(var + ctx.eps)
-        g_weight = rstd * (g_fsum - mean * g_bias)
-        if ctx.training:  # BN1 on batch statistics: grad f = a gu + c1 f + c0 per channel (c, j)
-            coef_f = -scale * rstd * g_weight / (n * h * w)
-            coef_0 = -scale * g_bias / (n * h * w) - coef_f * mean
-        else:
-            coef_f = coef_0 = torch.zeros_like(scale)
+        coef_f = coef_0 = torch.zeros_like(scale)  # BN1 on running statistics: grad f = scale gu
+        g_weight = g_bias = grad_w1 = None
+        if ctx.training or any(ctx.needs_input_grad[6:9]):  # BN1's weight, bias, w1; not in an attack
+            grad_w1k, sums = cpu_kernels.patchwise_backward_sums(xpad, offsets, h, w, scale, shift, w1k, grad_hid,
+                                                                 ctx.needs_input_grad[8])
+            g_bias, g_fsum = sums.to(x2.dtype)
+            rstd = torch.rsqrt(var + ctx.eps)
+            g_weight = rstd * (g_fsum - mean * g_bias)
+            if ctx.training:  # BN1 on batch statistics: grad f = a gu + c1 f + c0 per channel (c, j)
+                coef_f = -scale * rstd * g_weight / (n * h * w)
+                coef_0 = -scale * g_bias / (n * h * w) - coef_f * mean
+            g_weight, g_bias = g_weight.flatten(), g_bias.flatten()
+            if grad_w1k is not None:
+                grad_w1 = grad_w1k.permute(1, 2, 0).reshape(groups, rel * area)
         grad_xpad = cpu_kernels.patchwise_backward_input(xpad, offsets, h, w, scale, shift, w1k, grad_hid, scale,
                                                          coef_f.contiguous(), coef_0.contiguous())
-        grad_w1 = grad_w1k.permute(1, 2, 0).reshape(groups, rel * area)
-        return (None, None, None, None, None, reflect_pad_backward(grad_xpad, x2, pad), g_weight.flatten(),
-                g_bias.flatten(), grad_w1)
+        return (None, None, None, None, None, reflect_pad_backward(grad_xpad, x2, pad), g_weight, g_bias, grad_w1)
 
 
 def _patchwise_bn1(weight, bias, mean, var, eps: float):

@@ -279,16 +279,174 @@ std::vector<at::Tensor> pairwise_forward(const at::Tensor& center, const at::Ten
   return {out, lse};
 }
 
-// Backward, first pass: the logits' gradients w (gw - D) with gw = <grad_out, v shifted> and
-// D = <grad_out, out> per group (softmax backward), gamma's last layer's gradients, v's gradient,
-// and the per-channel sums of gz and gz * hid (gz: the gradient at BN2's output through the ReLU)
-// that BN2's backward needs. Returns (keep (N, K, G, ld), grad_w2, grad_b2, sums (2, Hd) float64,
-// grad_vpad (N, Sh, G, Hp, Wp)).
-std::vector<at::Tensor> pairwise_backward_logits(
+// The backward passes. Per tile, logit_grads: the logits' gradients w (gw - D) with gw = <grad_out, v
+// shifted> and D = <grad_out, out> per group (softmax backward), v's and gamma's last layer's
+// gradients, gz (the gradient at BN2's output through its ReLU) and BN2's per-channel sums of gz and
+// gz * hid; input_grads: from BN2's input gradient gh, W1's and the position channels' gradients and,
+// through the first ReLU, center's and nbpad's. With BN2 on batch statistics gh = a * gz + c1 * hid +
+// c0 needs the sums over every tile first: two passes, the first keeping the logits' gradients. On
+// running statistics gh = scale * gz: one pass. Without weight_grads (an attack: frozen parameters)
+// the weights' gradients are skipped.
+template <typename S>
+struct Backward {
+  Gamma<S> gam;
+  const S *scale, *shift, *w2, *b2, *w2t, *w1t, *w1pt, *vpad, *out, *grad_out, *lse;
+  bool weight_grads;
+  S *grad_vpad, *grad_center, *grad_nbpad;
+  PerThread<S> w1_part, w1p_part, pos_part, w2_part;
+  PerThread<double> b2_part, sums_part;
+
+  Backward(const Gamma<S>& g, bool weight_grads)
+      : gam(g), weight_grads(weight_grads), w1_part(weight_grads ? g.s.Hd * g.s.R : 0),
+        w1p_part(weight_grads ? g.s.Hd * g.s.P : 0), pos_part(weight_grads ? g.s.P * g.s.K * g.s.T : 0),
+        w2_part(weight_grads ? g.s.G * g.s.Hd : 0), b2_part(g.s.G), sums_part(2 * g.s.Hd) {}
+
+  // D[g, t] = sum_sh grad_out * out for image b
+  void softmax_dot(int64_t b, S* __restrict__ dot) const {
+    const Shape& s = gam.s;
+    std::fill(dot, dot + s.G * s.T, S(0));
+    for (int64_t sh = 0; sh < s.Sh; ++sh) {
+      for (int64_t g = 0; g < s.G; ++g) {
+        const S* __restrict__ gy = grad_out + ((b * s.Sh + sh) * s.G + g) * s.T;
+        const S* __restrict__ o = out + ((b * s.Sh + sh) * s.G + g) * s.T;
+        S* __restrict__ d = dot + g * s.T;
+        for (int64_t t = 0; t < s.T; ++t) d[t] += gy[t] * o[t];
+      }
+    }
+  }
+
+  // u, hid, the logits' gradients gl (G rows of stride ld) and the masked gz of tile (b, k)
+  void logit_grads(int64_t b, int64_t k, const S* dot, S* u, S* hid, S* z, S* gl, S* gz) {
+    const Shape& s = gam.s;
+    gam.relation(b, k, u);
+    gam.hidden(k, u, hid);
+    gam.activation(hid, scale, shift, z);
+    gam.logits(w2, b2, z, gl);
+    std::vector<double>& my_b2 = b2_part.mine();
+    for (int64_t g = 0; g < s.G; ++g) {
+      S* __restrict__ w = gl + g * s.ld;  // logits -> softmax weights -> their gradient
+      const S* __restrict__ lrow = lse + (b * s.G + g) * s.T;
+      const S* __restrict__ d = dot + g * s.T;
+      for (int64_t t = 0; t < s.T; ++t) w[t] = vexp(w[t] - lrow[t]);
+      // gw = <grad_out, v shifted by k>; grad_vpad shifted by k += w * grad_out
+      S* __restrict__ gw = gz;  // scratch of T
+      std::fill(gw, gw + s.T, S(0));
+      for (int64_t sh = 0; sh < s.Sh; ++sh) {
+        const S* gy = grad_out + ((b * s.Sh + sh) * s.G + g) * s.T;
+        const int64_t plane = ((b * s.Sh + sh) * s.G + g) * s.Hp * s.Wp;
+        for (int64_t i = 0; i < s.H; ++i) {
+          const S* __restrict__ gyrow = gy + i * s.W;
+          const S* __restrict__ vrow = vpad + plane + (i + gam.dy[k]) * s.Wp + gam.dx[k];
+          S* __restrict__ gvrow = grad_vpad + plane + (i + gam.dy[k]) * s.Wp + gam.dx[k];
+          const S* __restrict__ wrow = w + i * s.W;
+          S* __restrict__ gwrow = gw + i * s.W;
+          for (int64_t j = 0; j < s.W; ++j) {
+            gwrow[j] += gyrow[j] * vrow[j];
+            gvrow[j] += wrow[j] * gyrow[j];
+          }
+        }
+      }
+      S row_sum = 0;
+      _Pragma("omp simd reduction(+ : row_sum)")  // see fused::add_sum_and_dot
+      for (int64_t t = 0; t < s.T; ++t) {
+        w[t] = w[t] * (gw[t] - d[t]);
+        row_sum += w[t];
+      }
+      my_b2[g] += row_sum;
+    }
+    // gz = (W2^T gl) * (z > 0); grad W2 += gl z^T; BN2's sums
+    gemm_nn<S>(s.Hd, s.G, s.T, w2t, s.G, gl, s.ld, gz, s.ld, false);
+    if (weight_grads) gemm_nt<S>(s.G, s.Hd, s.T, gl, s.ld, z, s.ld, w2_part.mine().data(), s.Hd);
+    std::vector<double>& my_sums = sums_part.mine();
+    for (int64_t j = 0; j < s.Hd; ++j) {
+      S* __restrict__ grow = gz + j * s.ld;
+      const S* __restrict__ zrow = z + j * s.ld;
+      for (int64_t t = 0; t < s.T; ++t) grow[t] = zrow[t] > S(0) ? grow[t] : S(0);
+      S sum = 0, sum_h = 0;
+      fused::add_sum_and_dot(grow, hid + j * s.ld, s.T, sum, sum_h);
+      my_sums[j] += sum;
+      my_sums[s.Hd + j] += sum_h;
+    }
+  }
+
+  // From gh (BN2's input gradient) of tile (b, k) with its u: W1's and the positions' gradients,
+  // and center's and nbpad's through relu(center + nbpad shifted by k)
+  void input_grads(int64_t b, int64_t k, const S* u, const S* gh, S* gu) {
+    const Shape& s = gam.s;
+    if (weight_grads) {
+      gemm_nt<S>(s.Hd, s.R, s.T, gh, s.ld, u, s.ld, w1_part.mine().data(), s.R);
+      if (s.P) {  // grad W1p += gh pos[:, k]^T, grad pos[:, k] += W1p^T gh
+        gemm_nt<S>(s.Hd, s.P, s.T, gh, s.ld, gam.pos + k * s.T, s.K * s.T, w1p_part.mine().data(), s.P);
+        gemm_nn<S>(s.P, s.Hd, s.T, w1pt, s.Hd, gh, s.ld, pos_part.mine().data() + k * s.T, s.K * s.T, true);
+      }
+    }
+    gemm_nn<S>(s.R, s.Hd, s.T, w1t, s.Hd, gh, s.ld, gu, s.ld, false);
+    for (int64_t c = 0; c < s.R; ++c) {
+      for (int64_t i = 0; i < s.H; ++i) {
+        const S* __restrict__ grow = gu + c * s.ld + i * s.W;
+        const S* __restrict__ urow = u + c * s.ld + i * s.W;
+        S* __restrict__ crow = grad_center + ((b * s.R + c) * s.H + i) * s.W;
+        S* __restrict__ xrow = grad_nbpad + ((b * s.R + c) * s.Hp + i + gam.dy[k]) * s.Wp + gam.dx[k];
+        for (int64_t j = 0; j < s.W; ++j) {
+          const S m = urow[j] > S(0) ? grow[j] : S(0);
+          crow[j] += m;
+          xrow[j] += m;
+        }
+      }
+    }
+  }
+};
+
+// The tensors both passes return, zero-initialized (weights' gradients undefined without weight_grads).
+struct Grads {
+  at::Tensor w1, w1p, pos, w2, b2, sums, vpad, center, nbpad;
+  Grads(const Shape& s, const at::Tensor& center_, const at::Tensor& nbpad_, const at::Tensor* vpad_, bool weights) {
+    const auto opt = center_.options();
+    if (weights) {
+      w1 = at::zeros({s.Hd, s.R}, opt);
+      w2 = at::zeros({s.G, s.Hd}, opt);
+      if (s.P) {
+        w1p = at::zeros({s.Hd, s.P}, opt);
+        pos = at::zeros({s.P, s.K, s.T}, opt);
+      }
+    }
+    b2 = at::zeros({s.G}, opt.dtype(at::kDouble));
+    sums = at::zeros({2, s.Hd}, opt.dtype(at::kDouble));
+    if (vpad_ != nullptr) vpad = at::zeros_like(*vpad_);
+    center = at::zeros_like(center_);
+    nbpad = at::zeros_like(nbpad_);
+  }
+};
+
+template <typename S>
+void bind(Backward<S>& bw, Grads& grads) {
+  bw.grad_vpad = grads.vpad.defined() ? grads.vpad.template mutable_data_ptr<S>() : nullptr;
+  bw.grad_center = grads.center.template mutable_data_ptr<S>();
+  bw.grad_nbpad = grads.nbpad.template mutable_data_ptr<S>();
+}
+
+template <typename S>
+void collect(Backward<S>& bw, Grads& grads) {
+  if (bw.weight_grads) {
+    bw.w1_part.sum_into(grads.w1.template mutable_data_ptr<S>());
+    bw.w2_part.sum_into(grads.w2.template mutable_data_ptr<S>());
+    if (bw.gam.s.P) {
+      bw.w1p_part.sum_into(grads.w1p.template mutable_data_ptr<S>());
+      bw.pos_part.sum_into(grads.pos.template mutable_data_ptr<S>());
+    }
+  }
+  bw.b2_part.sum_into(grads.b2.template mutable_data_ptr<double>());
+  bw.sums_part.sum_into(grads.sums.template mutable_data_ptr<double>());
+}
+
+// Backward, first (and with one_pass, only) pass. Returns (keep (N, K, G, ld) or undefined with
+// one_pass, grad_w2, grad_b2 (float64), sums (2, Hd) float64, grad_vpad, then with one_pass grad_w1,
+// grad_w1p, grad_pos, grad_center, grad_nbpad); gradients of weights undefined without weight_grads.
+std::vector<at::Tensor> pairwise_backward(
     const at::Tensor& center, const at::Tensor& nbpad, const std::vector<int64_t>& dy, const std::vector<int64_t>& dx,
     const at::Tensor& w1, const at::Tensor& w1p, const at::Tensor& pos, const at::Tensor& scale, const at::Tensor& shift,
     const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& vpad, const at::Tensor& out, const at::Tensor& lse,
-    const at::Tensor& grad_out) {
+    const at::Tensor& grad_out, bool weight_grads, bool one_pass) {
   const Shape s = shape_of(center, nbpad, dy, dx, w1, w1p, pos, &w2, &vpad);
   for (auto [t, name] : {std::pair{&out, "out"}, {&grad_out, "grad_out"}}) {
     check_cpu_contiguous(*t, name);
@@ -296,137 +454,75 @@ std::vector<at::Tensor> pairwise_backward_logits(
                 at::IntArrayRef({s.N, s.Sh, s.G, s.H, s.W}));
   }
   check_cpu_contiguous(lse, "lse");
-  at::Tensor keep = at::empty({s.N, s.K, s.G, s.ld}, center.options());  // rows padded like the tiles
-  at::Tensor grad_w2 = at::zeros({s.G, s.Hd}, center.options());
-  at::Tensor grad_b2 = at::zeros({s.G}, center.options().dtype(at::kDouble));
-  at::Tensor sums = at::zeros({2, s.Hd}, center.options().dtype(at::kDouble));
-  at::Tensor grad_vpad = at::zeros_like(vpad);
-  AT_DISPATCH_FLOATING_TYPES(center.scalar_type(), "pairwise_backward_logits", [&] {
+  at::Tensor keep = one_pass ? at::Tensor() : at::empty({s.N, s.K, s.G, s.ld}, center.options());
+  Grads grads(s, center, nbpad, &vpad, weight_grads);
+  AT_DISPATCH_FLOATING_TYPES(center.scalar_type(), "pairwise_backward", [&] {
     using S = scalar_t;
-    const Gamma<S> gam = gamma_of<S>(s, center, nbpad, dy, dx, w1, w1p, pos);
-    const S *pscale = scale.const_data_ptr<S>(), *pshift = shift.const_data_ptr<S>();
-    const S *pw2 = w2.const_data_ptr<S>(), *pb2 = b2.const_data_ptr<S>(), *pv = vpad.const_data_ptr<S>();
-    const S *pout = out.const_data_ptr<S>(), *pgy = grad_out.const_data_ptr<S>(), *plse = lse.const_data_ptr<S>();
-    const at::Tensor w2t_tensor = w2.t().contiguous();
-    const S* w2t = w2t_tensor.const_data_ptr<S>();
-    S *pkeep = keep.mutable_data_ptr<S>(), *pgv = grad_vpad.mutable_data_ptr<S>();
-    PerThread<S> acc_w2(s.G * s.Hd);
-    PerThread<double> acc_b2(s.G), acc_sums(2 * s.Hd);
+    Backward<S> bw(gamma_of<S>(s, center, nbpad, dy, dx, w1, w1p, pos), weight_grads);
+    const at::Tensor w2t = w2.t().contiguous(), w1t = w1.t().contiguous();
+    const at::Tensor w1pt = s.P ? w1p.t().contiguous() : at::Tensor();
+    bw.scale = scale.const_data_ptr<S>(); bw.shift = shift.const_data_ptr<S>();
+    bw.w2 = w2.const_data_ptr<S>(); bw.b2 = b2.const_data_ptr<S>(); bw.w2t = w2t.const_data_ptr<S>();
+    bw.w1t = w1t.const_data_ptr<S>(); bw.w1pt = s.P ? w1pt.const_data_ptr<S>() : nullptr;
+    bw.vpad = vpad.const_data_ptr<S>(); bw.out = out.const_data_ptr<S>();
+    bw.grad_out = grad_out.const_data_ptr<S>(); bw.lse = lse.const_data_ptr<S>();
+    bind(bw, grads);
+    S* pkeep = one_pass ? nullptr : keep.mutable_data_ptr<S>();
     at::parallel_for(0, s.N, 1, [&](int64_t begin, int64_t end) {
-      std::vector<S> u(s.R * s.ld), hid(s.Hd * s.ld), z(s.Hd * s.ld), gz(s.Hd * s.ld), dot(s.G * s.T);
-      std::vector<S>& my_w2 = acc_w2.mine();
-      std::vector<double>&my_b2 = acc_b2.mine(), &my_sums = acc_sums.mine();
+      std::vector<S> u(s.R * s.ld), hid(s.Hd * s.ld), z(s.Hd * s.ld), gz(s.Hd * s.ld), gu(s.R * s.ld),
+          gl(one_pass ? s.G * s.ld : 0), dot(s.G * s.T);
       for (int64_t b = begin; b < end; ++b) {
-        const S* gyb = pgy + b * s.Sh * s.G * s.T;
-        // D[g, t] = sum_sh grad_out * out
-        std::fill(dot.begin(), dot.end(), S(0));
-        for (int64_t sh = 0; sh < s.Sh; ++sh) {
-          for (int64_t g = 0; g < s.G; ++g) {
-            const S* __restrict__ gy = gyb + (sh * s.G + g) * s.T;
-            const S* __restrict__ o = pout + ((b * s.Sh + sh) * s.G + g) * s.T;
-            S* __restrict__ d = dot.data() + g * s.T;
-            for (int64_t t = 0; t < s.T; ++t) d[t] += gy[t] * o[t];
-          }
-        }
+        bw.softmax_dot(b, dot.data());
         for (int64_t k = 0; k < s.K; ++k) {
-          S* gl = pkeep + (b * s.K + k) * s.G * s.ld;
-          gam.relation(b, k, u.data());
-          gam.hidden(k, u.data(), hid.data());
-          gam.activation(hid.data(), pscale, pshift, z.data());
-          gam.logits(pw2, pb2, z.data(), gl);
-          for (int64_t g = 0; g < s.G; ++g) {
-            S* __restrict__ w = gl + g * s.ld;  // logits -> softmax weights -> their gradient
-            const S* __restrict__ lrow = plse + (b * s.G + g) * s.T;
-            const S* __restrict__ d = dot.data() + g * s.T;
-            for (int64_t t = 0; t < s.T; ++t) w[t] = vexp(w[t] - lrow[t]);
-            // gw = <grad_out, v shifted by k>; grad_vpad shifted by k += w * grad_out
-            S* __restrict__ gw = gz.data();  // scratch of T
-            std::fill(gw, gw + s.T, S(0));
-            for (int64_t sh = 0; sh < s.Sh; ++sh) {
-              const S* gy = gyb + (sh * s.G + g) * s.T;
-              const int64_t plane = ((b * s.Sh + sh) * s.G + g) * s.Hp * s.Wp;
-              for (int64_t i = 0; i < s.H; ++i) {
-                const S* __restrict__ gyrow = gy + i * s.W;
-                const S* __restrict__ vrow = pv + plane + (i + dy[k]) * s.Wp + dx[k];
-                S* __restrict__ gvrow = pgv + plane + (i + dy[k]) * s.Wp + dx[k];
-                const S* __restrict__ wrow = w + i * s.W;
-                S* __restrict__ gwrow = gw + i * s.W;
-                for (int64_t j = 0; j < s.W; ++j) {
-                  gwrow[j] += gyrow[j] * vrow[j];
-                  gvrow[j] += wrow[j] * gyrow[j];
-                }
-              }
-            }
-            S row_sum = 0;
-            _Pragma("omp simd reduction(+ : row_sum)")  // see fused::add_sum_and_dot
-            for (int64_t t = 0; t < s.T; ++t) {
-              w[t] = w[t] * (gw[t] - d[t]);
-              row_sum += w[t];
-            }
-            my_b2[g] += row_sum;
-          }
-          // gz = (W2^T gl) * (z > 0); grad W2 += gl z^T; BN2's sums
-          gemm_nn<S>(s.Hd, s.G, s.T, w2t, s.G, gl, s.ld, gz.data(), s.ld, false);
-          gemm_nt<S>(s.G, s.Hd, s.T, gl, s.ld, z.data(), s.ld, my_w2.data(), s.Hd);
-          for (int64_t j = 0; j < s.Hd; ++j) {
+          S* glk = one_pass ? gl.data() : pkeep + (b * s.K + k) * s.G * s.ld;
+          bw.logit_grads(b, k, dot.data(), u.data(), hid.data(), z.data(), glk, gz.data());
+          if (!one_pass) continue;
+          for (int64_t j = 0; j < s.Hd; ++j) {  // gh = scale * gz (BN2 on running statistics)
             S* __restrict__ grow = gz.data() + j * s.ld;
-            const S* __restrict__ zrow = z.data() + j * s.ld;
-            const S* __restrict__ hrow = hid.data() + j * s.ld;
-            for (int64_t t = 0; t < s.T; ++t) grow[t] = zrow[t] > S(0) ? grow[t] : S(0);
-            S sum = 0, sum_h = 0;
-            fused::add_sum_and_dot(grow, hrow, s.T, sum, sum_h);
-            my_sums[j] += sum;
-            my_sums[s.Hd + j] += sum_h;
+            for (int64_t t = 0; t < s.T; ++t) grow[t] *= bw.scale[j];
           }
+          bw.input_grads(b, k, u.data(), gz.data(), gu.data());
         }
       }
     });
-    acc_w2.sum_into(grad_w2.mutable_data_ptr<S>());
-    acc_b2.sum_into(grad_b2.mutable_data_ptr<double>());
-    acc_sums.sum_into(sums.mutable_data_ptr<double>());
+    collect(bw, grads);
   });
-  return {keep, grad_w2, grad_b2, sums, grad_vpad};
+  if (!one_pass) return {keep, grads.w2, grads.b2, grads.sums, grads.vpad};
+  return {keep, grads.w2, grads.b2, grads.sums, grads.vpad, grads.w1, grads.w1p, grads.pos, grads.center, grads.nbpad};
 }
 
-// Backward, second pass: with BN2's gradient gh = a * gz + c1 * hid + c0 per hidden channel (a, c1, c0
-// from the first pass's sums; eval mode: a = scale, c1 = c0 = 0), the gradients of W1, W1p, pos and,
-// through the first ReLU, of center and nbpad. Returns (grad_w1, grad_w1p, grad_pos (both empty
-// without position channels), grad_center, grad_nbpad).
+// Backward, second pass (batch statistics): with BN2's gradient gh = a * gz + c1 * hid + c0 per hidden
+// channel (a, c1, c0 from the first pass's sums). Returns (grad_w1, grad_w1p, grad_pos, grad_center,
+// grad_nbpad); gradients of weights undefined without weight_grads, of positions without them.
 std::vector<at::Tensor> pairwise_backward_input(
     const at::Tensor& center, const at::Tensor& nbpad, const std::vector<int64_t>& dy, const std::vector<int64_t>& dx,
     const at::Tensor& w1, const at::Tensor& w1p, const at::Tensor& pos, const at::Tensor& scale, const at::Tensor& shift,
     const at::Tensor& w2, const at::Tensor& keep, const at::Tensor& coef_a, const at::Tensor& coef_h,
-    const at::Tensor& coef_0) {
+    const at::Tensor& coef_0, bool weight_grads) {
   const Shape s = shape_of(center, nbpad, dy, dx, w1, w1p, pos, &w2, nullptr);
   check_cpu_contiguous(keep, "keep");
   TORCH_CHECK(keep.sizes() == at::IntArrayRef({s.N, s.K, s.G, s.ld}), "pairwise ops: keep must be ",
               at::IntArrayRef({s.N, s.K, s.G, s.ld}));
-  at::Tensor grad_w1 = at::zeros({s.Hd, s.R}, center.options());
-  at::Tensor grad_w1p = s.P ? at::zeros({s.Hd, s.P}, center.options()) : at::Tensor();
-  at::Tensor grad_pos = s.P ? at::zeros({s.P, s.K, s.T}, center.options()) : at::Tensor();
-  at::Tensor grad_center = at::zeros_like(center);
-  at::Tensor grad_nbpad = at::zeros_like(nbpad);
+  Grads grads(s, center, nbpad, nullptr, weight_grads);
   AT_DISPATCH_FLOATING_TYPES(center.scalar_type(), "pairwise_backward_input", [&] {
     using S = scalar_t;
-    const Gamma<S> gam = gamma_of<S>(s, center, nbpad, dy, dx, w1, w1p, pos);
+    Backward<S> bw(gamma_of<S>(s, center, nbpad, dy, dx, w1, w1p, pos), weight_grads);
+    const at::Tensor w2t = w2.t().contiguous(), w1t = w1.t().contiguous();
+    const at::Tensor w1pt = s.P ? w1p.t().contiguous() : at::Tensor();
+    bw.w1t = w1t.const_data_ptr<S>(); bw.w1pt = s.P ? w1pt.const_data_ptr<S>() : nullptr;
+    bind(bw, grads);
     const S *pscale = scale.const_data_ptr<S>(), *pshift = shift.const_data_ptr<S>();
     const S *pa = coef_a.const_data_ptr<S>(), *ph = coef_h.const_data_ptr<S>(), *p0 = coef_0.const_data_ptr<S>();
-    const at::Tensor w2t_tensor = w2.t().contiguous(), w1t_tensor = w1.t().contiguous();
-    const S *w2t = w2t_tensor.const_data_ptr<S>(), *w1t = w1t_tensor.const_data_ptr<S>();
     const S* pkeep = keep.const_data_ptr<S>();
-    S *pgc = grad_center.mutable_data_ptr<S>(), *pgn = grad_nbpad.mutable_data_ptr<S>();
-    const at::Tensor w1pt_tensor = s.P ? w1p.t().contiguous() : at::Tensor();
-    const S* w1pt = s.P ? w1pt_tensor.const_data_ptr<S>() : nullptr;
-    PerThread<S> acc_w1(s.Hd * s.R), acc_w1p(s.Hd * s.P), acc_pos(s.P * s.K * s.T);
     at::parallel_for(0, s.N, 1, [&](int64_t begin, int64_t end) {
       std::vector<S> u(s.R * s.ld), hid(s.Hd * s.ld), z(s.Hd * s.ld), gh(s.Hd * s.ld), gu(s.R * s.ld);
-      std::vector<S>&my_w1 = acc_w1.mine(), &my_w1p = acc_w1p.mine(), &my_pos = acc_pos.mine();
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t k = 0; k < s.K; ++k) {
-          gam.relation(b, k, u.data());
-          gam.hidden(k, u.data(), hid.data());
-          gam.activation(hid.data(), pscale, pshift, z.data());
-          gemm_nn<S>(s.Hd, s.G, s.T, w2t, s.G, pkeep + (b * s.K + k) * s.G * s.ld, s.ld, gh.data(), s.ld, false);
+          bw.gam.relation(b, k, u.data());
+          bw.gam.hidden(k, u.data(), hid.data());
+          bw.gam.activation(hid.data(), pscale, pshift, z.data());
+          gemm_nn<S>(s.Hd, s.G, s.T, w2t.const_data_ptr<S>(), s.G, pkeep + (b * s.K + k) * s.G * s.ld, s.ld,
+                     gh.data(), s.ld, false);
           for (int64_t j = 0; j < s.Hd; ++j) {  // gh = a * gz + c1 * hid + c0
             S* __restrict__ grow = gh.data() + j * s.ld;
             const S* __restrict__ zrow = z.data() + j * s.ld;
@@ -434,36 +530,13 @@ std::vector<at::Tensor> pairwise_backward_input(
             const S a = pa[j], c1 = ph[j], c0 = p0[j];
             for (int64_t t = 0; t < s.T; ++t) grow[t] = (zrow[t] > S(0) ? a * grow[t] : S(0)) + c1 * hrow[t] + c0;
           }
-          if (s.P) {  // grad W1p += gh pos[:, k]^T, grad pos[:, k] += W1p^T gh
-            const S* posk = gam.pos + k * s.T;
-            gemm_nt<S>(s.Hd, s.P, s.T, gh.data(), s.ld, posk, s.K * s.T, my_w1p.data(), s.P);
-            gemm_nn<S>(s.P, s.Hd, s.T, w1pt, s.Hd, gh.data(), s.ld, my_pos.data() + k * s.T, s.K * s.T, true);
-          }
-          gemm_nt<S>(s.Hd, s.R, s.T, gh.data(), s.ld, u.data(), s.ld, my_w1.data(), s.R);
-          gemm_nn<S>(s.R, s.Hd, s.T, w1t, s.Hd, gh.data(), s.ld, gu.data(), s.ld, false);
-          for (int64_t c = 0; c < s.R; ++c) {  // through relu(center + nbpad shifted by k)
-            for (int64_t i = 0; i < s.H; ++i) {
-              const S* __restrict__ grow = gu.data() + c * s.ld + i * s.W;
-              const S* __restrict__ urow = u.data() + c * s.ld + i * s.W;
-              S* __restrict__ crow = pgc + ((b * s.R + c) * s.H + i) * s.W;
-              S* __restrict__ xrow = pgn + ((b * s.R + c) * s.Hp + i + dy[k]) * s.Wp + dx[k];
-              for (int64_t j = 0; j < s.W; ++j) {
-                const S m = urow[j] > S(0) ? grow[j] : S(0);
-                crow[j] += m;
-                xrow[j] += m;
-              }
-            }
-          }
+          bw.input_grads(b, k, u.data(), gh.data(), gu.data());
         }
       }
     });
-    acc_w1.sum_into(grad_w1.mutable_data_ptr<S>());
-    if (s.P) {
-      acc_w1p.sum_into(grad_w1p.mutable_data_ptr<S>());
-      acc_pos.sum_into(grad_pos.mutable_data_ptr<S>());
-    }
+    collect(bw, grads);
   });
-  return {grad_w1, grad_w1p, grad_pos, grad_center, grad_nbpad};
+  return {grads.w1, grads.w1p, grads.pos, grads.center, grads.nbpad};
 }
 
 }  // namespace
@@ -471,6 +544,6 @@ std::vector<at::Tensor> pairwise_backward_input(
 void register_pairwise_ops(pybind11::module_& m) {
   m.def("pairwise_moments", &pairwise_moments, "BN2's batch sums of SAN pairwise gamma's hidden layer");
   m.def("pairwise_forward", &pairwise_forward, "SAN pairwise attention, fused per (image, offset) tile");
-  m.def("pairwise_backward_logits", &pairwise_backward_logits, "first backward pass: logits, W2, b2, v");
-  m.def("pairwise_backward_input", &pairwise_backward_input, "second backward pass: W1, P, center, nbpad");
+  m.def("pairwise_backward", &pairwise_backward, "backward, first (or only) pass: logits, W2, b2, v, sums");
+  m.def("pairwise_backward_input", &pairwise_backward_input, "second backward pass: W1, positions, center, nbpad");
 }

@@ -168,22 +168,23 @@ void check_grad_hid(const Shape& s, const at::Tensor& grad_hid, const at::Tensor
               "patchwise ops: grad_hid must be ", at::IntArrayRef({s.N, s.G, s.H, s.W}), " of xpad's dtype");
 }
 
-// First backward pass: (grad_w1 (K, G, R), sums (2, R, K) float64 of gu_j and gu_j * f_j per (c, j)).
+// First backward pass: (grad_w1 (K, G, R), undefined without weight_grads, sums (2, R, K) float64 of
+// gu_j and gu_j * f_j per (c, j)). Not needed in eval mode with frozen parameters (an attack).
 std::vector<at::Tensor> patchwise_backward_sums(const at::Tensor& xpad, const std::vector<int64_t>& dy,
                                                 const std::vector<int64_t>& dx, int64_t H, int64_t W,
                                                 const at::Tensor& scale, const at::Tensor& shift,
-                                                const at::Tensor& w1, const at::Tensor& grad_hid) {
+                                                const at::Tensor& w1, const at::Tensor& grad_hid, bool weight_grads) {
   const Shape s = shape_of(xpad, dy, dx, H, W, &w1);
   check_per_channel(s, scale, "scale", xpad);
   check_per_channel(s, shift, "shift", xpad);
   check_grad_hid(s, grad_hid, xpad);
-  at::Tensor grad_w1 = at::zeros_like(w1);
+  at::Tensor grad_w1 = weight_grads ? at::zeros_like(w1) : at::Tensor();
   at::Tensor sums = at::zeros({2, s.R, s.K}, xpad.options().dtype(at::kDouble));
   const at::Tensor w1t = w1.transpose(1, 2).contiguous();
   AT_DISPATCH_FLOATING_TYPES(xpad.scalar_type(), "patchwise_backward_sums", [&] {
     using S = scalar_t;
     const Backward<S> bw = backward_of<S>(s, xpad, dy, dx, scale, shift, w1t, grad_hid);
-    PerThread<S> acc_w1(s.K * s.G * s.R);
+    PerThread<S> acc_w1(weight_grads ? s.K * s.G * s.R : 0);
     PerThread<double> acc_sums(2 * s.R * s.K);
     at::parallel_for(0, s.N, 1, [&](int64_t begin, int64_t end) {
       std::vector<S> gh(s.G * s.ld), u(s.R * s.ld), gu(s.R * s.ld);
@@ -193,7 +194,7 @@ std::vector<at::Tensor> patchwise_backward_sums(const at::Tensor& xpad, const st
         bw.load_grad(b, gh.data());
         for (int64_t j = 0; j < s.K; ++j) {
           bw.masked_grad(b, j, gh.data(), u.data(), gu.data());
-          gemm_nt<S>(s.G, s.R, s.T, gh.data(), s.ld, u.data(), s.ld, my_w1.data() + j * s.G * s.R, s.R);
+          if (weight_grads) gemm_nt<S>(s.G, s.R, s.T, gh.data(), s.ld, u.data(), s.ld, my_w1.data() + j * s.G * s.R, s.R);
           for (int64_t c = 0; c < s.R; ++c) {
             S sum = 0, sum_f = 0;
             for (int64_t i = 0; i < s.H; ++i)
@@ -204,7 +205,7 @@ std::vector<at::Tensor> patchwise_backward_sums(const at::Tensor& xpad, const st
         }
       }
     });
-    acc_w1.sum_into(grad_w1.mutable_data_ptr<S>());
+    if (weight_grads) acc_w1.sum_into(grad_w1.mutable_data_ptr<S>());
     acc_sums.sum_into(sums.mutable_data_ptr<double>());
   });
   return {grad_w1, sums};
