@@ -3,8 +3,8 @@
 Variants: native (the default fast mode: batch norm folded into the convolutions and
 channels-last layout; agrees with the libraries up to floating-point ties), its two parts
 alone (native_fold_bn, native_channels_last), native_exact (``exact=True``, bit-identical to
-the libraries), torchattacks and foolbox, all on resnet26 (CIFAR layout, 32x32 input) wrapped
-in NormalizedModel, eval mode, the same images and targets. Each variant is timed in
+the libraries), torchattacks and foolbox, all on one model (``--model``, default resnet26; CIFAR
+layout, 32x32 input) wrapped in NormalizedModel, eval mode, the same images and targets. Each variant is timed in
 ``--rounds`` interleaved rounds (the machine may be shared); the fastest round's median is
 kept, in wall time and, on CPU, in process CPU time (steadier when other processes compete
 for the cores). The one-time cost of building the folded copy (cached per model afterwards)
@@ -13,6 +13,7 @@ the exact native ones.
 
     python benchmarks/bench_pgd.py                         # CPU, widths 0.25 and 1.0, batch 32
     python benchmarks/bench_pgd.py --device cuda --widths 1.0 --batch 128
+    python benchmarks/bench_pgd.py --model san10_pairwise --widths 0.25 --batch 16 --out /tmp/pgd_san.json
 """
 from __future__ import annotations
 
@@ -57,10 +58,10 @@ VARIANTS = {  # name -> (backend, native_pgd options or None for targeted_pgd's 
 }
 
 
-def bench_width(width: float, batch: int, config: PGDConfig, device: torch.device, repeats: int,
+def bench_width(model_name: str, width: float, batch: int, config: PGDConfig, device: torch.device, repeats: int,
                 rounds: int) -> dict:
     torch.manual_seed(0)
-    net = robust_attn.create_model("resnet26", num_classes=10, resolution="cifar", width=width)
+    net = robust_attn.create_model(model_name, num_classes=10, resolution="cifar", width=width)
     model = NormalizedModel(net, [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]).to(device).eval()
     images = torch.rand(batch, 3, 32, 32, device=device)
     with torch.no_grad():
@@ -115,6 +116,7 @@ def bench_width(width: float, batch: int, config: PGDConfig, device: torch.devic
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="resnet26", help="a registered model name (cifar resolution)")
     parser.add_argument("--widths", type=float, nargs="+", default=[0.25, 1.0])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
@@ -127,12 +129,12 @@ def main(argv=None) -> None:
     config = PGDConfig(8, 2, 4)
 
     results = []
-    print(f"targeted PGD {config}, resnet26 (cifar, 32x32), batch {args.batch}, {machine_description(device)}")
+    print(f"targeted PGD {config}, {args.model} (cifar, 32x32), batch {args.batch}, {machine_description(device)}")
     print(f"{'width':>5}  {'backend':<22}{'ms/batch':>10}{'img/s':>9}{'vs torchattacks':>17}"
           f"{'cpu ms':>9}{'cpu vs ta':>11}{'max|diff|':>11}{'same pred':>11}")
     print("(max|diff| and same pred: against native_exact, bit-identical to the libraries)")
     for width in args.widths:
-        result = bench_width(width, args.batch, config, device, args.repeats, args.rounds)
+        result = bench_width(args.model, width, args.batch, config, device, args.repeats, args.rounds)
         results.append(result)
         for name, row in result["backends"].items():
             print(f"{width:>5}  {name:<22}{row['ms_per_batch']:>10.1f}{row['images_per_s']:>9.1f}"
@@ -144,7 +146,7 @@ def main(argv=None) -> None:
     write_json(args.out, {
         "benchmark": "targeted PGD images/s by backend",
         "config": {"eps": config.eps, "step": config.step, "steps": config.steps, "random_start": config.random_start},
-        "model": "resnet26 cifar, NormalizedModel, eval, random init",
+        "model": f"{args.model} cifar, NormalizedModel, eval, random init",
         "machine": machine_description(device),
         "device": str(device),
         "threads": args.threads,
