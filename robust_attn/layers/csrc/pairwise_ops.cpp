@@ -1,6 +1,6 @@
 // SAN pairwise attention (Zhao, Jia, Koltun, CVPR 2020, eq. 2-3) for the linear relations
 // (subtraction, summation), fused per tile of one image and one footprint offset on CPU, so that
-// gamma's k^2-expanded tensors never leave the cache. Compiled with window_ops.cpp by
+// gamma's k^2-expanded tensors never leave the cache. Compiled with the other kernels (module.cpp) by
 // robust_attn/layers/cpu_kernels.py; robust_attn/layers/san.py's chunked PyTorch path computes the
 // same functions (and is what the tests compare against).
 //
@@ -14,9 +14,9 @@
 //   out[b, s, g] = sum_o w[o, g] * vpad[b, s, g] shifted by o          (eq. 2's aggregation)
 //
 // Tensors (contiguous): center (N, R, H, W), nbpad (N, R, Hp, Wp), W1 (Hd, R), and for the position
-// channels (or empty) W1p (Hd, P) and pos (P, K, T), scale/shift (Hd), W2 (G, Hd), b2 (G), vpad (N, Sh, G, Hp, Wp), out (N, Sh, G, H, W),
-// lse (N, G, H, W) the log-sum-exp of the logits, keep (N, K, G, ld) the logits' gradients (rows
-// padded to the tiles' stride ld).
+// channels (or empty) W1p (Hd, P) and pos (P, K, T), scale/shift (Hd), W2 (G, Hd), b2 (G),
+// vpad (N, Sh, G, Hp, Wp), out (N, Sh, G, H, W), lse (N, G, H, W) the log-sum-exp of the logits,
+// keep (N, K, G, ld) the logits' gradients (rows padded to the tiles' stride ld).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -59,7 +59,9 @@ struct Shape {
   int64_t ld;  // row stride of the tiles (fused::tile_stride)
 };
 
-void check_cpu_contiguous(const at::Tensor& t, const char* name) { fused::check_cpu_contiguous(t, "pairwise ops", name); }
+void check_cpu_contiguous(const at::Tensor& t, const char* name) {
+  fused::check_cpu_contiguous(t, "pairwise ops", name);
+}
 
 // The shape of one call, with every tensor checked against it (v, out: only where given).
 Shape shape_of(const at::Tensor& center, const at::Tensor& nbpad, const std::vector<int64_t>& dy,
@@ -69,7 +71,8 @@ Shape shape_of(const at::Tensor& center, const at::Tensor& nbpad, const std::vec
     check_cpu_contiguous(*t, name);
     TORCH_CHECK(t->scalar_type() == center.scalar_type(), "pairwise ops: ", name, " has another dtype");
   }
-  TORCH_CHECK(center.dim() == 4 && nbpad.dim() == 4 && w1.dim() == 2, "pairwise ops: center, nbpad must be 4-D, w1 2-D");
+  TORCH_CHECK(center.dim() == 4 && nbpad.dim() == 4 && w1.dim() == 2,
+              "pairwise ops: center, nbpad must be 4-D, w1 2-D");
   Shape s{};
   s.N = center.size(0); s.R = center.size(1); s.H = center.size(2); s.W = center.size(3);
   s.Hp = nbpad.size(2); s.Wp = nbpad.size(3); s.Hd = w1.size(0); s.K = static_cast<int64_t>(dy.size());
@@ -176,7 +179,8 @@ Gamma<S> gamma_of(const Shape& s, const at::Tensor& center, const at::Tensor& nb
 
 // BN2's batch moments: sum and sum of squares of hid per hidden channel, (2, Hd) in float64.
 at::Tensor pairwise_moments(const at::Tensor& center, const at::Tensor& nbpad, const std::vector<int64_t>& dy,
-                            const std::vector<int64_t>& dx, const at::Tensor& w1, const at::Tensor& w1p, const at::Tensor& pos) {
+                            const std::vector<int64_t>& dx, const at::Tensor& w1, const at::Tensor& w1p,
+                            const at::Tensor& pos) {
   const Shape s = shape_of(center, nbpad, dy, dx, w1, w1p, pos, nullptr, nullptr);
   at::Tensor sums = at::zeros({2, s.Hd}, center.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(center.scalar_type(), "pairwise_moments", [&] {
@@ -207,9 +211,9 @@ at::Tensor pairwise_moments(const at::Tensor& center, const at::Tensor& nbpad, c
 // Forward: (out (N, Sh, G, H, W), lse (N, G, H, W)).
 std::vector<at::Tensor> pairwise_forward(const at::Tensor& center, const at::Tensor& nbpad,
                                          const std::vector<int64_t>& dy, const std::vector<int64_t>& dx,
-                                         const at::Tensor& w1, const at::Tensor& w1p, const at::Tensor& pos, const at::Tensor& scale,
-                                         const at::Tensor& shift, const at::Tensor& w2, const at::Tensor& b2,
-                                         const at::Tensor& vpad) {
+                                         const at::Tensor& w1, const at::Tensor& w1p, const at::Tensor& pos,
+                                         const at::Tensor& scale, const at::Tensor& shift, const at::Tensor& w2,
+                                         const at::Tensor& b2, const at::Tensor& vpad) {
   const Shape s = shape_of(center, nbpad, dy, dx, w1, w1p, pos, &w2, &vpad);
   at::Tensor out = at::empty({s.N, s.Sh, s.G, s.H, s.W}, center.options());
   at::Tensor lse = at::empty({s.N, s.G, s.H, s.W}, center.options());
@@ -444,7 +448,8 @@ void collect(Backward<S>& bw, Grads& grads) {
 // grad_w1p, grad_pos, grad_center, grad_nbpad); gradients of weights undefined without weight_grads.
 std::vector<at::Tensor> pairwise_backward(
     const at::Tensor& center, const at::Tensor& nbpad, const std::vector<int64_t>& dy, const std::vector<int64_t>& dx,
-    const at::Tensor& w1, const at::Tensor& w1p, const at::Tensor& pos, const at::Tensor& scale, const at::Tensor& shift,
+    const at::Tensor& w1, const at::Tensor& w1p, const at::Tensor& pos, const at::Tensor& scale,
+    const at::Tensor& shift,
     const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& vpad, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& grad_out, bool weight_grads, bool one_pass) {
   const Shape s = shape_of(center, nbpad, dy, dx, w1, w1p, pos, &w2, &vpad);
@@ -496,7 +501,8 @@ std::vector<at::Tensor> pairwise_backward(
 // grad_nbpad); gradients of weights undefined without weight_grads, of positions without them.
 std::vector<at::Tensor> pairwise_backward_input(
     const at::Tensor& center, const at::Tensor& nbpad, const std::vector<int64_t>& dy, const std::vector<int64_t>& dx,
-    const at::Tensor& w1, const at::Tensor& w1p, const at::Tensor& pos, const at::Tensor& scale, const at::Tensor& shift,
+    const at::Tensor& w1, const at::Tensor& w1p, const at::Tensor& pos, const at::Tensor& scale,
+    const at::Tensor& shift,
     const at::Tensor& w2, const at::Tensor& keep, const at::Tensor& coef_a, const at::Tensor& coef_h,
     const at::Tensor& coef_0, bool weight_grads) {
   const Shape s = shape_of(center, nbpad, dy, dx, w1, w1p, pos, &w2, nullptr);

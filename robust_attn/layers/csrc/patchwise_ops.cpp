@@ -194,7 +194,8 @@ std::vector<at::Tensor> patchwise_backward_sums(const at::Tensor& xpad, const st
         bw.load_grad(b, gh.data());
         for (int64_t j = 0; j < s.K; ++j) {
           bw.masked_grad(b, j, gh.data(), u.data(), gu.data());
-          if (weight_grads) gemm_nt<S>(s.G, s.R, s.T, gh.data(), s.ld, u.data(), s.ld, my_w1.data() + j * s.G * s.R, s.R);
+          if (weight_grads)
+            gemm_nt<S>(s.G, s.R, s.T, gh.data(), s.ld, u.data(), s.ld, my_w1.data() + j * s.G * s.R, s.R);
           for (int64_t c = 0; c < s.R; ++c) {
             S sum = 0, sum_f = 0;
             for (int64_t i = 0; i < s.H; ++i)
