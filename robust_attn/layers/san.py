@@ -257,10 +257,25 @@ def _maybe_checkpoint(fn, *args):
     return fn(*args)
 
 
+def _bn_scale_shift(weight, bias, mean: torch.Tensor, var: torch.Tensor, eps: float):
+    """BatchNorm with given statistics as ``y = scale x + shift``: ``(scale, shift)``, contiguous, of
+    ``mean``'s shape."""
+    scale = weight.view(mean.shape) * torch.rsqrt(var + eps)
+    return scale.contiguous(), (bias.view(mean.shape) - mean * scale).contiguous()
+
+
+def _bn_backward_coefficients(scale, rstd, mean, g_bias, g_xsum, count: int):
+    """BatchNorm on batch statistics differentiated in closed form, from the per-channel sums of the
+    output's gradient ``g_bias = sum g`` and ``g_xsum = sum g x`` over ``count`` values: the weight's
+    gradient and ``(c1, c0)`` with ``grad x = scale g + c1 x + c0``."""
+    g_weight = rstd * (g_xsum - mean * g_bias)
+    c1 = -scale * rstd * g_weight / count
+    return g_weight, c1, -scale * g_bias / count - c1 * mean
+
+
 def _affine(x: torch.Tensor, weight, bias, eps: float, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """BatchNorm of channel dim 1 with given statistics and affine parameters."""
-    scale = weight * torch.rsqrt(var + eps)
-    shift = bias - mean * scale
+    scale, shift = _bn_scale_shift(weight, bias, mean, var, eps)
     shape = (1, -1) + (1,) * (x.dim() - 2)
     return torch.addcmul(shift.view(shape), x, scale.view(shape))
 
@@ -499,8 +514,7 @@ def _pairwise_logits(plan: _GammaPlan, w1, w1p, pos, w2, b2, bn2_weight, bn2_bia
         mean, var = _mean_var(sums, n * area * h * w)
     else:
         mean, var = plan.running_mean.to(st), plan.running_var.to(st)
-    scale = bn2_weight.to(st) * torch.rsqrt(var + plan.eps)
-    shift = bn2_bias.to(st) - mean * scale
+    scale, shift = _bn_scale_shift(bn2_weight.to(st), bn2_bias.to(st), mean, var, plan.eps)
     scale_c, shift_c = scale.to(dt), shift.to(dt)
     logits = None if single else u.new_empty(n, w2.shape[0], area, h, w)
     for i, (chunk, sl) in enumerate(zip(plan.chunks, plan.slices)):
@@ -581,8 +595,7 @@ class _PairwiseAttention(torch.autograd.Function):
         posc = None if pos is None else pos.to(dt)
         w1pc = None if w1p is None else w1p.to(dt)
         rstd = torch.rsqrt(var + plan.eps)
-        scale = bn2_weight.to(st) * rstd
-        shift = bn2_bias.to(st) - mean * scale
+        scale, shift = _bn_scale_shift(bn2_weight.to(st), bn2_bias.to(st), mean, var, plan.eps)
         view = (1, -1, 1, 1, 1)
         scale_c, shift_c = scale.to(dt).view(view), shift.to(dt).view(view)
         lse = lse[:, :, None]
@@ -633,13 +646,9 @@ class _PairwiseAttention(torch.autograd.Function):
             if not two_pass:
                 sums = accumulate(sums, hid, gz, z, g_logits)
             del z, g_logits
-            if plan.training:  # BN2 on batch statistics: gh = a gz + b h + c per channel
-                g_bias, g_hsum = sums[1]
-                g_weight = rstd * (g_hsum - mean * g_bias)
-                a = scale
-                b = -scale * rstd * g_weight / count
-                c_ = -a * g_bias / count - b * mean
-                gh = gz.mul_(a.to(dt).view(view)).addcmul_(hid, b.to(dt).view(view)).add_(c_.to(dt).view(view))
+            if plan.training:  # BN2 on batch statistics: gh = scale gz + c1 h + c0 per channel
+                _, c1, c0 = _bn_backward_coefficients(scale, rstd, mean, *sums[1], count)
+                gh = gz.mul_(scale_c).addcmul_(hid, c1.to(dt).view(view)).add_(c0.to(dt).view(view))
             else:
                 gh = gz.mul_(scale_c)
             del hid
@@ -658,7 +667,7 @@ class _PairwiseAttention(torch.autograd.Function):
             del u, grad_u
 
         grad_w2, (g_bias, g_hsum), grad_b2 = sums
-        g_weight = rstd * (g_hsum - mean * g_bias)
+        g_weight = _bn_backward_coefficients(scale, rstd, mean, g_bias, g_hsum, count)[0]
         grad_v = None if grad_buffer is None else unpadded_gradient(grad_buffer, v, k)
         return (None, grad_w1.to(w1.dtype), None if grad_w1p is None else grad_w1p.to(w1p.dtype),
                 None if grad_pos is None else grad_pos.to(pos.dtype),
@@ -703,8 +712,7 @@ class _FusedPairwiseAttention(torch.autograd.Function):
             mean, var = mean.to(v.dtype), var.to(v.dtype)
         else:
             mean, var = running_mean.to(v.dtype), running_var.to(v.dtype)
-        scale = bn2_weight * torch.rsqrt(var + eps)
-        shift = bn2_bias - mean * scale
+        scale, shift = _bn_scale_shift(bn2_weight, bn2_bias, mean, var, eps)
         vpad = grouped_padded(v, k, groups).contiguous()
         out, lse = cpu_kernels.pairwise_forward(center, neighbour, offsets, w1, *positions, scale, shift, w2, b2, vpad)
         ctx.offsets, ctx.training, ctx.eps = offsets, training, eps
@@ -723,8 +731,7 @@ class _FusedPairwiseAttention(torch.autograd.Function):
         count = n * area * h * w
         positions = _position_operands(w1p, pos, area, h * w)
         rstd = torch.rsqrt(var + ctx.eps)
-        scale = bn2_weight * rstd
-        shift = bn2_bias - mean * scale
+        scale, shift = _bn_scale_shift(bn2_weight, bn2_bias, mean, var, ctx.eps)
         vpad = grouped_padded(v, k, groups).contiguous()
         grad_y = grad_out.to(v.dtype).reshape(out.shape).contiguous()
         weight_grads = any(ctx.needs_input_grad[5:10])  # w1, w1p, pos, w2, b2; not in an attack
@@ -733,15 +740,13 @@ class _FusedPairwiseAttention(torch.autograd.Function):
                                               out, lse, grad_y, weight_grads, one_pass)
         keep, grad_w2, grad_b2, sums, grad_vpad = first[:5]
         g_bias, g_hsum = sums.to(v.dtype)
-        g_weight = rstd * (g_hsum - mean * g_bias)
+        g_weight, coef_h, coef_0 = _bn_backward_coefficients(scale, rstd, mean, g_bias, g_hsum, count)
         if one_pass:
             grad_w1, grad_w1p, grad_pos, grad_center, grad_neighbour = first[5:]
-        else:  # BN2 on batch statistics: gh = a gz + c1 h + c0 per channel, from the first pass's sums
-            coef_h = -scale * rstd * g_weight / count
-            coef_0 = -scale * g_bias / count - coef_h * mean
+        else:  # BN2 on batch statistics: gh = scale gz + c1 h + c0 per channel, from the first pass's sums
             grad_w1, grad_w1p, grad_pos, grad_center, grad_neighbour = cpu_kernels.pairwise_backward_input(
-                center, neighbour, offsets, w1, *positions, scale, shift, w2, keep, scale.contiguous(), coef_h,
-                coef_0, weight_grads)
+                center, neighbour, offsets, w1, *positions, scale, shift, w2, keep, scale, coef_h, coef_0,
+                weight_grads)
         del first, keep
         grad_pos = None if grad_pos is None else grad_pos.view_as(pos)
         grad_v = reflect_pad_backward(grad_vpad.view(n, c, *grad_vpad.shape[-2:]), v, k // 2)
@@ -887,7 +892,7 @@ class _FusedPatchwiseConcat(torch.autograd.Function):
             mean, var = mean.to(x2.dtype), var.to(x2.dtype)
         else:
             mean, var = running_mean.view(rel, area).to(x2.dtype), running_var.view(rel, area).to(x2.dtype)
-        scale, shift = _patchwise_bn1(bn_weight, bn_bias, mean, var, eps)
+        scale, shift = _bn_scale_shift(bn_weight, bn_bias, mean, var, eps)
         hid = cpu_kernels.patchwise_hidden(xpad, offsets, h, w, scale, shift, _by_offset(w1, area))
         ctx.offsets, ctx.training, ctx.eps = offsets, training, eps
         ctx.save_for_backward(x2, bn_weight, bn_bias, w1, mean, var)
@@ -903,7 +908,7 @@ class _FusedPatchwiseConcat(torch.autograd.Function):
         area, groups = len(offsets), w1.shape[0]
         pad = math.isqrt(area) // 2
         xpad = reflect_pad(x2, pad).contiguous()
-        scale, shift = _patchwise_bn1(bn_weight, bn_bias, mean, var, ctx.eps)
+        scale, shift = _bn_scale_shift(bn_weight, bn_bias, mean, var, ctx.eps)
         w1k = _by_offset(w1, area)
         grad_hid = grad_hid.to(x2.dtype).contiguous()
         coef_f = coef_0 = torch.zeros_like(scale)  # BN1 on running statistics: grad f = scale gu
@@ -912,23 +917,16 @@ class _FusedPatchwiseConcat(torch.autograd.Function):
             grad_w1k, sums = cpu_kernels.patchwise_backward_sums(xpad, offsets, h, w, scale, shift, w1k, grad_hid,
                                                                  ctx.needs_input_grad[8])
             g_bias, g_fsum = sums.to(x2.dtype)
-            rstd = torch.rsqrt(var + ctx.eps)
-            g_weight = rstd * (g_fsum - mean * g_bias)
-            if ctx.training:  # BN1 on batch statistics: grad f = a gu + c1 f + c0 per channel (c, j)
-                coef_f = -scale * rstd * g_weight / (n * h * w)
-                coef_0 = -scale * g_bias / (n * h * w) - coef_f * mean
+            g_weight, c1, c0 = _bn_backward_coefficients(scale, torch.rsqrt(var + ctx.eps), mean, g_bias, g_fsum,
+                                                         n * h * w)
+            if ctx.training:  # BN1 on batch statistics: grad f = scale gu + c1 f + c0 per channel (c, j)
+                coef_f, coef_0 = c1.contiguous(), c0.contiguous()
             g_weight, g_bias = g_weight.flatten(), g_bias.flatten()
             if grad_w1k is not None:
                 grad_w1 = grad_w1k.permute(1, 2, 0).reshape(groups, rel * area)
         grad_xpad = cpu_kernels.patchwise_backward_input(xpad, offsets, h, w, scale, shift, w1k, grad_hid, scale,
-                                                         coef_f.contiguous(), coef_0.contiguous())
+                                                         coef_f, coef_0)
         return (None, None, None, None, None, reflect_pad_backward(grad_xpad, x2, pad), g_weight, g_bias, grad_w1)
-
-
-def _patchwise_bn1(weight, bias, mean, var, eps: float):
-    """BN1 of the psi channels as ``(scale, shift)``, ``(C/r1, k^2)`` each."""
-    scale = weight.view(mean.shape) * torch.rsqrt(var + eps)
-    return scale.contiguous(), (bias.view(mean.shape) - mean * scale).contiguous()
 
 
 def _by_offset(w1: torch.Tensor, area: int) -> torch.Tensor:

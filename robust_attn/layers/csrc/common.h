@@ -14,6 +14,14 @@ inline void check_cpu_contiguous(const at::Tensor& t, const char* op, const char
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), op, ": ", name, " must be a contiguous CPU tensor");
 }
 
+// t: contiguous on the CPU, of these sizes and like's dtype.
+inline void check_operand(const at::Tensor& t, at::IntArrayRef sizes, const at::Tensor& like, const char* op,
+                          const char* name) {
+  check_cpu_contiguous(t, op, name);
+  TORCH_CHECK(t.sizes() == sizes && t.scalar_type() == like.scalar_type(), op, ": ", name, " must be ", sizes, " of ",
+              like.scalar_type(), ", got ", t.sizes(), " of ", t.scalar_type());
+}
+
 // Every offset's H x W window inside the padded Hp x Wp map.
 inline void check_windows(const std::vector<int64_t>& dy, const std::vector<int64_t>& dx, int64_t H, int64_t W,
                           int64_t Hp, int64_t Wp, const char* op) {

@@ -105,6 +105,14 @@ Shape shape_of(const at::Tensor& center, const at::Tensor& nbpad, const std::vec
   return s;
 }
 
+// BN2 as (scale, shift) per hidden channel and gamma's last bias per group.
+void check_bn2(const Shape& s, const at::Tensor& scale, const at::Tensor& shift, const at::Tensor& b2,
+               const at::Tensor& like) {
+  fused::check_operand(scale, {s.Hd}, like, "pairwise ops", "scale");
+  fused::check_operand(shift, {s.Hd}, like, "pairwise ops", "shift");
+  fused::check_operand(b2, {s.G}, like, "pairwise ops", "b2");
+}
+
 // The steps of one tile, shared by every pass.
 template <typename S>
 struct Gamma {
@@ -144,6 +152,13 @@ struct Gamma {
         for (int64_t t = 0; t < s.T; ++t) hrow[t] += a * prow[t];
       }
     }
+  }
+
+  // u, hid and z of tile (b, k)
+  void hidden_tile(int64_t b, int64_t k, const S* scale, const S* shift, S* u, S* hid, S* z) const {
+    relation(b, k, u);
+    hidden(k, u, hid);
+    activation(hid, scale, shift, z);
   }
 
   // z = relu(scale * hid + shift)
@@ -215,6 +230,7 @@ std::vector<at::Tensor> pairwise_forward(const at::Tensor& center, const at::Ten
                                          const at::Tensor& scale, const at::Tensor& shift, const at::Tensor& w2,
                                          const at::Tensor& b2, const at::Tensor& vpad) {
   const Shape s = shape_of(center, nbpad, dy, dx, w1, w1p, pos, &w2, &vpad);
+  check_bn2(s, scale, shift, b2, center);
   at::Tensor out = at::empty({s.N, s.Sh, s.G, s.H, s.W}, center.options());
   at::Tensor lse = at::empty({s.N, s.G, s.H, s.W}, center.options());
   AT_DISPATCH_FLOATING_TYPES(center.scalar_type(), "pairwise_forward", [&] {
@@ -228,9 +244,7 @@ std::vector<at::Tensor> pairwise_forward(const at::Tensor& center, const at::Ten
           inv_total(s.G * s.T);
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t k = 0; k < s.K; ++k) {
-          gam.relation(b, k, u.data());
-          gam.hidden(k, u.data(), hid.data());
-          gam.activation(hid.data(), pscale, pshift, z.data());
+          gam.hidden_tile(b, k, pscale, pshift, u.data(), hid.data(), z.data());
           gam.logits(pw2, pb2, z.data(), weights.data() + k * s.G * s.ld);
         }
         // softmax over the offsets per group and pixel: e = exp(logit - peak) in place and the
@@ -322,9 +336,7 @@ struct Backward {
   // u, hid, the logits' gradients gl (G rows of stride ld) and the masked gz of tile (b, k)
   void logit_grads(int64_t b, int64_t k, const S* dot, S* u, S* hid, S* z, S* gl, S* gz) {
     const Shape& s = gam.s;
-    gam.relation(b, k, u);
-    gam.hidden(k, u, hid);
-    gam.activation(hid, scale, shift, z);
+    gam.hidden_tile(b, k, scale, shift, u, hid, z);
     gam.logits(w2, b2, z, gl);
     std::vector<double>& my_b2 = b2_part.mine();
     for (int64_t g = 0; g < s.G; ++g) {
@@ -449,16 +461,13 @@ void collect(Backward<S>& bw, Grads& grads) {
 std::vector<at::Tensor> pairwise_backward(
     const at::Tensor& center, const at::Tensor& nbpad, const std::vector<int64_t>& dy, const std::vector<int64_t>& dx,
     const at::Tensor& w1, const at::Tensor& w1p, const at::Tensor& pos, const at::Tensor& scale,
-    const at::Tensor& shift,
-    const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& vpad, const at::Tensor& out, const at::Tensor& lse,
-    const at::Tensor& grad_out, bool weight_grads, bool one_pass) {
+    const at::Tensor& shift, const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& vpad,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad_out, bool weight_grads, bool one_pass) {
   const Shape s = shape_of(center, nbpad, dy, dx, w1, w1p, pos, &w2, &vpad);
-  for (auto [t, name] : {std::pair{&out, "out"}, {&grad_out, "grad_out"}}) {
-    check_cpu_contiguous(*t, name);
-    TORCH_CHECK(t->sizes() == at::IntArrayRef({s.N, s.Sh, s.G, s.H, s.W}), "pairwise ops: ", name, " must be ",
-                at::IntArrayRef({s.N, s.Sh, s.G, s.H, s.W}));
-  }
-  check_cpu_contiguous(lse, "lse");
+  check_bn2(s, scale, shift, b2, center);
+  fused::check_operand(out, {s.N, s.Sh, s.G, s.H, s.W}, center, "pairwise ops", "out");
+  fused::check_operand(grad_out, {s.N, s.Sh, s.G, s.H, s.W}, center, "pairwise ops", "grad_out");
+  fused::check_operand(lse, {s.N, s.G, s.H, s.W}, center, "pairwise ops", "lse");
   at::Tensor keep = one_pass ? at::Tensor() : at::empty({s.N, s.K, s.G, s.ld}, center.options());
   Grads grads(s, center, nbpad, &vpad, weight_grads);
   AT_DISPATCH_FLOATING_TYPES(center.scalar_type(), "pairwise_backward", [&] {
@@ -502,13 +511,14 @@ std::vector<at::Tensor> pairwise_backward(
 std::vector<at::Tensor> pairwise_backward_input(
     const at::Tensor& center, const at::Tensor& nbpad, const std::vector<int64_t>& dy, const std::vector<int64_t>& dx,
     const at::Tensor& w1, const at::Tensor& w1p, const at::Tensor& pos, const at::Tensor& scale,
-    const at::Tensor& shift,
-    const at::Tensor& w2, const at::Tensor& keep, const at::Tensor& coef_a, const at::Tensor& coef_h,
-    const at::Tensor& coef_0, bool weight_grads) {
+    const at::Tensor& shift, const at::Tensor& w2, const at::Tensor& keep, const at::Tensor& coef_a,
+    const at::Tensor& coef_h, const at::Tensor& coef_0, bool weight_grads) {
   const Shape s = shape_of(center, nbpad, dy, dx, w1, w1p, pos, &w2, nullptr);
-  check_cpu_contiguous(keep, "keep");
-  TORCH_CHECK(keep.sizes() == at::IntArrayRef({s.N, s.K, s.G, s.ld}), "pairwise ops: keep must be ",
-              at::IntArrayRef({s.N, s.K, s.G, s.ld}));
+  fused::check_operand(keep, {s.N, s.K, s.G, s.ld}, center, "pairwise ops", "keep");
+  for (auto [t, name] : {std::pair{&scale, "scale"}, {&shift, "shift"}, {&coef_a, "coef_a"}, {&coef_h, "coef_h"},
+                         {&coef_0, "coef_0"}}) {
+    fused::check_operand(*t, {s.Hd}, center, "pairwise ops", name);
+  }
   Grads grads(s, center, nbpad, nullptr, weight_grads);
   AT_DISPATCH_FLOATING_TYPES(center.scalar_type(), "pairwise_backward_input", [&] {
     using S = scalar_t;
@@ -524,9 +534,7 @@ std::vector<at::Tensor> pairwise_backward_input(
       std::vector<S> u(s.R * s.ld), hid(s.Hd * s.ld), z(s.Hd * s.ld), gh(s.Hd * s.ld), gu(s.R * s.ld);
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t k = 0; k < s.K; ++k) {
-          bw.gam.relation(b, k, u.data());
-          bw.gam.hidden(k, u.data(), hid.data());
-          bw.gam.activation(hid.data(), pscale, pshift, z.data());
+          bw.gam.hidden_tile(b, k, pscale, pshift, u.data(), hid.data(), z.data());
           gemm_nn<S>(s.Hd, s.G, s.T, w2t.const_data_ptr<S>(), s.G, pkeep + (b * s.K + k) * s.G * s.ld, s.ld,
                      gh.data(), s.ld, false);
           for (int64_t j = 0; j < s.Hd; ++j) {  // gh = a * gz + c1 * hid + c0

@@ -50,9 +50,7 @@ Shape shape_of(const at::Tensor& xpad, const std::vector<int64_t>& dy, const std
 }
 
 void check_per_channel(const Shape& s, const at::Tensor& t, const char* name, const at::Tensor& like) {
-  fused::check_cpu_contiguous(t, "patchwise ops", name);
-  TORCH_CHECK(t.sizes() == at::IntArrayRef({s.R, s.K}) && t.scalar_type() == like.scalar_type(), "patchwise ops: ",
-              name, " must be (R, K) = (", s.R, ", ", s.K, ") of xpad's dtype, got ", t.sizes());
+  fused::check_operand(t, {s.R, s.K}, like, "patchwise ops", name);
 }
 
 // u = relu(scale[:, j] * f_j + shift[:, j]) for image b, offset j (rows of stride s.ld)
@@ -163,9 +161,7 @@ Backward<S> backward_of(const Shape& s, const at::Tensor& xpad, const std::vecto
 }
 
 void check_grad_hid(const Shape& s, const at::Tensor& grad_hid, const at::Tensor& xpad) {
-  fused::check_cpu_contiguous(grad_hid, "patchwise ops", "grad_hid");
-  TORCH_CHECK(grad_hid.sizes() == at::IntArrayRef({s.N, s.G, s.H, s.W}) && grad_hid.scalar_type() == xpad.scalar_type(),
-              "patchwise ops: grad_hid must be ", at::IntArrayRef({s.N, s.G, s.H, s.W}), " of xpad's dtype");
+  fused::check_operand(grad_hid, {s.N, s.G, s.H, s.W}, xpad, "patchwise ops", "grad_hid");
 }
 
 // First backward pass: (grad_w1 (K, G, R), undefined without weight_grads, sums (2, R, K) float64 of
