@@ -1,4 +1,4 @@
-"""Datasets: CIFAR-100, ImageNet (val-original), Fashion-MNIST and a synthetic test set.
+"""Datasets: CIFAR-10, CIFAR-100, ImageNet (val-original), Fashion-MNIST and a synthetic test set.
 
     >>> from robust_attn.data import dataset_info, build_dataset
     >>> info = dataset_info("cifar100")            # num_classes, image_size, resolution, mean, std
@@ -37,7 +37,7 @@ from robust_attn.data.transforms import SeededAugment
 __all__ = ["DatasetInfo", "dataset_info", "build_dataset", "locate_dataset", "list_datasets",
            "SeededAugment", "TensorImageDataset", "default_data_root", "DATA_ENV"]
 
-_MODULES = {"cifar100": "cifar100", "imagenet": "imagenet", "fashion_mnist": "fashion_mnist",
+_MODULES = {"cifar10": "cifar10", "cifar100": "cifar100", "imagenet": "imagenet", "fashion_mnist": "fashion_mnist",
             "synthetic": "synthetic"}
 SPLITS = ("train", "val", "test")
 
@@ -104,7 +104,11 @@ def build_dataset(name: str, root: str | Path | None = None, split: str = "test"
 def _subset(dataset: Dataset, indices: list[int]) -> Dataset:
     """A ``Subset`` that keeps ``targets`` (so a subset can be split or sampled per class again)."""
     if isinstance(dataset, TensorImageDataset):
-        return TensorImageDataset(dataset.images[indices], dataset.labels[indices], dataset.transform)
+        subset = TensorImageDataset(dataset.images[indices], dataset.labels[indices], dataset.transform)
+        for key in ("variant", "source"):  # where the images came from (see e.g. robust_attn.data.cifar10)
+            if hasattr(dataset, key):
+                setattr(subset, key, getattr(dataset, key))
+        return subset
     subset = Subset(dataset, indices)
     targets = _labels(dataset)
     subset.targets = [targets[i] for i in indices]

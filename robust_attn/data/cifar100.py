@@ -1,24 +1,19 @@
 """CIFAR-100 (Krizhevsky 2009) from the canonical "python version" pickles.
 
 Layout: ``ROOT/cifar-100-python/{train,test,meta}`` as in ``cifar-100-python.tar.gz`` (what
-torchvision's ``CIFAR100`` downloads). The pickles are read with a restricted unpickler that
-resolves only the three numpy globals the files use (``_reconstruct``, ``ndarray``, ``dtype``;
-plus ``_codecs.encode``, which a Python 3 re-pickled copy needs),
-so reading a tampered file cannot run code. ``verify=True`` checks the canonical md5s first.
+torchvision's ``CIFAR100`` downloads). The pickles are read with a restricted unpickler
+(:mod:`robust_attn.data.pickles`), so reading a tampered file cannot run code. ``verify=True`` checks the canonical md5s first.
 
 Mean/std: the usual per-channel statistics of the CIFAR-100 training images.
 """
 from __future__ import annotations
 
-import codecs
-import hashlib
-import io
-import pickle
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from robust_attn.data.pickles import load_pickle, text_list
 from robust_attn.data.base import DatasetInfo, TensorImageDataset, default_data_root, missing_dataset_error
 from robust_attn.data.transforms import RandomCropFlip
 
@@ -37,40 +32,8 @@ INFO = DatasetInfo(name="cifar100", num_classes=100, image_size=32, resolution="
                               "into ROOT.")
 
 
-def _numpy_global(module: str, name: str):
-    try:
-        from numpy._core import multiarray  # numpy >= 2
-    except ImportError:  # pragma: no cover - numpy 1.x
-        from numpy.core import multiarray
-    allowed = {("numpy.core.multiarray", "_reconstruct"): multiarray._reconstruct,
-               ("numpy._core.multiarray", "_reconstruct"): multiarray._reconstruct,
-               ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
-               # what Python 3 writes for bytes at protocol 2 (a re-pickled copy); harmless
-               ("_codecs", "encode"): codecs.encode}
-    if (module, name) not in allowed:
-        raise pickle.UnpicklingError(f"CIFAR-100 pickle refers to {module}.{name}, which a genuine file never "
-                                     f"does; refusing to load it")
-    return allowed[(module, name)]
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        return _numpy_global(module, name)
-
-
 def _load(path: Path, verify: bool, name: str) -> dict:
-    raw = path.read_bytes()
-    if verify:
-        digest = hashlib.md5(raw).hexdigest()
-        if digest != MD5[name]:
-            raise ValueError(f"{path} has md5 {digest}, expected the canonical {MD5[name]}: the file is corrupt "
-                             f"or truncated; delete it and download again (download=True)")
-    obj = _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
-    return {(k.decode() if isinstance(k, bytes) else k): v for k, v in obj.items()}
-
-
-def _text(values) -> list[str]:
-    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
+    return load_pickle(path, MD5[name] if verify else None)
 
 
 def read_batch(path: str | Path, verify: bool = False, name: str | None = None) -> dict:
@@ -84,14 +47,14 @@ def read_batch(path: str | Path, verify: bool = False, name: str | None = None) 
     return {"images": torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()),
             "fine_labels": torch.tensor(obj["fine_labels"], dtype=torch.long),
             "coarse_labels": torch.tensor(obj["coarse_labels"], dtype=torch.long),
-            "filenames": _text(obj["filenames"])}
+            "filenames": text_list(obj["filenames"])}
 
 
 def read_meta(path: str | Path, verify: bool = False) -> dict:
     """``fine_label_names`` (100) and ``coarse_label_names`` (20) from the ``meta`` pickle."""
     obj = _load(Path(path), verify, "meta")
-    return {"fine_label_names": _text(obj["fine_label_names"]),
-            "coarse_label_names": _text(obj["coarse_label_names"])}
+    return {"fine_label_names": text_list(obj["fine_label_names"]),
+            "coarse_label_names": text_list(obj["coarse_label_names"])}
 
 
 def _candidates(root: Path) -> list[Path]:

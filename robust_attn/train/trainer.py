@@ -95,6 +95,13 @@ def _git_commit(folder: Path | None = None) -> str | None:
     return commit + ("-dirty" if changes else "")
 
 
+def _data_variant(dataset) -> str | None:
+    """Which form of the data was read (e.g. "cifar10" or "cifar10-jpeg"), where the reader says."""
+    while dataset is not None and not hasattr(dataset, "variant"):
+        dataset = getattr(dataset, "dataset", None)
+    return getattr(dataset, "variant", None)
+
+
 def _amp_context(device: torch.device, amp: str):
     if amp == "none":
         return contextlib.nullcontext
@@ -245,7 +252,8 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
         raise ResumeError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
 
     meta_base = {"recipe": recipe.to_dict(), "recipe_sha256": recipe.sha256(), "recipe_source": recipe.source,
-                 "dataset": recipe.dataset, "versions": _versions(), "git_commit": _git_commit(),
+                 "dataset": recipe.dataset, "data_variant": _data_variant(train_set.dataset),
+                 "versions": _versions(), "git_commit": _git_commit(),
                  "world_size": world}
     writer = None
     if main:
