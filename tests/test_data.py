@@ -35,8 +35,8 @@ def test_dataset_info(name, classes, size, res):
 
 
 def test_unknown_dataset_and_split():
-    with pytest.raises(ValueError, match="Did you mean 'cifar100'"):
-        dataset_info("cifar10")
+    with pytest.raises(ValueError, match="Did you mean 'imagenet'"):
+        dataset_info("imagenett")
     with pytest.raises(ValueError, match="unknown split"):
         build_dataset("synthetic", split="validation")
 
@@ -238,9 +238,34 @@ def test_fashion_mnist_torchvision_layout(tmp_path, monkeypatch):
         build_dataset("fashion_mnist", root=tmp_path / "empty", split="test")
 
 
+def test_fashion_mnist_explicit_root_never_falls_back(tmp_path):
+    """An explicit root without the files is an error even where the Debian package or the embedded
+    copy exists; the message names the folders searched."""
+    with pytest.raises(FileNotFoundError) as err:
+        build_dataset("fashion_mnist", root=tmp_path, split="test")
+    assert str(tmp_path) in str(err.value) and "/usr/share" not in str(err.value)
+
+
+def test_fashion_mnist_embedded_test_set(tmp_path, monkeypatch, capsys):
+    """Without root, default root or Debian package the test split comes from the package's embedded copy,
+    which is the real test set: 1,000 per class, first image an ankle boot; a line names where it came from."""
+    monkeypatch.setattr(fashion_mnist, "KNOWN_LOCATIONS", [])
+    monkeypatch.setenv("ROBUST_ATTN_DATA", str(tmp_path))
+    test = build_dataset("fashion_mnist", split="test")
+    assert "embedded" in test.source and "embedded" in capsys.readouterr().err
+    assert len(test) == 10000 and torch.bincount(test.labels).tolist() == [1000] * 10 and test.labels[0] == 9
+    if FASHION_DEBIAN.is_dir():
+        debian = build_dataset("fashion_mnist", root=FASHION_DEBIAN, split="test")
+        assert torch.equal(debian.images, test.images) and torch.equal(debian.labels, test.labels)
+    with pytest.raises(FileNotFoundError, match="searched"):
+        build_dataset("fashion_mnist", split="train")  # training data is never embedded
+
+
 @pytest.mark.skipif(not FASHION_DEBIAN.is_dir(), reason="Debian package dataset-fashion-mnist not installed")
-def test_fashion_mnist_debian_package():
-    test = build_dataset("fashion_mnist", root=Path("/nonexistent"), split="test")
+def test_fashion_mnist_debian_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROBUST_ATTN_DATA", str(tmp_path))  # nothing in the default root: the package's copy
+    test = build_dataset("fashion_mnist", split="test")
+    assert test.source == str(FASHION_DEBIAN)
     assert len(test) == 10000 and torch.bincount(test.labels).tolist() == [1000] * 10
     raw = gzip.decompress((FASHION_DEBIAN / "t10k-images-idx3-ubyte.gz").read_bytes())
     first = np.frombuffer(raw, dtype=np.uint8, offset=16, count=784).reshape(28, 28)

@@ -81,7 +81,7 @@ def good() -> dict:
     ({"epoch": 3}, "Did you mean 'epochs'"),
     ({"optim": {"weight_decy": 1e-4}}, "Did you mean 'weight_decay'"),
     ({"model": "resnet27"}, "not in the registry. Did you mean resnet26"),
-    ({"dataset": "cifar"}, "Did you mean 'cifar100'"),
+    ({"dataset": "cifar"}, "Did you mean 'cifar10'"),
     ({"epochs": "ten"}, "epochs must be int"),
     ({"optim": {"schedule": "linear"}}, "choose one of"),
     ({"optim": {"schedule": "step"}}, "needs optim.milestones"),

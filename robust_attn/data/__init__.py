@@ -26,6 +26,7 @@ such as ImageFolder stay spread over the classes). A missing dataset raises
 from __future__ import annotations
 
 import importlib
+import sys
 from pathlib import Path
 
 from torch.utils.data import Dataset, Subset
@@ -97,6 +98,9 @@ def build_dataset(name: str, root: str | Path | None = None, split: str = "test"
         if split == "val" or holdout:
             train_idx, val_idx = holdout_split(_labels(dataset), module.INFO.val_per_class)
             dataset = _subset(dataset, val_idx if split == "val" else train_idx)
+    if root is None and getattr(dataset, "source", None):
+        print(f"data: {name} {split} read from {dataset.source} (default location; pass root / --root to choose)",
+              file=sys.stderr)
     keep = subset_indices(len(dataset), limit)
     return dataset if keep is None else _subset(dataset, keep)
 

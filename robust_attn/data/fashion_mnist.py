@@ -1,8 +1,10 @@
 """Fashion-MNIST (Xiao et al. 2017) from IDX files, at CIFAR resolution.
 
-Looked for, in order: ``ROOT/FashionMNIST/raw`` (torchvision's layout, plain IDX), ``ROOT/fashion-mnist``,
-``ROOT`` itself, and ``/usr/share/datasets/fashion-mnist`` (the Debian package
-``dataset-fashion-mnist``, gzipped IDX). Each file may be plain or ``.gz``.
+Looked for, in order: ``ROOT/FashionMNIST/raw`` (torchvision's layout, plain IDX), ``ROOT/fashion-mnist``
+and ``ROOT`` itself. Only when no root is given: the default root (``$ROBUST_ATTN_DATA`` or ``./data``),
+``/usr/share/datasets/fashion-mnist`` (the Debian package ``dataset-fashion-mnist``, gzipped IDX) and,
+for the test split, the 10,000 test images embedded in the package. Each file may be plain or ``.gz``.
+An explicit root without the files is an error, never a silent fallback.
 
 Each 28x28 gray image is zero-padded by 2 pixels to 32x32 and repeated to 3 channels, so the
 CIFAR-resolution models take it unchanged.
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from robust_attn.data import embedded
 from robust_attn.data.base import DatasetInfo, TensorImageDataset, default_data_root, missing_dataset_error
 from robust_attn.data.transforms import RandomCropFlip
 
@@ -64,18 +67,26 @@ def _find(folder: Path, stem: str) -> Path | None:
 
 
 def _candidates(root: Path) -> list[Path]:
-    return [root / "FashionMNIST" / "raw", root / "fashion-mnist", root, *KNOWN_LOCATIONS]
+    return [root / "FashionMNIST" / "raw", root / "fashion-mnist", root]
 
 
 def locate(root: str | Path | None, split: str | None = None) -> Path:
     """The first folder holding the IDX files of ``split`` (all four when None); FileNotFoundError
-    naming every folder searched."""
-    root = Path(root) if root is not None else default_data_root()
+    naming every folder searched.
+
+    An explicit ``root`` is searched alone (its layouts above); without one, the default root, then
+    the Debian package's folder, then (test split only) the copy embedded in the package
+    (:mod:`robust_attn.data.embedded`)."""
+    explicit = root is not None
+    base = Path(root) if explicit else default_data_root()
     stems = FILES[split] if split else [stem for pair in FILES.values() for stem in pair]
-    for folder in _candidates(root):
+    searched = _candidates(base) if explicit else [*_candidates(base), *KNOWN_LOCATIONS]
+    for folder in searched:
         if all(_find(folder, stem) for stem in stems):
             return folder
-    raise missing_dataset_error("fashion_mnist", _candidates(root), INFO.how_to_get)
+    if not explicit and split == "test":
+        return embedded.path("fashion_mnist_test")
+    raise missing_dataset_error("fashion_mnist", searched, INFO.how_to_get)
 
 
 def to_cifar_resolution(images: np.ndarray) -> torch.Tensor:
@@ -85,15 +96,17 @@ def to_cifar_resolution(images: np.ndarray) -> torch.Tensor:
 
 
 def build(root, split: str, augment: bool, download: bool = False, verify: bool = False) -> TensorImageDataset:
-    root = Path(root) if root is not None else default_data_root()
     if download:
         from torchvision.datasets import FashionMNIST
 
-        FashionMNIST(str(root), train=(split == "train"), download=True)
+        FashionMNIST(str(Path(root) if root is not None else default_data_root()), train=(split == "train"),
+                     download=True)
     folder = locate(root, split)
     images = read_idx(_find(folder, FILES[split][0]))
     labels = read_idx(_find(folder, FILES[split][1]))
     if images.shape[1:] != (28, 28) or len(images) != len(labels):
         raise ValueError(f"{folder}: unexpected Fashion-MNIST shapes {images.shape} / {labels.shape}")
-    return TensorImageDataset(to_cifar_resolution(images), torch.from_numpy(labels.astype(np.int64)),
-                              RandomCropFlip(4) if augment else None)
+    dataset = TensorImageDataset(to_cifar_resolution(images), torch.from_numpy(labels.astype(np.int64)),
+                                 RandomCropFlip(4) if augment else None)
+    dataset.variant, dataset.source = "fashion_mnist", str(folder)
+    return dataset
