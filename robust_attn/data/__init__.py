@@ -116,4 +116,7 @@ def _subset(dataset: Dataset, indices: list[int]) -> Dataset:
     subset = Subset(dataset, indices)
     targets = _labels(dataset)
     subset.targets = [targets[i] for i in indices]
+    for key in ("variant", "source"):
+        if hasattr(dataset, key):
+            setattr(subset, key, getattr(dataset, key))
     return subset

@@ -81,15 +81,22 @@ def decode_jpegs(blobs: list[bytes], what: str = "image") -> torch.Tensor:
 
 
 def read_folder(folder: str | Path) -> tuple[list[Path], torch.Tensor]:
-    """The image files of a ``<class>/*`` folder in sorted order and their labels; the class folders
-    must be exactly :data:`CLASSES` (a clear error otherwise, e.g. a folder of another dataset)."""
+    """The image files of a ``<class>/*`` folder in sorted order and their labels (hidden files such as
+    ``.DS_Store`` skipped). The class folders must be exactly :data:`CLASSES`, each holding at least one
+    file: a clear error naming what is missing and how to get the data otherwise (e.g. a partial copy,
+    or a folder of another dataset)."""
     folder = Path(folder)
-    found = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    found = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
     if tuple(found) != CLASSES:
-        raise ValueError(f"{folder}: class folders {found} are not CIFAR-10's {list(CLASSES)}")
+        missing = [c for c in CLASSES if c not in found]
+        extra = [c for c in found if c not in CLASSES]
+        raise ValueError(f"{folder}: class folders {found} are not CIFAR-10's {list(CLASSES)} (missing {missing}, "
+                         f"unexpected {extra}): an incomplete copy or another dataset. {INFO.how_to_get}")
     files, labels = [], []
     for label, name in enumerate(CLASSES):
-        members = sorted(p for p in (folder / name).iterdir() if p.is_file())
+        members = sorted(p for p in (folder / name).iterdir() if p.is_file() and not p.name.startswith("."))
+        if not members:
+            raise ValueError(f"{folder / name} holds no images: an incomplete copy. {INFO.how_to_get}")
         files += members
         labels += [label] * len(members)
     return files, torch.tensor(labels, dtype=torch.long)
@@ -115,17 +122,37 @@ def _searched(base: Path) -> list[Path]:
     return [base / PICKLE_FOLDER, *(base / n for n in FOLDER_NAMES), base]
 
 
+def _incomplete(base: Path, split: str | None) -> list[str]:
+    """What a started but incomplete copy under ``base`` lacks, for the error message."""
+    names = BATCHES[split] if split else BATCHES["train"] + BATCHES["test"]
+    notes = []
+    for folder in (base / PICKLE_FOLDER, base):
+        present = [n for n in names if (folder / n).is_file()]
+        if present and len(present) < len(names):
+            notes.append(f"{folder} holds {present} but lacks {[n for n in names if n not in present]}")
+    splits = (split,) if split else ("train", "test")
+    for folder in (*(base / n for n in FOLDER_NAMES), base):
+        have = [s for s in ("train", "test") if (folder / s).is_dir() and any((folder / s).iterdir())]
+        lacking = [s for s in splits if s not in have]
+        if have and lacking:
+            notes.append(f"{folder} holds {', '.join(h + '/' for h in have)} "
+                         f"but no {', '.join(s + '/' for s in lacking)}")
+    return notes
+
+
 def locate(root: str | Path | None, split: str | None = None) -> Path:
     """Where ``split`` would be read from: a pickle folder, an image folder (holding train/ and test/),
     or, with no ``root`` and split "test", the embedded test set's file. FileNotFoundError naming
-    every place searched otherwise."""
+    every place searched, what a partial copy lacks, and how to get the data otherwise."""
     base = Path(root) if root is not None else default_data_root()
     found = _pickle_folder(base, split) or _image_folder(base, split)
     if found is not None:
         return found
     if root is None and split == "test":
         return embedded.path("cifar10_jpeg_test")
-    raise missing_dataset_error("cifar10", _searched(base), INFO.how_to_get)
+    notes = _incomplete(base, split)
+    how = (f"Incomplete copy: {'; '.join(notes)}. " if notes else "") + INFO.how_to_get
+    raise missing_dataset_error("cifar10", _searched(base), how)
 
 
 def build(root, split: str, augment: bool, download: bool = False, verify: bool = False) -> TensorImageDataset:

@@ -4,6 +4,11 @@ Layout: ``ROOT/cifar-100-python/{train,test,meta}`` as in ``cifar-100-python.tar
 torchvision's ``CIFAR100`` downloads). The pickles are read with a restricted unpickler
 (:mod:`robust_attn.data.pickles`), so reading a tampered file cannot run code. ``verify=True`` checks the canonical md5s first.
 
+Where it is looked for: an explicit ``root`` is searched alone (``ROOT/cifar-100-python``, then ``ROOT``)
+and a root without the pickles is an error; without one, the default data root (``$ROBUST_ATTN_DATA``
+or ``./data``) is searched the same way. Nothing is embedded and there is no other fallback. The
+dataset built carries ``variant`` ("cifar100") and ``source`` (the folder read).
+
 Mean/std: the usual per-channel statistics of the CIFAR-100 training images.
 """
 from __future__ import annotations
@@ -82,4 +87,6 @@ def build(root, split: str, augment: bool, download: bool = False, verify: bool 
         CIFAR100(str(root), train=(split == "train"), download=True)
     folder = locate(root, split)
     batch = read_batch(folder / split, verify=verify, name=split)
-    return TensorImageDataset(batch["images"], batch["fine_labels"], RandomCropFlip(4) if augment else None)
+    dataset = TensorImageDataset(batch["images"], batch["fine_labels"], RandomCropFlip(4) if augment else None)
+    dataset.variant, dataset.source = "cifar100", str(folder)
+    return dataset

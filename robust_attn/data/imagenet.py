@@ -6,6 +6,12 @@ public ImageNet loader. The test split is the original validation set (``val``: 
 
 Transforms (SAN section 5.1): training uses a random-resized crop to 224 and horizontal flip;
 evaluation resizes the short side to 256 and takes the central 224x224 crop.
+
+Where it is looked for: an explicit ``root`` is searched alone (``ROOT/imagenet``, then ``ROOT``) and
+a root without the split's folder is an error; without one, the default data root
+(``$ROBUST_ATTN_DATA`` or ``./data``) is searched the same way. There is no other fallback. The
+dataset built (a torchvision ``ImageFolder``) carries ``variant`` ("imagenet" for train,
+"imagenet-val-original" for test) and ``source`` (the split's folder).
 """
 from __future__ import annotations
 
@@ -46,4 +52,6 @@ def build(root, split: str, augment: bool, download: bool = False, verify: bool 
 
     folder = locate(root, split)
     transform = imagenet_train_transform(INFO.image_size) if augment else imagenet_eval_transform(INFO.image_size)
-    return ImageFolder(str(folder), transform=transform)
+    dataset = ImageFolder(str(folder), transform=transform)
+    dataset.variant, dataset.source = ("imagenet-val-original" if split == "test" else "imagenet"), str(folder)
+    return dataset

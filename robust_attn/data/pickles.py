@@ -19,6 +19,10 @@ import numpy as np
 __all__ = ["load_pickle", "text_list"]
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global a genuine CIFAR pickle never refers to (kept apart from a damaged file's errors)."""
+
+
 def _numpy_global(module: str, name: str):
     try:
         from numpy._core import multiarray  # numpy >= 2
@@ -30,8 +34,8 @@ def _numpy_global(module: str, name: str):
                # what Python 3 writes for bytes at protocol 2 (a re-pickled copy); harmless
                ("_codecs", "encode"): codecs.encode}
     if (module, name) not in allowed:
-        raise pickle.UnpicklingError(f"CIFAR pickle refers to {module}.{name}, which a genuine file never "
-                                     f"does; refusing to load it")
+        raise _Refused(f"CIFAR pickle refers to {module}.{name}, which a genuine file never "
+                       f"does; refusing to load it")
     return allowed[(module, name)]
 
 
@@ -52,7 +56,9 @@ def load_pickle(path: str | Path, md5: str | None = None) -> dict:
                              f"or truncated; delete it and download again (download=True)")
     try:
         obj = _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
-    except (EOFError, ValueError, IndexError, KeyError, TypeError) as exc:
+    except _Refused:
+        raise
+    except (EOFError, ValueError, IndexError, KeyError, TypeError, pickle.UnpicklingError) as exc:
         raise ValueError(f"{path} is not a readable CIFAR pickle ({type(exc).__name__}: {exc}): truncated or "
                          f"another format; delete it and download again (download=True)") from exc
     if not isinstance(obj, dict):
