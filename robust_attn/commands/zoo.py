@@ -33,6 +33,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--manifest", default=None, help="manifest file (default zoo/manifest.json)")
     add.set_defaults(func=run_add)
 
+    imp = zoo_sub.add_parser("import", help="convert another project's checkpoint into a robust-attn checkpoint")
+    imp.add_argument("kind", choices=("san-official", "torchvision-resnet"),
+                     help="san-official: the SAN authors' .pth (hszhao/SAN); torchvision-resnet: a torchvision-"
+                          "layout ResNet state dict")
+    imp.add_argument("path", help="the source checkpoint (torch.save file)")
+    imp.add_argument("--arch", required=True, help="our architecture, e.g. san10_pairwise or resnet50")
+    imp.add_argument("--out", default=None, help="output .safetensors (default: PATH with suffix .safetensors)")
+    imp.add_argument("--force", action="store_true", help="replace an existing output")
+    imp.set_defaults(func=run_import)
+
 
 def run_list(args: argparse.Namespace) -> int:
     reference = imagenet_reference()
@@ -75,4 +85,12 @@ def run_add(args: argparse.Namespace) -> int:
     manifest.add(entry)
     manifest.save()
     print(f"added {entry.name} ({entry.dataset}) to {manifest.path}")
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from robust_attn.importers import import_checkpoint
+
+    out, sha = import_checkpoint(args.kind, args.path, args.arch, args.out, overwrite=args.force)
+    print(f"wrote {out} ({args.arch}, sha256 {sha[:16]}) from {args.path}; sidecar {out.with_suffix('.json')}")
     return 0
