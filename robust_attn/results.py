@@ -6,13 +6,19 @@ Layout of a run directory::
     records/<condition>/<start>-<stop>.csv
                                       per-image records of dataset items [start, stop) under
                                       one condition (e.g. ``cw90`` or ``pgd_eps8_step4_n2``)
+    manifest/<condition>/<start>-<stop>.csv.sha256
+                                      the chunk's manifest entry: ``{"sha256": ..., "rows": ...}``
+    claims/<condition>/<start>-<stop>.csv.claim.<n>
+                                      while a process computes the chunk: who (pid, host, time)
     targets.csv                       (PGD) the attack target of every image
     ...                               anything else a protocol saves (e.g. sanity checks)
 
 A finished run can be *packed* (:meth:`RunStore.pack`): the same directory with all records
 merged into one ``records.csv.gz`` instead of ``records/``, small enough to commit beside a
 report so that the report can be derived again from what was saved. A packed run reads like
-the original and cannot be written to.
+the original and cannot be written to. Its ``checksums.json`` (written last, atomically) holds
+the sha256 of every file of the packed run and the row count of ``records.csv.gz``, so a report
+re-derived from committed runs is verified end to end.
 
 A chunk file is written atomically (temporary file, fsync, rename), so its existence is the
 completion marker: a run killed at any point leaves only whole chunks, and starting the same
@@ -20,28 +26,70 @@ command again computes exactly the missing ones. The chunk grid (``start``, ``st
 only on the batch size, never on the number of processes, so records written by ``torchrun``
 ranks, by a single process, or by a mix across restarts are the same files.
 
+Integrity (issue #18). The manifest of a chunked run is one small sidecar per chunk
+(``manifest/<condition>/<chunk>.sha256``), not one shared file: several processes write chunks of one run at once
+(``torchrun`` ranks, or the same command started twice on purpose), and a shared manifest would
+need a read-modify-write under a lock, where a writer killed while holding it, or two writers
+racing, lose entries. A sidecar is written by the chunk's only writer (see claims below),
+atomically, *before* the atomic rename of the chunk; so every chunk file that exists has its
+entry, a kill between the two leaves an entry without a chunk (the chunk is simply missing and
+is computed again, rewriting the entry), and no state has a chunk with a stale entry. Reading
+records (:meth:`RunStore.records`, :func:`load_records`) checks every chunk against its entry
+(sha256 of the bytes and the row count) and raises :class:`DamagedRecordsError` naming the
+files and the fix: ``--repair`` (:meth:`RunStore.repair` deletes the damaged chunks so that the
+command computes them again) or restoring the files. A deleted chunk is a missing chunk (the
+run is unfinished; running the command again computes it). A report therefore never computes
+from damaged records. Runs written before checksums existed are adopted with :meth:`RunStore.seal`
+(``python -m robust_attn.results seal DIR...``), which checks that the records parse and are
+complete before it trusts them.
+
+Claims (concurrency). Before computing a (condition, chunk), a process claims it by creating
+``claims/<condition>/<chunk>.claim.<n>`` exclusively (``os.link`` of a finished temporary file: atomic, fails if
+the name exists, and never shows a half-written claim). The claim records pid, host, process
+start time and time; after claiming, the process checks again that the chunk is still missing
+(another process may have finished it in between), so no chunk is computed twice. A claim is
+*stale*, and taken over, when its process is gone: on the same host its pid is dead (or a
+zombie, or reused by a process with another start time); from another host when its heartbeat
+(the file's mtime, touched after each condition written) is older than the claim timeout
+(``ROBUST_ATTN_CLAIM_TIMEOUT`` seconds, default 6 hours). Taking over claim ``n`` means
+creating ``n + 1`` exclusively, so two processes that both find ``n`` stale cannot both win;
+stale claim files are never deleted by a taker, which is what makes the takeover race-free.
+Once the chunk exists its claim files are deleted (they no longer matter).
+
 Aggregates (accuracies, success rates, drops) are always computed from the records
 (:func:`load_records`), never stored on their own.
 """
 from __future__ import annotations
 
 import gzip
+import io
 import json
+import os
 import platform
 import re
+import socket
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pandas as pd
 
-from robust_attn.utils.io import atomic_path, atomic_write_json
+from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes, sha256_file
 
-__all__ = ["RunStore", "RunMismatchError", "load_records", "load_description", "library_versions",
-           "VOLATILE_KEYS"]
+__all__ = ["RunStore", "RunMismatchError", "DamagedRecordsError", "Claim", "load_records", "load_description",
+           "library_versions", "VOLATILE_KEYS"]
 
 DESCRIPTION = "run.json"
 RECORDS = "records"
 PACKED = "records.csv.gz"
+PACKED_MANIFEST = "checksums.json"
+CHECKSUM_SUFFIX = ".sha256"
+CLAIM_SUFFIX = ".claim"
+MANIFEST = "manifest"
+CLAIMS = "claims"
+CLAIM_TIMEOUT_ENV = "ROBUST_ATTN_CLAIM_TIMEOUT"
+DEFAULT_CLAIM_TIMEOUT = 6 * 3600.0
 # Keys of run.json that may differ between a run and its resumption (where and how it ran,
 # not what it computes).
 VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_workers", "created",
@@ -52,10 +100,20 @@ VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_w
 PROVENANCE_PARAMETERS = frozenset({"targets"})
 _CONDITION_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _CHUNK_RE = re.compile(r"^(\d+)-(\d+)\.csv$")
+_SHOWN = 5  # damaged files named in one error message
 
 
 class RunMismatchError(ValueError):
     """The run directory holds a different run from the one being started."""
+
+
+class DamagedRecordsError(ValueError):
+    """Stored records do not match their checksums (altered, truncated, or never checksummed).
+    ``problems`` lists ``(path, what is wrong)``."""
+
+    def __init__(self, message: str, problems: list[tuple[Path, str]] | None = None):
+        super().__init__(message)
+        self.problems = list(problems or [])
 
 
 def library_versions() -> dict[str, str]:
@@ -78,6 +136,149 @@ def library_versions() -> dict[str, str]:
 
 def _jsonable(obj):
     return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def _csv_rows(data: bytes) -> int:
+    """Data rows of a CSV written by pandas (one header line, no embedded newlines)."""
+    return max(data.count(b"\n") - 1, 0) if data.endswith(b"\n") else -1
+
+
+def _damaged_message(root: Path, problems: list[tuple[Path, str]], packed: bool) -> str:
+    shown = "; ".join(f"{p}: {why}" for p, why in problems[:_SHOWN])
+    more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+    if packed:
+        fix = (f"restore the packed run's files (e.g. `git checkout -- {root}`), or pack it again from the "
+               f"original run directory (RunStore(RUN).pack(DEST))")
+    else:
+        fix = ("run the same `robust-attn eval ...` command again with --repair (it recomputes only the damaged "
+               "chunks), or restore the files from a copy")
+    return f"run {root} has damaged records: {shown}{more}. Fix: {fix}."
+
+
+# --- claims --------------------------------------------------------------------------------
+_HOST = socket.gethostname()
+_LIVE_TOKENS: set[str] = set()  # claims held by this process right now
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of ``pid`` (Linux ``/proc``; None elsewhere or when it is gone); 'Z' for
+    a zombie (killed, not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return "Z" if fields[0] in ("Z", "X") else fields[19]
+
+
+def _pid_alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    now = _process_start(pid)
+    if now == "Z":
+        return False
+    return start is None or now is None or now == start
+
+
+def claim_timeout() -> float:
+    return float(os.environ.get(CLAIM_TIMEOUT_ENV, DEFAULT_CLAIM_TIMEOUT))
+
+
+class Claim:
+    """This process's claim on one (condition, chunk): ``release()`` when done or abandoned,
+    ``touch()`` as a heartbeat."""
+
+    def __init__(self, path: Path, token: str, chunk: Path):
+        self.path, self.token, self.chunk = path, token, chunk
+        _LIVE_TOKENS.add(token)
+
+    def touch(self) -> None:
+        try:
+            os.utime(self.path)
+        except OSError:
+            pass
+
+    def release(self) -> None:
+        """Drop the claim; once the chunk exists, every claim file of it goes (stale ones too)."""
+        _LIVE_TOKENS.discard(self.token)
+        paths = _claim_files(self.chunk) if self.chunk.is_file() else [self.path]
+        for path in paths:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _claim_dir(chunk: Path) -> Path:
+    """``<run>/claims/<condition>`` of ``<run>/records/<condition>/<chunk>``: beside the records,
+    not among them, so that a condition folder holds chunk files only."""
+    return chunk.parents[2] / CLAIMS / chunk.parent.name
+
+
+def _claim_files(chunk: Path) -> list[Path]:
+    prefix = chunk.name + CLAIM_SUFFIX + "."
+    folder = _claim_dir(chunk)
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.iterdir() if p.name.startswith(prefix) and p.name[len(prefix):].isdigit()]
+
+
+def _claim_held(path: Path, timeout: float) -> bool | None:
+    """True while the claim's process may still be computing; None if the file is gone."""
+    try:
+        mtime = path.stat().st_mtime
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        info = {}
+    if info.get("host") == _HOST and isinstance(info.get("pid"), int):
+        if info["pid"] == os.getpid():
+            return info.get("token") in _LIVE_TOKENS
+        return _pid_alive(info["pid"], info.get("start"))
+    return time.time() - mtime < timeout
+
+
+def claim_chunk(chunk: Path, timeout: float | None = None) -> Claim | None:
+    """Claim the computation of ``chunk`` for this process; None when it exists already or a
+    live process holds it (see the module docstring)."""
+    timeout = claim_timeout() if timeout is None else timeout
+    base = chunk.name + CLAIM_SUFFIX + "."
+    for _ in range(100):
+        if chunk.is_file():
+            return None
+        claims = sorted(_claim_files(chunk), key=lambda p: int(p.name[len(base):]))
+        gen = 0
+        if claims:
+            held = _claim_held(claims[-1], timeout)
+            if held:
+                return None
+            if held is None:  # released meanwhile: look again
+                continue
+            gen = int(claims[-1].name[len(base):]) + 1
+        token = uuid.uuid4().hex
+        record = {"pid": os.getpid(), "host": _HOST, "start": _process_start(os.getpid()), "token": token,
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        path = _claim_dir(chunk) / f"{base}{gen}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{token}.tmp"
+        tmp.write_text(json.dumps(record))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            continue  # another process took this generation first: look again
+        finally:
+            tmp.unlink()
+        claim = Claim(path, token, chunk)
+        if chunk.is_file():  # finished by another process between our look and our claim
+            claim.release()
+            return None
+        return claim
+    raise RuntimeError(f"could not claim {chunk}: claim files keep changing")
 
 
 class RunStore:
@@ -129,15 +330,30 @@ class RunStore:
             raise ValueError(f"condition name {condition!r} must be letters, digits and _.+-")
         return self.root / RECORDS / condition / f"{start:09d}-{stop:09d}.csv"
 
+    @staticmethod
+    def checksum_path(chunk: Path) -> Path:
+        """The manifest entry (sha256 and rows) of a chunk file ``<run>/records/<cond>/<chunk>``:
+        ``<run>/manifest/<cond>/<chunk>.sha256`` (outside ``records/``, whose condition folders
+        hold chunk files only)."""
+        return chunk.parents[2] / MANIFEST / chunk.parent.name / (chunk.name + CHECKSUM_SUFFIX)
+
     @property
     def packed(self) -> bool:
-        return (self.root / PACKED).is_file()
+        return (self.root / PACKED).is_file() or (self.root / PACKED_MANIFEST).is_file()
 
     def has_chunk(self, condition: str, start: int, stop: int) -> bool:
         return self.packed or self.chunk_path(condition, start, stop).is_file()
 
+    def claim(self, condition: str, start: int, stop: int, timeout: float | None = None) -> Claim | None:
+        """Claim (condition, chunk) before computing it; None: written already or a live process
+        computes it."""
+        if self.packed:
+            return None
+        return claim_chunk(self.chunk_path(condition, start, stop), timeout)
+
     def write_chunk(self, condition: str, start: int, stop: int, records: pd.DataFrame) -> Path:
-        """Write the records of items [start, stop) under ``condition``, atomically."""
+        """Write the records of items [start, stop) under ``condition``, atomically, after their
+        manifest entry (sha256 and row count)."""
         if self.packed:
             raise ValueError(f"{self.root} is a packed run (finished, {PACKED}); run into another --out")
         if len(records) != stop - start:
@@ -146,8 +362,10 @@ class RunStore:
         path = self.chunk_path(condition, start, stop)
         frame = records.copy()
         frame.insert(0, "condition", condition)
+        data = frame.to_csv(index=False, lineterminator="\n").encode()
+        atomic_write_json(self.checksum_path(path), {"rows": len(frame), "sha256": sha256_bytes(data)})
         with atomic_path(path) as tmp:
-            frame.to_csv(tmp, index=False)
+            tmp.write_bytes(data)
         return path
 
     def chunks(self) -> list[tuple[str, int, int]]:
@@ -163,12 +381,92 @@ class RunStore:
                     found.append((cond_dir.name, int(m.group(1)), int(m.group(2))))
         return found
 
+    def _read_chunk(self, condition: str, start: int, stop: int) -> tuple[bytes | None, str | None]:
+        """The chunk's bytes and what is wrong with them (None: intact)."""
+        path = self.chunk_path(condition, start, stop)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None, "deleted"
+        try:
+            entry = json.loads(self.checksum_path(path).read_text())
+        except FileNotFoundError:
+            return data, (f"no checksum ({self.checksum_path(path).name} missing: written before checksums "
+                          f"existed, or deleted; `python -m robust_attn.results seal {self.root}` adopts "
+                          f"intact old chunks)")
+        except ValueError:
+            return data, f"unreadable checksum file {self.checksum_path(path).name}"
+        if sha256_bytes(data) != entry.get("sha256"):
+            rows, recorded = _csv_rows(data), entry.get("rows")
+            how = "truncated" if rows < 0 or (isinstance(recorded, int) and rows < recorded) else "altered"
+            shown = "a cut line" if rows < 0 else f"{rows} rows"
+            return data, f"sha256 differs from the recorded one ({how}: {shown}, recorded {recorded} rows)"
+        if entry.get("rows") != stop - start or _csv_rows(data) != stop - start:
+            return data, f"{_csv_rows(data)} rows, expected {stop - start}"
+        return data, None
+
+    def verify(self) -> list[tuple[Path, str]]:
+        """Every damaged file of the run as ``(path, what is wrong)``; empty when intact."""
+        if self.packed:
+            return self._verify_packed()[0]
+        problems = []
+        for c, a, b in self.chunks():
+            _, problem = self._read_chunk(c, a, b)
+            if problem:
+                problems.append((self.chunk_path(c, a, b), problem))
+        return problems
+
+    def check_chunks(self, chunks, repair: bool = False) -> list[Path]:
+        """Verify the written chunks among ``chunks`` ((condition, start, stop) triples); a damaged
+        one raises :class:`DamagedRecordsError`, or with ``repair`` is deleted (it is missing then
+        and gets computed again). Returns the deleted files."""
+        if self.packed:
+            return []
+        problems = []
+        for c, a, b in chunks:
+            path = self.chunk_path(c, a, b)
+            if path.is_file():
+                _, problem = self._read_chunk(c, a, b)
+                if problem and problem != "deleted":
+                    problems.append((path, problem))
+        if problems and not repair:
+            raise DamagedRecordsError(_damaged_message(self.root, problems, packed=False), problems)
+        for path, _ in problems:
+            path.unlink(missing_ok=True)
+            self.checksum_path(path).unlink(missing_ok=True)
+        return [p for p, _ in problems]
+
+    def repair(self) -> list[Path]:
+        """Delete every damaged chunk (and its manifest entry) so that the run's command computes
+        it again; returns the deleted chunk files. A packed run cannot be recomputed: damage is a
+        :class:`DamagedRecordsError` naming the files to restore."""
+        if self.packed:
+            problems = self.verify()
+            if problems:
+                raise DamagedRecordsError(_damaged_message(self.root, problems, packed=True), problems)
+            return []
+        return self.check_chunks(self.chunks(), repair=True)
+
     def records(self) -> pd.DataFrame:
         """All complete chunks merged (from any number of processes), sorted by condition in
-        the order of the description's ``conditions`` and then by image index."""
+        the order of the description's ``conditions`` and then by image index. Every chunk (or
+        the packed file) is checked against its checksum first: :class:`DamagedRecordsError`."""
         if self.packed:
-            return pd.read_csv(self.root / PACKED)
-        frames = [pd.read_csv(self.chunk_path(c, a, b)) for c, a, b in self.chunks()]
+            problems, data = self._verify_packed()
+            if problems:
+                raise DamagedRecordsError(_damaged_message(self.root, problems, packed=True), problems)
+            return pd.read_csv(io.BytesIO(data), compression="gzip")
+        frames, problems = [], []
+        for c, a, b in self.chunks():
+            data, problem = self._read_chunk(c, a, b)
+            if problem == "deleted":  # deleted between listing and reading: missing, not damaged
+                continue
+            if problem:
+                problems.append((self.chunk_path(c, a, b), problem))
+            elif not problems:
+                frames.append(pd.read_csv(io.BytesIO(data)))
+        if problems:
+            raise DamagedRecordsError(_damaged_message(self.root, problems, packed=False), problems)
         if not frames:
             return pd.DataFrame(columns=["condition", "index"])
         frame = pd.concat(frames, ignore_index=True)
@@ -195,24 +493,126 @@ class RunStore:
         return [(c, a, min(a + size, n)) for c in self._condition_names() for a in range(0, n, size)
                 if (c, a, min(a + size, n)) not in done]
 
+    # --- packed runs -----------------------------------------------------------------------------
+    def _verify_packed(self) -> tuple[list[tuple[Path, str]], bytes | None]:
+        """Problems of a packed run against its ``checksums.json``, and the verified records bytes."""
+        manifest_path = self.root / PACKED_MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            files = manifest["files"]
+        except FileNotFoundError:
+            return [(manifest_path, f"missing: the packed run has no checksums (packed before checksums "
+                                    f"existed, or deleted); `python -m robust_attn.results seal {self.root}` "
+                                    f"checks and adopts an intact old packed run")], None
+        except (ValueError, KeyError, TypeError):
+            return [(manifest_path, "unreadable")], None
+        problems, records = [], None
+        if PACKED not in files:
+            problems.append((manifest_path, f"lists no {PACKED}"))
+        for name, entry in sorted(files.items()):
+            path = self.root / name
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                problems.append((path, "deleted"))
+                continue
+            if sha256_bytes(data) != entry.get("sha256"):
+                problems.append((path, "sha256 differs from the recorded one (altered or truncated)"))
+                continue
+            if name == PACKED:
+                rows = _csv_rows(gzip.decompress(data))
+                if rows != entry.get("rows"):
+                    problems.append((path, f"{rows} rows, recorded {entry.get('rows')}"))
+                else:
+                    records = data
+        return problems, records
+
+    def _write_packed_manifest(self, rows: int) -> None:
+        files = {}
+        for item in sorted(self.root.iterdir()):
+            if item.is_file() and item.name != PACKED_MANIFEST and not item.name.startswith("."):
+                files[item.name] = {"sha256": sha256_file(item)}
+        files[PACKED]["rows"] = rows
+        atomic_write_json(self.root / PACKED_MANIFEST, {"files": files})
 
     def pack(self, dest: str | Path) -> "RunStore":
         """Write this finished run to ``dest`` packed: ``run.json`` and the protocol's other
         files copied, the records merged into one gzip CSV (byte-reproducible: no timestamp in
-        the gzip header). Returns the packed store."""
+        the gzip header), then ``checksums.json`` (sha256 of every file, rows of the records).
+        Returns the packed store."""
         missing = self.missing()
         if missing:
             raise ValueError(f"{self.root} is unfinished ({len(missing)} chunks missing); finish it before packing")
         dest = Path(dest)
         if dest.resolve() == self.root.resolve():
             raise ValueError("pack into another directory than the run itself")
+        records = self.records()  # verified
+        (dest / PACKED_MANIFEST).unlink(missing_ok=True)  # a half-rewritten pack must not pass as sealed
         for item in sorted(self.root.iterdir()):
-            if item.is_file() and item.name != PACKED and not item.name.startswith("."):
+            if item.is_file() and item.name not in (PACKED, PACKED_MANIFEST) and not item.name.startswith("."):
                 with atomic_path(dest / item.name) as tmp:
                     tmp.write_bytes(item.read_bytes())
         with atomic_path(dest / PACKED) as tmp:
-            tmp.write_bytes(gzip.compress(self.records().to_csv(index=False).encode(), mtime=0))
-        return RunStore(dest)
+            tmp.write_bytes(gzip.compress(records.to_csv(index=False).encode(), mtime=0))
+        packed = RunStore(dest)
+        packed._write_packed_manifest(len(records))
+        return packed
+
+    def seal(self) -> list[Path]:
+        """Adopt a run written before checksums existed: check that its records parse and are
+        complete and consistent, then write the missing checksums (a packed run's
+        ``checksums.json``, a chunk's sidecar). Existing checksums are verified, never rewritten.
+        Returns the checksum files written."""
+        desc = self.description()
+        if self.packed:
+            manifest = self.root / PACKED_MANIFEST
+            if manifest.is_file():
+                self.repair()  # verifies; raises on damage
+                return []
+            try:
+                frame = pd.read_csv(self.root / PACKED)
+            except (OSError, EOFError, ValueError) as err:
+                raise DamagedRecordsError(f"cannot seal {self.root}: {PACKED} does not read ({err}); restore it "
+                                          f"or pack it again", [(self.root / PACKED, str(err))]) from None
+            _check_complete(frame, desc, self.root / PACKED)
+            rows = _csv_rows(gzip.decompress((self.root / PACKED).read_bytes()))
+            if rows != len(frame):
+                raise DamagedRecordsError(f"cannot seal {self.root}: {PACKED} has {rows} lines but {len(frame)} "
+                                          f"records; restore it or pack it again")
+            self._write_packed_manifest(rows)
+            return [manifest]
+        written = []
+        for c, a, b in self.chunks():
+            path = self.chunk_path(c, a, b)
+            side = self.checksum_path(path)
+            if side.is_file():
+                continue
+            data = path.read_bytes()
+            try:
+                frame = pd.read_csv(io.BytesIO(data))
+            except ValueError as err:
+                raise DamagedRecordsError(f"cannot seal {path}: {err}; delete it and run the command again",
+                                          [(path, str(err))]) from None
+            ok = (len(frame) == b - a == _csv_rows(data) and "index" in frame
+                  and sorted(frame["index"].tolist()) == list(range(a, b)) and (frame["condition"] == c).all())
+            if not ok:
+                raise DamagedRecordsError(f"cannot seal {path}: its rows are not the images [{a}, {b}) of {c}; "
+                                          f"delete it and run the command again", [(path, "incomplete")])
+            atomic_write_json(side, {"rows": len(frame), "sha256": sha256_bytes(data)})
+            written.append(side)
+        return written
+
+
+def _check_complete(frame: pd.DataFrame, desc: dict, path: Path) -> None:
+    """Every (condition, image) of the description once, no NaN index."""
+    names = [c["name"] if isinstance(c, dict) else c for c in desc.get("conditions", [])]
+    n = int(desc.get("num_images", 0))
+    want = {(c, i) for c in names for i in range(n)}
+    have = list(zip(frame["condition"], frame["index"])) if {"condition", "index"} <= set(frame) else []
+    if len(have) != len(set(have)) or set(have) != want:
+        raise DamagedRecordsError(f"cannot seal {path}: it does not hold each of the {len(names)} conditions x "
+                                  f"{n} images once ({len(have)} records); restore it or pack it again",
+                                  [(path, "incomplete")])
 
 
 def _comparable(key: str, value):
@@ -227,13 +627,50 @@ def load_description(run_dir: str | Path) -> dict:
 
 
 def load_records(run_dir: str | Path, require_complete: bool = True) -> pd.DataFrame:
-    """The merged per-image records of a run; an unfinished run is an error unless
+    """The merged per-image records of a run, verified against their checksums
+    (:class:`DamagedRecordsError`); an unfinished run is an error unless
     ``require_complete=False``."""
     store = RunStore(run_dir)
     if require_complete:
         missing = store.missing()
         if missing:
+            c, a, b = missing[0]
             raise ValueError(f"run {run_dir} is unfinished ({len(missing)} chunks missing, e.g. "
-                             f"{missing[0]}); finish it by running its command again: "
+                             f"{store.chunk_path(c, a, b)}); finish it by running its command again (it computes "
+                             f"only the missing chunks) or restore the files: "
                              f"{' '.join(store.description().get('command', []))}")
     return store.records()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m robust_attn.results verify|seal|repair RUN_DIR...``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m robust_attn.results",
+                                     description="check, adopt (seal) or repair stored runs")
+    parser.add_argument("action", choices=["verify", "seal", "repair"])
+    parser.add_argument("runs", nargs="+")
+    args = parser.parse_args(argv)
+    status = 0
+    for run in args.runs:
+        store = RunStore(run)
+        try:
+            if args.action == "seal":
+                done = store.seal()
+                print(f"{run}: sealed ({len(done)} checksum file(s) written)")
+            elif args.action == "repair":
+                done = store.repair()
+                print(f"{run}: {len(done)} damaged chunk(s) deleted; run its command again to recompute them")
+            else:
+                problems = store.verify()
+                if problems:
+                    raise DamagedRecordsError(_damaged_message(store.root, problems, store.packed), problems)
+                print(f"{run}: intact")
+        except (ValueError, FileNotFoundError) as err:
+            print(f"{run}: error: {err}", file=sys.stderr)
+            status = 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -78,7 +78,16 @@ class Manifest:
         self.entries: dict[tuple[str, str], ZooEntry] = {}
         if self.path.is_file():
             known = {f.name for f in fields(ZooEntry)}
-            for raw in json.loads(self.path.read_text()).get("models", []):
+            try:
+                listed = json.loads(self.path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"zoo manifest {self.path} is not valid JSON ({err}): fix the hand edit or "
+                                 f"restore it (`git checkout zoo/manifest.json`; entries are added with "
+                                 f"`robust-attn zoo add`)") from None
+            if not isinstance(listed, dict) or not isinstance(listed.get("models", []), list):
+                raise ValueError(f"zoo manifest {self.path} must be an object {{\"models\": [...]}}; restore it "
+                                 f"or rebuild it with `robust-attn zoo add`")
+            for raw in listed.get("models", []):
                 unknown = set(raw) - known
                 if unknown:
                     raise ValueError(f"{self.path}: unknown keys {sorted(unknown)} in entry {raw.get('name')!r}")

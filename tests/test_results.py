@@ -138,7 +138,7 @@ def test_packed_run_reads_like_the_original_and_is_reproducible(tmp_path):
     run_chunks(store, _dataset(), ["c"], Counting(), chunk_size=4, progress=False)
     (tmp_path / "run" / "targets.csv").write_text("index,label,target\n")
     packed = store.pack(tmp_path / "packed")
-    assert sorted(p.name for p in packed.root.iterdir()) == ["records.csv.gz", "run.json", "targets.csv"]
+    assert sorted(p.name for p in packed.root.iterdir()) == ["checksums.json", "records.csv.gz", "run.json", "targets.csv"]
     pd.testing.assert_frame_equal(load_records(packed.root), load_records(store.root))
     assert packed.missing() == [] and packed.description() == store.description()
     again = store.pack(tmp_path / "packed2")

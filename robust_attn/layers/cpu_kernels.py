@@ -33,6 +33,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import warnings
 from pathlib import Path
 
@@ -61,6 +62,21 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
 
 
+def _announce_build(name: str) -> None:
+    """One line on stderr before a build that is not cached yet (the first use takes about a
+    minute with no other output, which looks hung)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        folder = Path(_get_build_directory(name, verbose=False))
+    except Exception:   # a private helper of torch: if it moves, say nothing rather than fail
+        return
+    built = folder / f"{name}.so"
+    newest = max(p.stat().st_mtime for p in _SOURCES)
+    if not built.is_file() or built.stat().st_mtime < newest:
+        print(f"robust-attn: compiling the CPU kernels (first use, about a minute; cached in {folder})...",
+              file=sys.stderr, flush=True)
+
+
 def _load():
     """The compiled module, or None (no compiler, disabled, or a failed build: warns once)."""
     global _module, _load_failed
@@ -74,7 +90,9 @@ def _load():
     quiet.setLevel(logging.ERROR)
     try:
         from torch.utils.cpp_extension import load
-        _module = load(name=f"robust_attn_cpu_kernels_{_cpu_fingerprint()}", sources=[str(p) for p in _SOURCES],
+        name = f"robust_attn_cpu_kernels_{_cpu_fingerprint()}"
+        _announce_build(name)
+        _module = load(name=name, sources=[str(p) for p in _SOURCES],
                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler / ninja / headers: fall back to the PyTorch loops

@@ -1,4 +1,4 @@
-"""The run loop every protocol shares: chunks, shards, resumption, progress.
+"""The run loop every protocol shares: chunks, shards, claims, resumption, progress.
 
 The dataset is cut into chunks of ``chunk_size`` consecutive items (one batch each). Under
 ``torchrun`` rank ``r`` of ``W`` takes chunks ``r, r + W, r + 2W, ...``
@@ -6,9 +6,20 @@ The dataset is cut into chunks of ``chunk_size`` consecutive items (one batch ea
 protocol's ``evaluate`` callback gets the batch and the conditions still missing for it and
 yields ``(condition, records)`` pairs, each written at once as an atomic chunk file; a chunk
 with every condition written is not even loaded again.
+
+Several processes may share one run directory (the same command started twice, a restart
+beside a still-running process): each (condition, chunk) is *claimed* just before it is
+computed (:meth:`robust_attn.results.RunStore.claim`; stale claims of killed processes are
+taken over), so no chunk is computed twice, and a process that finds the rest of its shard
+claimed by live processes waits for them (polling) rather than returning an unfinished run.
+The chunks already written are checked against their checksums first: a damaged one is a
+:class:`~robust_attn.results.DamagedRecordsError`, or, with ``repair=True``, deleted and
+computed again.
 """
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -18,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from robust_attn.distributed import shard_indices
-from robust_attn.results import RunStore, library_versions
+from robust_attn.results import Claim, RunStore, library_versions
 
 __all__ = ["RunStats", "chunk_grid", "run_chunks", "topk_hits", "open_run"]
 
@@ -32,6 +43,8 @@ class RunStats:
     computed: int = 0  # (condition, chunk) pairs written now
     skipped: int = 0  # (condition, chunk) pairs found already written
     chunks_loaded: int = 0  # batches read from the dataset
+    by_others: int = 0  # pairs written meanwhile by other processes sharing the run directory
+    repaired: int = 0  # damaged chunk files deleted (``repair=True``) and computed again
 
 
 def chunk_grid(n: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -41,38 +54,101 @@ def chunk_grid(n: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk_size, n)) for a in range(0, n, chunk_size)]
 
 
+class _ClaimingSampler:
+    """Batch sampler over the pending chunks that claims each chunk's missing conditions as
+    the loader asks for it (so claims are taken just ahead of the computation) and yields only
+    chunks with at least one condition claimed; ``claimed`` queues what each batch is for."""
+
+    def __init__(self, store: RunStore, pending, claim_timeout):
+        self.store, self.pending, self.timeout = store, pending, claim_timeout
+        self.claimed: deque[tuple[int, int, dict[str, Claim]]] = deque()
+
+    def __iter__(self):
+        for start, stop, todo in self.pending:
+            claims = {}
+            for condition in todo:
+                claim = self.store.claim(condition, start, stop, timeout=self.timeout)
+                if claim is not None:
+                    claims[condition] = claim
+            if claims:
+                self.claimed.append((start, stop, claims))
+                yield list(range(start, stop))
+
+    def release_all(self) -> None:
+        while self.claimed:
+            for claim in self.claimed.popleft()[2].values():
+                claim.release()
+
+
 def run_chunks(store: RunStore, dataset: Dataset, conditions: list[str], evaluate: Evaluate, *,
                chunk_size: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
-               progress: bool = True, desc: str = "eval") -> RunStats:
-    """Evaluate every missing (condition, chunk) of this rank's shard and write its records."""
+               progress: bool = True, desc: str = "eval", repair: bool = False, poll: float = 1.0,
+               claim_timeout: float | None = None) -> RunStats:
+    """Evaluate every missing (condition, chunk) of this rank's shard and write its records.
+
+    Written chunks of the shard are verified first (``repair``: damaged ones are deleted and
+    recomputed, else :class:`~robust_attn.results.DamagedRecordsError`). Each pair is claimed
+    before it is computed; pairs claimed by other live processes are awaited, polling every
+    ``poll`` seconds. ``claim_timeout``: seconds after which another host's silent claim counts
+    as stale (default ``$ROBUST_ATTN_CLAIM_TIMEOUT`` or 6 hours)."""
     grid = chunk_grid(len(dataset), chunk_size)
     mine = [grid[i] for i in shard_indices(len(grid), rank, world_size)]
     stats = RunStats()
-    pending: list[tuple[int, int, list[str]]] = []
-    for start, stop in mine:
-        todo = [c for c in conditions if not store.has_chunk(c, start, stop)]
-        stats.skipped += len(conditions) - len(todo)
-        if todo:
-            pending.append((start, stop, todo))
-    if not pending:
-        return stats
-    loader = DataLoader(dataset, batch_sampler=[list(range(a, b)) for a, b, _ in pending],
-                        num_workers=num_workers)
-    bar = tqdm(total=sum(len(t) for _, _, t in pending), desc=desc, unit="chunk",
-               disable=not progress, leave=False)
+    stats.repaired = len(store.check_chunks([(c, a, b) for a, b in mine for c in conditions], repair=repair))
+    bar = None
+    first = True
     try:
-        for (start, stop, todo), (images, labels) in zip(pending, _batches(loader)):
+        while True:
+            pending = []
+            for start, stop in mine:
+                todo = [c for c in conditions if not store.has_chunk(c, start, stop)]
+                if todo:
+                    pending.append((start, stop, todo))
+            left = sum(len(t) for _, _, t in pending)
+            if first:
+                stats.skipped = len(mine) * len(conditions) - left
+                bar = tqdm(total=left, desc=desc, unit="chunk", disable=not progress, leave=False)
+                first = False
+            if not pending:
+                break
+            if _one_pass(store, dataset, pending, evaluate, num_workers, claim_timeout, stats, bar) == 0:
+                time.sleep(poll)  # the rest is claimed by live processes: wait for them
+    finally:
+        if bar is not None:
+            bar.close()
+    stats.by_others = len(mine) * len(conditions) - stats.skipped - stats.computed
+    return stats
+
+
+def _one_pass(store, dataset, pending, evaluate, num_workers, claim_timeout, stats, bar) -> int:
+    """Claim and compute what can be claimed of ``pending``; returns the pairs computed."""
+    sampler = _ClaimingSampler(store, pending, claim_timeout)
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
+    computed = 0
+    claims: dict[str, Claim] = {}
+    try:
+        for images, labels in _batches(loader):
+            start, stop, claims = sampler.claimed.popleft()
             stats.chunks_loaded += 1
             indices = torch.arange(start, stop)
-            for condition, records in evaluate(images, torch.as_tensor(labels), indices, todo):
-                if condition not in todo:
+            for condition, records in evaluate(images, torch.as_tensor(labels), indices, list(claims)):
+                if condition not in claims:
                     raise RuntimeError(f"evaluate yielded condition {condition!r} it was not asked for")
                 store.write_chunk(condition, start, stop, records)
+                claims.pop(condition).release()
+                for claim in claims.values():  # heartbeat of the conditions still to come
+                    claim.touch()
                 stats.computed += 1
+                computed += 1
                 bar.update(1)
+            for claim in claims.values():  # asked for but not yielded: left for a later run
+                claim.release()
+            claims = {}
     finally:
-        bar.close()
-    return stats
+        for claim in claims.values():
+            claim.release()
+        sampler.release_all()
+    return computed
 
 
 def _batches(loader: DataLoader) -> Iterator:
@@ -87,10 +163,13 @@ def topk_hits(logits: torch.Tensor, labels: torch.Tensor, k: int = 5) -> torch.T
 
 
 def open_run(out_dir, run_info: dict, *, protocol: str, parameters: dict, conditions: list,
-             num_images: int, chunk_size: int, rank: int = 0, extra: dict | None = None) -> RunStore:
+             num_images: int, chunk_size: int, rank: int = 0, extra: dict | None = None,
+             repair: bool = False) -> RunStore:
     """Create or resume the run directory ``out_dir``: rank 0 writes (or checks) ``run.json``,
     the other ranks wait for it and check it. ``run_info`` is the caller's part of the
-    description (model, checkpoint, dataset, seed, command line, versions)."""
+    description (model, checkpoint, dataset, seed, command line, versions). ``repair``: rank 0
+    deletes damaged record chunks (:meth:`~robust_attn.results.RunStore.repair`) so that they
+    are computed again."""
     from robust_attn.distributed import barrier
 
     description = dict(run_info)
@@ -102,6 +181,8 @@ def open_run(out_dir, run_info: dict, *, protocol: str, parameters: dict, condit
         raise ValueError("the dataset is empty; check --split and --limit")
     if rank == 0:
         store.open(description)
+        if repair:
+            store.repair()
     barrier()
     if rank != 0:
         store.open(description, write=False)

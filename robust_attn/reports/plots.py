@@ -21,8 +21,14 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 __all__ = ["plot_rotation", "plot_pgd", "plot_comparison"]
 
 
-def _series_label(model: str, dataset: str) -> str:
-    return f"{model} ({dataset})"
+def _series_label(model: str, dataset: str, label: str | None = None) -> str:
+    return label or f"{model} ({dataset})"
+
+
+def _series_keys(frame: pd.DataFrame) -> list[str]:
+    """One series per row label of the tables where the sweep has them (two runs of one model
+    on different images or weights are two series), else per model and dataset."""
+    return ["model", "dataset"] + (["label"] if "label" in frame else [])
 
 
 def plot_rotation(sweep: pd.DataFrame, out: Path) -> list[Path]:
@@ -31,12 +37,12 @@ def plot_rotation(sweep: pd.DataFrame, out: Path) -> list[Path]:
         return []
     angled = sweep[sweep["kind"].isin(["identity", "rot90", "angle"])]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
-    for (model, dataset), group in angled.groupby(["model", "dataset"], sort=False):
+    for series, group in angled.groupby(_series_keys(angled), sort=False):
         group = group.sort_values("angle")
         base = group[group["kind"] == "identity"]
         group = pd.concat([group, base.assign(angle=360.0)])  # close the circle
         for ax, metric in zip(axes, ("top1", "top5")):
-            ax.plot(group["angle"], group[metric], marker="o", markersize=3, label=_series_label(model, dataset))
+            ax.plot(group["angle"], group[metric], marker="o", markersize=3, label=_series_label(*series))
     for ax, metric in zip(axes, ("top-1", "top-5")):
         ax.set_xlabel("clockwise rotation (degrees; bilinear, zero fill off the 90s)")
         ax.set_ylabel(f"{metric} accuracy (%)")
@@ -58,14 +64,15 @@ def _plot_against(sweep: pd.DataFrame, x: str, line: str, path: Path, xlabel: st
     """One colour per model, one line style per value of ``line`` (eps or steps)."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     attacked = sweep[sweep["condition"] != "clean"]
-    colours = {key: f"C{i % 10}" for i, key in enumerate(attacked.groupby(["model", "dataset"], sort=False).groups)}
+    keys = _series_keys(attacked)
+    colours = {key: f"C{i % 10}" for i, key in enumerate(attacked.groupby(keys, sort=False).groups)}
     styles = {v: _LINESTYLES[i % len(_LINESTYLES)] for i, v in enumerate(sorted(attacked[line].unique()))}
-    for (model, dataset, key), group in attacked.groupby(["model", "dataset", line], sort=False):
+    for (*series, key), group in attacked.groupby(keys + [line], sort=False):
         # several step sizes at one (x, line) point: one line per step size
         for step, sub in group.groupby("step", sort=True) if group.duplicated(x).any() else [(None, group)]:
             sub = sub.sort_values(x)
-            label = f"{_series_label(model, dataset)} {line}={key:g}" + ("" if step is None else f" step={step:g}")
-            style = dict(color=colours[(model, dataset)], linestyle=styles[key], marker="o", markersize=4)
+            label = f"{_series_label(*series)} {line}={key:g}" + ("" if step is None else f" step={step:g}")
+            style = dict(color=colours[tuple(series)], linestyle=styles[key], marker="o", markersize=4)
             axes[0].plot(sub[x], sub["success_rate"], label=label, **style)
             axes[1].plot(sub[x], sub["top1"], label=label, **style)
     for ax, name in zip(axes, ("attack success rate (%)", "top-1 under attack (%)")):

@@ -24,8 +24,9 @@ from robust_attn.protocols.rotation import PAPER_CONDITIONS, summarize_rotation
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.results import load_description, load_records
 
-__all__ = ["Run", "load_runs", "rotation_table", "pgd_table", "rotation_sweep", "pgd_sweep", "headline_ci",
-           "format_rotation", "format_pgd", "to_markdown", "to_latex", "TABLE9_CONDITIONS", "TABLE10_SETTINGS"]
+__all__ = ["Run", "load_runs", "run_labels", "distinct_labels", "TOP5_NA", "rotation_table", "pgd_table",
+           "rotation_sweep", "pgd_sweep", "headline_ci", "format_rotation", "format_pgd", "to_markdown", "to_latex",
+           "TABLE9_CONDITIONS", "TABLE10_SETTINGS"]
 
 TABLE9_CONDITIONS = [("none", "no rotation"), ("cw90", "clockwise 90°"), ("cw180", "clockwise 180°"),
                      ("cw270", "clockwise 270°"), ("flip_ud", "upside-down")]
@@ -33,6 +34,7 @@ TABLE9_CONDITIONS = [("none", "no rotation"), ("cw90", "clockwise 90°"), ("cw18
 _REF_PREFIX = {"none": "no_rotation", "cw90": "cw90", "cw180": "cw180", "cw270": "cw270", "flip_ud": "upside_down"}
 # Table 10 columns: paper setting -> reference CSV prefix
 TABLE10_SETTINGS = [(PAPER_SETTINGS[0], "n2"), (PAPER_SETTINGS[1], "n4")]
+TOP5_NA = "n/a"   # top-5 of a dataset with 5 classes or fewer: always 100%, so not shown
 assert [c.name for c in PAPER_CONDITIONS] == [c for c, _ in TABLE9_CONDITIONS]
 
 
@@ -60,9 +62,74 @@ class Run:
     def trained(self) -> bool:
         return self.description.get("checkpoint") is not None
 
+    @property
+    def num_classes(self) -> int | None:
+        """The dataset's class count: recorded in the run, else the registered dataset's, else
+        (an unregistered dataset) a lower bound from the labels and predictions seen."""
+        for where in (self.description, self.description.get("dataset") or {}):
+            if where.get("num_classes"):
+                return int(where["num_classes"])
+        from robust_attn.data import dataset_info
+
+        try:
+            return dataset_info(self.dataset).num_classes
+        except (KeyError, ValueError):
+            seen = [c for c in ("label", "pred", "target") if c in self.records]
+            return int(self.records[seen].max().max()) + 1 if seen and len(self.records) else None
+
+    @property
+    def top5_meaningful(self) -> bool:
+        """Top-5 says something only with more than 5 classes (with 5 or fewer it is 100%)."""
+        return self.num_classes is None or self.num_classes > 5
+
 
 def load_runs(paths) -> list[Run]:
     return [Run(Path(p), load_description(p), load_records(p)) for p in paths]
+
+
+# --- row labels ------------------------------------------------------------------------------
+def _base_label(model: str, dataset: str, trained: bool) -> str:
+    label = model + ("" if trained else " [random weights]")
+    return label if dataset == "imagenet" else f"{label} [{dataset}]"
+
+
+def _identity(runs: list[Run]) -> dict[str, str]:
+    """What tells apart rows of one model on one dataset: split, image count, weights."""
+    run = runs[0]
+    described = run.description.get("dataset") or {}
+    checkpoint = run.description.get("checkpoint")
+    shas = [c.get("sha256") or "" for c in (checkpoint if isinstance(checkpoint, list) else [checkpoint or {}])]
+    if any(shas):
+        weights = "ckpt " + "+".join(sha[:8] for sha in shas)
+    else:
+        weights = f"init seed {run.description.get('init_seed')}"
+    images = max((r.records["index"].nunique() if len(r.records) else int(r.description.get("num_images", 0)))
+                 for r in runs)
+    return {"split": str(described.get("split", "")), "images": f"n={images}", "weights": weights}
+
+
+def distinct_labels(items: list[tuple[str, dict[str, str], str]]) -> list[str]:
+    """Row labels that tell rows apart: ``items`` are (base label, identity, fallback name).
+
+    Rows whose base label is shared get, in brackets, the identity entries that differ within
+    that set (e.g. ``resnet26 [fashion_mnist] (n=2000)``, ``(ckpt 1a2b3c4d)``); rows still equal
+    after that get their fallback name (the run directory)."""
+    labels = [base for base, _, _ in items]
+    for base in {b for b in labels if labels.count(b) > 1}:
+        idx = [i for i, (b, _, _) in enumerate(items) if b == base]
+        keys = [k for k in items[idx[0]][1] if len({items[i][1].get(k) for i in idx}) > 1]
+        for i in idx:
+            labels[i] = f"{base} ({', '.join(items[i][1][k] for k in keys)})" if keys else base
+        clashing = [i for i in idx if sum(labels[j] == labels[i] for j in idx) > 1]
+        for i in clashing:
+            labels[i] = (labels[i][:-1] + f", {items[i][2]})") if keys else f"{base} ({items[i][2]})"
+    return labels
+
+
+def run_labels(groups: list[list[Run]]) -> list[str]:
+    """One distinct label per group of runs (a group: runs of the same weights on the same images)."""
+    return distinct_labels([(_base_label(g[0].model, g[0].dataset, g[0].trained), _identity(g),
+                             "+".join(r.path.name for r in g)) for g in groups])
 
 
 def _reference(name: str) -> dict[str, dict]:
@@ -83,19 +150,23 @@ def rotation_table(runs: list[Run], with_reference: bool = True) -> pd.DataFrame
     paper's row (``source`` paper); columns ``<condition>_top1``, ``_top5``, ``_top1_drop``,
     ``_top5_drop`` for the five conditions of the paper."""
     reference = _reference("san_table9_rotation") if with_reference else {}
-    rows = []
-    for run in (r for r in runs if r.protocol == "rotation"):
+    chosen = [r for r in runs if r.protocol == "rotation"]
+    rows, papers = [], set()
+    for run, label in zip(chosen, run_labels([[r] for r in chosen])):
         summary = summarize_rotation(run.records).set_index("condition")
-        row = {"model": run.model, "dataset": run.dataset, "source": "ours", "trained": run.trained,
-               "n": int(summary.loc["none", "n"]) if "none" in summary.index else 0, "run": str(run.path)}
+        row = {"model": run.model, "dataset": run.dataset, "source": "ours", "label": label, "trained": run.trained,
+               "n": int(summary.loc["none", "n"]) if "none" in summary.index else 0,
+               "num_classes": run.num_classes, "top5_meaningful": run.top5_meaningful, "run": str(run.path)}
         for cond, _ in TABLE9_CONDITIONS:
             for metric in ("top1", "top5", "top1_drop", "top5_drop"):
-                row[f"{cond}_{metric}"] = summary.loc[cond, metric] if cond in summary.index else math.nan
+                value = summary.loc[cond, metric] if cond in summary.index else math.nan
+                row[f"{cond}_{metric}"] = math.nan if metric.startswith("top5") and not run.top5_meaningful else value
         rows.append(row)
         paper = _paper_row(run, reference)
-        if paper is not None:
-            prow = {"model": run.model, "dataset": run.dataset, "source": "paper", "trained": True,
-                    "n": 50000, "run": ""}
+        if paper is not None and run.model not in papers:   # the published row once per model
+            papers.add(run.model)
+            prow = {"model": run.model, "dataset": run.dataset, "source": "paper", "label": f"{run.model} (paper)",
+                    "trained": True, "n": 50000, "num_classes": 1000, "top5_meaningful": True, "run": ""}
             for cond, _ in TABLE9_CONDITIONS:
                 for k in ("top1", "top5"):
                     prow[f"{cond}_{k}"] = paper[f"{_REF_PREFIX[cond]}_{k}"]
@@ -111,6 +182,8 @@ def _cell(value: float, drop: float | None = None) -> str:
 
 
 def _label(row) -> str:
+    if isinstance(row.get("label"), str) and row["label"]:
+        return row["label"]
     label = row["model"] if row["source"] == "ours" else f"{row['model']} (paper)"
     if row["source"] == "ours" and not row.get("trained", True):
         label += " [random weights]"
@@ -125,20 +198,27 @@ def format_rotation(table: pd.DataFrame) -> pd.DataFrame:
         for cond, title in TABLE9_CONDITIONS:
             for k, name in (("top1", "top-1"), ("top5", "top-5")):
                 drop = None if cond == "none" else row[f"{cond}_{k}_drop"]
-                cells[f"{title} {name}"] = _cell(row[f"{cond}_{k}"], drop)
+                meaningful = row.get("top5_meaningful", True)
+                shown = k == "top1" or not (isinstance(meaningful, (bool, np.bool_)) and not meaningful)
+                cells[f"{title} {name}"] = _cell(row[f"{cond}_{k}"], drop) if shown else TOP5_NA
         out.append(cells)
     return pd.DataFrame(out, columns=["Method"] + [f"{t} {k}" for _, t in TABLE9_CONDITIONS
                                                    for k in ("top-1", "top-5")])
 
 
 def rotation_sweep(runs: list[Run]) -> pd.DataFrame:
-    """Every rotation condition of every run (long format), with its angle: for the plots."""
+    """Every rotation condition of every run (long format), with its angle: for the plots.
+    Top-5 is blank (nan) for datasets of 5 classes or fewer."""
     frames = []
-    for run in (r for r in runs if r.protocol == "rotation"):
+    chosen = [r for r in runs if r.protocol == "rotation"]
+    for run, label in zip(chosen, run_labels([[r] for r in chosen])):
         summary = summarize_rotation(run.records)
+        if not run.top5_meaningful:
+            summary[["top5", "top5_drop"]] = math.nan
         conds = {c["name"]: c for c in run.description["conditions"]}
         summary.insert(0, "model", run.model)
         summary.insert(1, "dataset", run.dataset)
+        summary.insert(2, "label", label)
         summary["kind"] = summary["condition"].map(lambda c: conds.get(c, {}).get("kind"))
         summary["angle"] = summary["condition"].map(lambda c: conds.get(c, {}).get("angle"))
         frames.append(summary)
@@ -153,8 +233,8 @@ def pgd_table(runs: list[Run], with_reference: bool = True) -> pd.DataFrame:
     groups: dict[tuple, list[Run]] = {}
     for run in (r for r in runs if r.protocol == "pgd"):   # one row per model, checkpoint and image set
         groups.setdefault(_model_key(run), []).append(run)
-    rows = []
-    for group in groups.values():
+    rows, papers = [], set()
+    for group, label in zip(groups.values(), run_labels(list(groups.values()))):
         summaries = [summarize_pgd(run.records).set_index("condition") for run in group]
 
         def pick(condition: str, metric: str) -> float:
@@ -163,7 +243,7 @@ def pgd_table(runs: list[Run], with_reference: bool = True) -> pd.DataFrame:
 
         run = group[0]
         clean_n = pick(CLEAN, "n")
-        row = {"model": run.model, "dataset": run.dataset, "source": "ours", "trained": run.trained,
+        row = {"model": run.model, "dataset": run.dataset, "source": "ours", "label": label, "trained": run.trained,
                "n": 0 if math.isnan(clean_n) else int(clean_n), "run": ", ".join(str(r.path) for r in group),
                "clean_top1": pick(CLEAN, "top1")}
         for setting, prefix in TABLE10_SETTINGS:
@@ -171,9 +251,10 @@ def pgd_table(runs: list[Run], with_reference: bool = True) -> pd.DataFrame:
                 row[f"{prefix}_{metric}"] = pick(setting.name, metric)
         rows.append(row)
         paper = _paper_row(run, reference)
-        if paper is not None:
-            prow = {"model": run.model, "dataset": run.dataset, "source": "paper", "trained": True, "n": 50000,
-                    "run": "", "clean_top1": paper["clean_top1"]}
+        if paper is not None and run.model not in papers:   # the published row once per model
+            papers.add(run.model)
+            prow = {"model": run.model, "dataset": run.dataset, "source": "paper", "label": f"{run.model} (paper)",
+                    "trained": True, "n": 50000, "run": "", "clean_top1": paper["clean_top1"]}
             for _, prefix in TABLE10_SETTINGS:
                 prow[f"{prefix}_success_rate"] = paper[f"{prefix}_success_rate"]
                 prow[f"{prefix}_top1"] = paper[f"{prefix}_top1"]
@@ -204,11 +285,15 @@ def format_pgd(table: pd.DataFrame) -> pd.DataFrame:
 def pgd_sweep(runs: list[Run]) -> pd.DataFrame:
     """Every PGD condition of every run (long format) with eps, step and steps: for the plots."""
     frames = []
-    for run in (r for r in runs if r.protocol == "pgd"):
+    chosen = [r for r in runs if r.protocol == "pgd"]
+    for run, label in zip(chosen, run_labels([[r] for r in chosen])):
         summary = summarize_pgd(run.records)
+        if "top5" in summary and not run.top5_meaningful:
+            summary["top5"] = math.nan
         conds = {c["name"]: c for c in run.description["conditions"]}
         summary.insert(0, "model", run.model)
         summary.insert(1, "dataset", run.dataset)
+        summary.insert(2, "label", label)
         for key in ("eps", "step", "steps"):
             summary[key] = summary["condition"].map(lambda c, k=key: conds.get(c, {}).get(k))
         frames.append(summary)
@@ -221,16 +306,21 @@ def headline_ci(runs: list[Run], n_boot: int = 1000, seed: int = 0, level: float
     each Table 9 condition and its (paired) drop; per PGD run clean top-1 and, per setting,
     success rate and top-1."""
     rows = []
+    labels = {}
+    for protocol in {r.protocol for r in runs}:   # labels tell apart the runs of one protocol
+        same = [r for r in runs if r.protocol == protocol]
+        labels.update({id(r): label for r, label in zip(same, run_labels([[r] for r in same]))})
 
     def add(run, metric, values):
         ci = bootstrap_mean_ci(values, n_boot=n_boot, seed=seed, level=level)
-        rows.append({"model": run.model, "dataset": run.dataset, "protocol": run.protocol, "metric": metric,
+        rows.append({"model": run.model, "dataset": run.dataset, "label": labels[id(run)],
+                     "protocol": run.protocol, "metric": metric,
                      "value": ci.value, "low": ci.low, "high": ci.high, "level": level, "n_boot": n_boot,
                      "n": len(values), "run": str(run.path)})
 
     for run in runs:
-        hits = {c: g.set_index("index")["top1"].sort_index() for c, g in run.records.groupby("condition")}
         if run.protocol == "rotation":
+            hits = {c: g.set_index("index")["top1"].sort_index() for c, g in run.records.groupby("condition")}
             base = hits.get("none")
             for cond, _ in TABLE9_CONDITIONS:
                 if cond in hits:

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_path", "atomic_write_text", "atomic_write_json", "sha256_file"]
+__all__ = ["atomic_path", "atomic_write_text", "atomic_write_json", "sha256_file", "sha256_bytes"]
 
 
 @contextlib.contextmanager
@@ -46,3 +46,7 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

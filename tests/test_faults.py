@@ -1,0 +1,290 @@
+"""Issue #18, "nothing silently wrong": bad checkpoints, sidecars and manifests are clear errors
+that name the fix (exit code 2 through the CLI, no traceback); reports tell apart runs of one
+model and show top-5 only where it means something; long silent phases say what they do; a
+model whose output does not fit the dataset is refused whatever its source."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from robust_attn.checkpoint import (CheckpointError, check_num_classes, check_safetensors_file, load_checkpoint,
+                                    save_checkpoint, sidecar_path)
+from robust_attn.cli import main
+from robust_attn.data import build_dataset
+from robust_attn.data.base import TensorImageDataset
+from robust_attn.protocols.pgd import AttackSetting, run_pgd
+from robust_attn.protocols.rotation import rotation_conditions, run_rotation
+from robust_attn.registry import create_model
+from robust_attn.reports import make_report
+from robust_attn.reports.tables import (TOP5_NA, distinct_labels, format_pgd, format_rotation, load_runs, pgd_table,
+                                        rotation_table)
+from robust_attn.utils.io import sha256_file
+from robust_attn.wrapper import NormalizedModel
+
+EVAL = ["eval", "rotation", "--dataset", "synthetic", "--limit", "2", "--batch-size", "2", "--angle-step", "0",
+        "--no-progress"]
+
+
+def _tiny_resnet(num_classes=10):
+    return NormalizedModel(create_model("resnet26", num_classes, "cifar", width=0.25, stem_downsample=4),
+                           (0.5,) * 3, (0.25,) * 3).eval()
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A valid checkpoint: its weights' bytes and its sidecar's text."""
+    path = tmp_path_factory.mktemp("good") / "m.safetensors"
+    torch.manual_seed(0)
+    model = _tiny_resnet()
+    save_checkpoint(path, model)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    legacy = io.BytesIO()
+    torch.save(model.state_dict(), legacy, _use_new_zipfile_serialization=False)
+    return {"weights": path.read_bytes(), "sidecar": sidecar_path(path).read_text(), "zip": buf.getvalue(),
+            "pickle": legacy.getvalue()}
+
+
+def _sidecar_with(good, **changes):
+    meta = json.loads(good["sidecar"])
+    for key, value in changes.items():
+        if value is None:
+            meta.pop(key)
+        else:
+            meta[key] = value
+    return json.dumps(meta)
+
+
+def _half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+# (case, weights bytes, sidecar text, words the message must hold: the cause and the fix)
+CASES = [
+    ("html page", lambda g: b"<!DOCTYPE html>\n<html><head><title>Sign in</title></head></html>", None,
+     ["not a safetensors file", "HTML", "download it again"]),
+    ("html page, no doctype", lambda g: b"  \n<html lang='en'><body>quota exceeded</body></html>", None,
+     ["HTML", "download it again"]),
+    ("torch zip (.pth)", lambda g: g["zip"], None, ["torch.save", "convert it", "save_checkpoint"]),
+    ("legacy torch pickle", lambda g: g["pickle"], None, ["pickle", "convert it"]),
+    ("git lfs pointer", lambda g: b"version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 1\n", None,
+     ["Git LFS", "git lfs pull"]),
+    ("truncated in the data", lambda g: _half(g["weights"]), None, ["truncated", "download or train it again"]),
+    ("truncated in the header", lambda g: g["weights"][:100], None, ["truncated", "download or train it again"]),
+    ("empty file", lambda g: b"", None, ["empty", "download or train it again"]),
+    ("sidecar not json", lambda g: g["weights"], lambda g: g["sidecar"][:-20], ["not valid JSON", "train it again"]),
+    ("sidecar lacks keys", lambda g: g["weights"], lambda g: _sidecar_with(g, std=None),
+     ["lacks std", "train it again"]),
+    ("sidecar arch lacks keys", lambda g: g["weights"], lambda g: _sidecar_with(g, arch={"name": "resnet26"}),
+     ["arch.num_classes", "arch.resolution"]),
+    ("sidecar records another sha256", lambda g: g["weights"], lambda g: _sidecar_with(g, sha256="0" * 64),
+     ["records", "pair written together"]),
+]
+
+
+@pytest.mark.parametrize("case,weights,sidecar,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_checkpoint_is_a_clear_cli_error(case, weights, sidecar, words, good, tmp_path, capsys):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(weights(good))
+    sidecar_path(path).write_text(sidecar(good) if sidecar else good["sidecar"])
+    assert main([*EVAL, "--checkpoint", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("robust-attn eval: error:") and "Traceback" not in err
+    assert str(path) in err or str(sidecar_path(path)) in err   # names the faulty file
+    for word in words:
+        assert word in err, (word, err)
+    assert not (tmp_path / "run").exists()   # refused before anything was written
+
+
+def test_the_good_checkpoint_still_loads(good, tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(good["weights"])
+    sidecar_path(path).write_text(good["sidecar"])
+    check_safetensors_file(path)
+    reference = _tiny_resnet()   # the same weights through torch's own (zip) loader
+    reference.load_state_dict(torch.load(io.BytesIO(good["zip"]), weights_only=True))
+    x = torch.rand(2, 3, 32, 32)
+    torch.testing.assert_close(load_checkpoint(path)(x), reference(x), rtol=0, atol=0)
+
+
+def test_trailing_bytes_are_refused(good, tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(good["weights"] + b"\0" * 16)
+    sidecar_path(path).write_text(good["sidecar"])
+    with pytest.raises(CheckpointError, match="16 bytes after"):
+        load_checkpoint(path)
+
+
+def test_manifest_with_a_wrong_sha256_names_the_fix(good, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "zoo" / "resnet26.safetensors"
+    path.parent.mkdir()
+    path.write_bytes(good["weights"])
+    sidecar_path(path).write_text(good["sidecar"])
+    arch = json.loads(good["sidecar"])["arch"]
+    manifest = tmp_path / "zoo" / "manifest.json"
+    entry = {"name": "resnet26", "dataset": "synthetic", "weights": "resnet26.safetensors", "sha256": "f" * 64,
+             "arch": arch}
+    manifest.write_text(json.dumps({"models": [entry]}))
+    monkeypatch.setenv("ROBUST_ATTN_ZOO_MANIFEST", str(manifest))
+    assert main([*EVAL, "--zoo", "--model", "resnet26", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "sha256" in err and "the manifest" in err and "robust-attn zoo add" in err
+    # with the right hash the same entry evaluates
+    manifest.write_text(json.dumps({"models": [dict(entry, sha256=sha256_file(path))]}))
+    assert main([*EVAL, "--zoo", "--model", "resnet26", "--out", str(tmp_path / "run")]) == 0
+
+
+@pytest.mark.parametrize("text,words", [("<!DOCTYPE html><html></html>", "not valid JSON"),
+                                        ('[{"name": "resnet26"}]', 'must be an object {"models": [...]}')],
+                         ids=["html", "a list"])
+def test_a_manifest_that_is_not_one_is_a_clear_error(text, words, tmp_path, monkeypatch, capsys):
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(text)
+    monkeypatch.setenv("ROBUST_ATTN_ZOO_MANIFEST", str(manifest))
+    assert main([*EVAL, "--zoo", "--model", "resnet26", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert str(manifest) in err and words in err and "robust-attn zoo add" in err
+
+
+# --- model / dataset consistency ---------------------------------------------------------------
+def _head(num_classes):
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(4, num_classes))
+    return NormalizedModel(net, (0.5,) * 3, (0.25,) * 3)
+
+
+def test_check_num_classes_forward_and_mode():
+    model = _head(7).train()
+    check_num_classes(model, 7, "model m")
+    assert model.training   # the caller's mode is restored
+    with pytest.raises(CheckpointError, match=r"model m outputs 7 classes but the dataset has 10"):
+        check_num_classes(model, 10, "model m")
+    flat = NormalizedModel(nn.Sequential(nn.Conv2d(3, 2, 3)), (0.5,) * 3, (0.25,) * 3)
+    with pytest.raises(CheckpointError, match="not \\(1, classes\\) logits"):
+        check_num_classes(flat, 10, "model f")
+
+
+def test_eval_refuses_a_model_that_does_not_fit_the_dataset_whatever_its_source(tmp_path, monkeypatch, capsys):
+    """Whatever load_eval_model returns (a zoo entry, a torchvision model, a future source) goes
+    through the check in eval's set-up."""
+    import robust_attn.commands.eval as eval_cmd
+
+    monkeypatch.setattr(eval_cmd, "load_eval_model", lambda args, info: (_head(5).eval(), {
+        "model": "other", "arch": {}, "checkpoint": None}))
+    assert main([*EVAL, "--model", "other", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "model other outputs 5 classes but the dataset has 10" in err and "trained on" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_of_another_dataset_is_refused(tmp_path, capsys):
+    path = tmp_path / "m5.safetensors"
+    save_checkpoint(path, _tiny_resnet(num_classes=5))
+    assert main([*EVAL, "--checkpoint", str(path), "--out", str(tmp_path / "run")]) == 2
+    assert "5 classes but dataset synthetic has 10" in capsys.readouterr().err
+
+
+# --- long phases say what they do ------------------------------------------------------------
+def test_pgd_start_up_announces_its_sanity_checks(tmp_path, capsys):
+    argv = ["eval", "pgd", "--model", "resnet26", "--model-args", "width=0.25", "stem_downsample=4",
+            "--dataset", "synthetic", "--limit", "2", "--batch-size", "2", "--eps", "8", "--steps", "1"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "pgd: sanity checks on the first 2 images" in err
+    assert err.index("pgd: sanity checks") < err.index("pgd:", err.index("pgd: sanity checks") + 1)  # before the bar
+    assert main([*argv, "--no-progress", "--out", str(tmp_path / "b")]) == 0
+    assert "sanity checks" not in capsys.readouterr().err   # --no-progress: quiet
+
+
+def test_cpu_kernel_first_build_is_announced(tmp_path, monkeypatch, capsys):
+    from robust_attn.layers import cpu_kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    cpu_kernels._announce_build("robust_attn_cpu_kernels_test")
+    err = capsys.readouterr().err
+    assert "compiling the CPU kernels (first use, about a minute; cached in" in err and str(tmp_path) in err
+    built = tmp_path / "robust_attn_cpu_kernels_test" / "robust_attn_cpu_kernels_test.so"
+    built.parent.mkdir(exist_ok=True)
+    built.write_bytes(b"")   # a build newer than the sources: cached, nothing to say
+    cpu_kernels._announce_build("robust_attn_cpu_kernels_test")
+    assert "compiling" not in capsys.readouterr().err
+
+
+# --- reports -----------------------------------------------------------------------------------
+def _tiny(num_classes=10):
+    torch.manual_seed(0)
+    return _head(num_classes).eval()
+
+
+def _info(dataset="synthetic", limit=None, sha=None, **extra):
+    return {"model": "resnet26", "dataset": {"name": dataset, "split": "test", "limit": limit, **extra},
+            "checkpoint": {"path": "x.safetensors", "sha256": sha} if sha else None}
+
+
+SETTINGS = [AttackSetting(8, 4, 2), AttackSetting(8, 2, 4)]
+
+
+def test_runs_of_one_model_on_other_images_or_weights_get_distinct_labels(tmp_path):
+    data8 = build_dataset("synthetic", split="test", limit=8)
+    data4 = build_dataset("synthetic", split="test", limit=4)
+    kw = dict(num_classes=10, batch_size=4, settings=SETTINGS, progress=False, checks=False)
+    dirs = [run_pgd(_tiny(), data8, tmp_path / "p8", run_info=_info(limit=8, sha="a" * 64), **kw).root,
+            run_pgd(_tiny(), data4, tmp_path / "p4", run_info=_info(limit=4, sha="a" * 64), **kw).root,
+            run_pgd(_tiny(), data4, tmp_path / "p4b", run_info=_info(limit=4, sha="b" * 64), **kw).root]
+    shown = format_pgd(pgd_table(load_runs(dirs)))
+    labels = shown["Method"].tolist()
+    assert len(set(labels)) == 3, labels
+    assert labels[0] == "resnet26 [synthetic] (n=8, ckpt aaaaaaaa)"
+    assert labels[1] == "resnet26 [synthetic] (n=4, ckpt aaaaaaaa)"
+    assert labels[2] == "resnet26 [synthetic] (n=4, ckpt bbbbbbbb)"
+    # one run alone keeps the plain label
+    assert format_pgd(pgd_table(load_runs(dirs[:1])))["Method"].tolist() == ["resnet26 [synthetic]"]
+    files = make_report(dirs, tmp_path / "report", n_boot=50, plots=False)
+    md = (tmp_path / "report" / "table10_pgd.md").read_text()
+    assert all(f"| {label} |" in md for label in labels)
+    ci_labels = set(__import__("pandas").read_csv(tmp_path / "report" / "headline_ci.csv")["label"])
+    assert ci_labels == set(labels)
+    assert tmp_path / "report" / "report.md" in files
+
+
+def test_distinct_labels_fall_back_to_the_run_name():
+    same = {"split": "test", "images": "n=4", "weights": "ckpt aaaaaaaa"}
+    assert distinct_labels([("m", same, "run1"), ("m", same, "run2"), ("x", same, "run3")]) == [
+        "m (run1)", "m (run2)", "x"]
+    other = dict(same, images="n=8")
+    assert distinct_labels([("m", same, "r1"), ("m", same, "r2"), ("m", other, "r3")]) == [
+        "m (n=4, r1)", "m (n=4, r2)", "m (n=8)"]
+
+
+def _four_class_data(n=8):
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randint(0, 256, (n, 3, 32, 32), generator=gen, dtype=torch.uint8)
+    return TensorImageDataset(images, torch.arange(n) % 4)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["num_classes recorded", "inferred from records"])
+def test_top5_is_na_with_five_classes_or_fewer(tmp_path, recorded):
+    extra = {"num_classes": 4} if recorded else {}
+    few = run_rotation(_tiny(4), _four_class_data(), tmp_path / "few", conditions=rotation_conditions(0),
+                       batch_size=4, run_info=_info("four_shapes", **extra), progress=False).root
+    many = run_rotation(_tiny(10), build_dataset("synthetic", split="test", limit=8), tmp_path / "many",
+                        conditions=rotation_conditions(0), batch_size=4, run_info=_info(), progress=False).root
+    table = rotation_table(load_runs([few, many]))
+    shown = format_rotation(table)
+    top5_cols = [c for c in shown.columns if c.endswith("top-5")]
+    assert (shown.loc[0, top5_cols] == TOP5_NA).all()          # 4 classes: top-5 is always 100%
+    assert table.loc[0, "num_classes"] == 4 and not table.loc[0, "top5_meaningful"]
+    assert table.loc[0, [c for c in table.columns if "top5" in c and c != "top5_meaningful"]].isna().all()
+    assert table.loc[1, "none_top5"] == table.loc[1, "none_top5"]   # 10 classes: a number, shown as one
+    assert shown.loc[1, "no rotation top-5"] == f"{table.loc[1, 'none_top5']:.1f}"
+    assert shown.loc[0, "no rotation top-1"] == f"{table.loc[0, 'none_top1']:.1f}"  # top-1 still shown
+    make_report([few, many], tmp_path / "report", n_boot=20, plots=True)
+    md = (tmp_path / "report" / "table9_rotation.md").read_text()
+    assert md.count(TOP5_NA) == 5 and "| 100.0 |" not in md.splitlines()[2]
+    sweep = __import__("pandas").read_csv(tmp_path / "report" / "rotation_conditions.csv")
+    assert sweep.loc[sweep["dataset"] == "four_shapes", "top5"].isna().all()
+    assert sweep.loc[sweep["dataset"] == "synthetic", "top5"].notna().all()

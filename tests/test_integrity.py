@@ -1,0 +1,386 @@
+"""Issue #18, integrity of stored results and concurrency: checksummed chunks and packed runs,
+damage is a clear error naming the file and the fix (exit code 2 through the CLI), ``--repair``
+recomputes only damaged chunks, claims keep processes sharing a run folder from computing a
+chunk twice, and a killed claimant's claim is taken over."""
+from __future__ import annotations
+
+import gzip
+import json
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from robust_attn.cli import main
+from robust_attn.protocols.runner import open_run, run_chunks
+from robust_attn.results import DamagedRecordsError, RunStore, load_records
+from helpers import subprocess_env
+
+REPO = Path(__file__).resolve().parents[1]
+CONDITIONS = ["a", "b", "c"]
+N, SIZE = 11, 4  # chunks [0, 4), [4, 8), [8, 11)
+TINY = ["--model", "resnet26", "--model-args", "width=0.25", "stem_downsample=4", "--dataset", "synthetic",
+        "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def _only_the_commands_tested(monkeypatch):
+    """Build the CLI with the subcommands used here only (another command's parser is its own
+    tests' business)."""
+    monkeypatch.setattr("robust_attn.cli.COMMANDS", ["eval", "report"])
+
+
+def _dataset():
+    gen = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.rand(N, 3, 4, 4, generator=gen), torch.randint(0, 5, (N,), generator=gen))
+
+
+def _records(images, labels, indices, cond):
+    factor = {"a": 1.0, "b": -2.0, "c": 0.5}[cond]
+    value = (images.flatten(1).sum(1) * factor).round(decimals=4)
+    return pd.DataFrame({"index": indices.numpy(), "label": labels.numpy(), "value": value.numpy()})
+
+
+class Counting:
+    """An evaluate callback that logs every (condition, chunk start) it computes, in memory and,
+    with ``log``, as one line per computation appended to a file (shared across processes);
+    ``delay`` seconds per condition; ``hang_at``: block forever on that chunk start (to be killed)
+    after touching ``hang_at_marker``."""
+
+    def __init__(self, log=None, delay=0.0, hang_at=None, marker=None):
+        self.calls, self.log, self.delay, self.hang_at, self.marker = [], log, delay, hang_at, marker
+
+    def __call__(self, images, labels, indices, todo):
+        for cond in todo:
+            start = int(indices[0])
+            if start == self.hang_at:
+                Path(self.marker).write_text(str(os.getpid()))
+                while True:
+                    time.sleep(1)
+            time.sleep(self.delay)
+            self.calls.append((cond, start))
+            if self.log:
+                with open(self.log, "a") as f:
+                    f.write(f"{os.getpid()} {cond} {start}\n")
+            yield cond, _records(images, labels, indices, cond)
+
+
+def _open(root):
+    info = {"model": "m", "dataset": {"name": "d", "split": "test", "limit": None}, "command": ["x"]}
+    return open_run(root, info, protocol="p", parameters={"k": 1}, conditions=CONDITIONS, num_images=N,
+                    chunk_size=SIZE)
+
+
+def _run(root, evaluate=None, **kw):
+    evaluate = evaluate or Counting()
+    stats = run_chunks(_open(root), _dataset(), CONDITIONS, evaluate, chunk_size=SIZE, progress=False, **kw)
+    return stats, evaluate
+
+
+@pytest.fixture
+def finished(tmp_path):
+    _run(tmp_path / "run")
+    return RunStore(tmp_path / "run")
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _drop_last_line(path: Path) -> None:
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:-1]))
+
+
+def _chunk_files(store):
+    return {p.relative_to(store.root): p.read_bytes() for p in (store.root / "records").rglob("*.csv")}
+
+
+# --- damaged chunks ------------------------------------------------------------------------------
+@pytest.mark.parametrize("damage, words", [
+    (lambda p: _flip_byte(p, len(p.read_bytes()) - 3), "altered"),          # a digit of the last value
+    (_drop_last_line, "truncated: 3 rows, recorded 4"),                     # lost a whole line
+    (lambda p: p.write_bytes(p.read_bytes()[:-5]), "truncated: a cut line"),  # cut mid-line
+    (lambda p: RunStore.checksum_path(p).unlink(), "no checksum"),
+], ids=["byte flipped", "lost a line", "cut mid-line", "checksum deleted"])
+def test_a_damaged_chunk_is_an_error_naming_the_file_and_the_fix(finished, damage, words, tmp_path, capsys):
+    good = load_records(finished.root)
+    path = finished.chunk_path("b", 4, 8)
+    damage(path)
+    with pytest.raises(DamagedRecordsError, match="--repair") as err:
+        load_records(finished.root)
+    assert str(path) in str(err.value) and words in str(err.value)
+    assert [p for p, _ in err.value.problems] == [path] and isinstance(err.value, ValueError)
+    # the report never computes from it: exit code 2, the file and the fix named, no traceback
+    assert main(["report", str(finished.root), "--out", str(tmp_path / "rep"), "--no-plots", "--bootstrap", "10"]) == 2
+    message = capsys.readouterr().err
+    assert str(path) in message and "--repair" in message and "Traceback" not in message
+    assert not (tmp_path / "rep" / "report.md").exists()
+    # resuming without repair refuses to build on it; with repair it recomputes only that chunk
+    with pytest.raises(DamagedRecordsError, match="--repair"):
+        _run(finished.root)
+    stats, ev = _run(finished.root, repair=True)
+    assert ev.calls == [("b", 4)] and stats.repaired == 1 and stats.computed == 1 and stats.skipped == 8
+    pd.testing.assert_frame_equal(load_records(finished.root), good)
+    assert finished.verify() == []
+
+
+def test_a_deleted_chunk_is_missing_names_its_file_and_is_recomputed_alone(finished):
+    good = load_records(finished.root)
+    path = finished.chunk_path("c", 8, 11)
+    path.unlink()
+    with pytest.raises(ValueError, match="unfinished") as err:
+        load_records(finished.root)
+    assert str(path) in str(err.value) and "running its command again" in str(err.value)
+    stats, ev = _run(finished.root)
+    assert ev.calls == [("c", 8)] and stats.computed == 1
+    pd.testing.assert_frame_equal(load_records(finished.root), good)
+
+
+def test_repair_deletes_only_damaged_chunks_and_the_rest_is_kept(finished):
+    before = _chunk_files(finished)
+    _flip_byte(finished.chunk_path("a", 0, 4), 40)
+    _drop_last_line(finished.chunk_path("c", 4, 8))
+    removed = finished.repair()
+    assert sorted(removed) == sorted([finished.chunk_path("a", 0, 4), finished.chunk_path("c", 4, 8)])
+    assert sorted(finished.missing()) == [("a", 0, 4), ("c", 4, 8)]
+    _, ev = _run(finished.root)
+    assert sorted(ev.calls) == [("a", 0), ("c", 4)]
+    assert _chunk_files(finished) == before  # byte for byte the original chunks
+
+
+# --- packed runs -----------------------------------------------------------------------------------
+def test_pack_records_checksums_and_a_cut_packed_file_is_an_error(finished, tmp_path, capsys):
+    packed = finished.pack(tmp_path / "packed")
+    manifest = json.loads((packed.root / "checksums.json").read_text())["files"]
+    assert set(manifest) == {"records.csv.gz", "run.json"} and manifest["records.csv.gz"]["rows"] == 33
+    pd.testing.assert_frame_equal(load_records(packed.root), load_records(finished.root))
+    gz = packed.root / "records.csv.gz"
+    good = gz.read_bytes()
+    # cut mid-line: gzip of the first lines, the last one cut (what a broken copy leaves)
+    text = gzip.decompress(good)
+    gz.write_bytes(gzip.compress(text[: text.rindex(b"\n", 0, len(text) - 1) - 3], mtime=0))
+    with pytest.raises(DamagedRecordsError, match="restore") as err:
+        load_records(packed.root)
+    assert str(gz) in str(err.value)
+    assert main(["report", str(packed.root), "--out", str(tmp_path / "rep"), "--no-plots"]) == 2
+    assert str(gz) in capsys.readouterr().err
+    gz.write_bytes(good[: len(good) // 2])  # the compressed file itself truncated
+    with pytest.raises(DamagedRecordsError, match="sha256 differs"):
+        load_records(packed.root)
+    with pytest.raises(DamagedRecordsError, match="restore"):  # a packed run cannot be recomputed
+        packed.repair()
+    gz.write_bytes(good)
+    assert packed.verify() == []
+    run_json = packed.root / "run.json"  # the description is covered too
+    run_json.write_text(run_json.read_text().replace('"m"', '"other"'))
+    with pytest.raises(DamagedRecordsError, match="run.json"):
+        load_records(packed.root)
+    gz.unlink()
+    with pytest.raises(DamagedRecordsError, match="records.csv.gz: deleted"):
+        load_records(packed.root)
+
+
+def test_seal_adopts_an_intact_old_packed_run_and_refuses_a_damaged_one(finished, tmp_path):
+    packed = finished.pack(tmp_path / "packed")
+    (packed.root / "checksums.json").unlink()  # as packed before checksums existed
+    with pytest.raises(DamagedRecordsError, match="seal"):
+        load_records(packed.root)
+    assert packed.seal() == [packed.root / "checksums.json"]
+    pd.testing.assert_frame_equal(load_records(packed.root), load_records(finished.root))
+    # an old packed file that lost lines is not adopted
+    (packed.root / "checksums.json").unlink()
+    gz = packed.root / "records.csv.gz"
+    lines = gzip.decompress(gz.read_bytes()).splitlines(keepends=True)
+    gz.write_bytes(gzip.compress(b"".join(lines[:-2]), mtime=0))
+    with pytest.raises(DamagedRecordsError, match="once"):
+        packed.seal()
+    assert not (packed.root / "checksums.json").exists()
+
+
+def test_seal_adopts_old_chunks_without_checksums(finished):
+    good = load_records(finished.root)
+    for side in (finished.root / "manifest").rglob("*.sha256"):
+        side.unlink()
+    with pytest.raises(DamagedRecordsError, match="no checksum"):
+        load_records(finished.root)
+    _drop_last_line(finished.chunk_path("a", 0, 4))
+    with pytest.raises(DamagedRecordsError, match=r"not the images \[0, 4\)"):
+        finished.seal()
+    finished.chunk_path("a", 0, 4).unlink()
+    assert len(finished.seal()) == 8
+    _run(finished.root)
+    pd.testing.assert_frame_equal(load_records(finished.root), good)
+
+
+def test_committed_packed_runs_carry_checksums_and_verify():
+    runs = sorted((REPO / "reports").glob("*/runs/*/records.csv.gz"))
+    if not runs:
+        pytest.skip("no committed packed runs")
+    for gz in runs:
+        store = RunStore(gz.parent)
+        assert (gz.parent / "checksums.json").is_file(), f"{gz.parent}: run `python -m robust_attn.results seal`"
+        assert store.verify() == [], gz.parent
+
+
+# --- claims and concurrency -----------------------------------------------------------------------
+def _worker(root, log, delay):
+    torch.set_num_threads(1)
+    stats, _ = _run(Path(root), Counting(log=log, delay=delay), poll=0.05)
+    Path(f"{log}.{os.getpid()}.stats").write_text(json.dumps(stats.__dict__))
+
+
+def _hanging_worker(root, marker):
+    torch.set_num_threads(1)
+    _run(Path(root), Counting(hang_at=4, marker=marker))
+
+
+def _log(path):
+    lines = [line.split() for line in Path(path).read_text().splitlines()]
+    return [(int(pid), cond, int(start)) for pid, cond, start in lines]
+
+
+def test_two_processes_sharing_a_run_folder_compute_disjoint_chunks(tmp_path):
+    _open(tmp_path / "run")  # as the study does: the folder exists before both start
+    log = tmp_path / "log"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_worker, args=(str(tmp_path / "run"), str(log), 0.3)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    done = _log(log)
+    pairs = [(c, s) for _, c, s in done]
+    assert sorted(pairs) == sorted((c, s) for c in CONDITIONS for s in (0, 4, 8))  # each exactly once
+    assert len({pid for pid, _, _ in done}) == 2  # both did a share
+    for p in procs:  # both finished with the whole run: what they did not compute, the other did
+        stats = json.loads(Path(f"{log}.{p.pid}.stats").read_text())
+        assert stats["computed"] == sum(pid == p.pid for pid, _, _ in done)
+        assert stats["computed"] + stats["by_others"] + stats["skipped"] == 9
+    single = tmp_path / "single"
+    _run(single)
+    pd.testing.assert_frame_equal(load_records(tmp_path / "run"), load_records(single))
+    assert not list((tmp_path / "run").rglob("*.claim.*"))  # claims gone with their chunks
+    # condition folders hold chunk files only (manifest entries and claims live beside records/)
+    assert {p.suffix for p in (tmp_path / "run" / "records").rglob("*") if p.is_file()} == {".csv"}
+
+
+def test_a_killed_claimant_is_taken_over_and_a_live_one_is_respected(tmp_path):
+    root = tmp_path / "run"
+    _open(root)
+    marker = tmp_path / "marker"
+    proc = multiprocessing.get_context("fork").Process(target=_hanging_worker, args=(str(root), str(marker)))
+    proc.start()
+    deadline = time.time() + 60
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    assert marker.exists(), "the worker never reached its chunk"
+    store = RunStore(root)
+    claim_file = root / "claims" / "a" / "000000004-000000008.csv.claim.0"
+    held = json.loads(claim_file.read_text())
+    assert held["pid"] == proc.pid and held["host"] and held["time"]
+    assert store.claim("a", 4, 8) is None  # alive: nobody else computes it
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    assert claim_file.exists()  # the killed writer left its claim behind
+    stats, ev = _run(root)  # the same command again
+    assert ("a", 4) in ev.calls and stats.computed == 9 - stats.skipped
+    assert load_records(root)["value"].notna().all() and len(load_records(root)) == 33
+    assert not list(root.rglob("*.claim.*"))
+
+
+def test_a_claim_from_another_host_expires_after_the_timeout(tmp_path):
+    store = _open(tmp_path / "run")
+    foreign = tmp_path / "run" / "claims" / "a" / "000000000-000000004.csv.claim.0"
+    foreign.parent.mkdir(parents=True)
+    foreign.write_text(json.dumps({"pid": 1, "host": "another-host", "time": "then"}))
+    assert store.claim("a", 0, 4, timeout=60) is None  # recent heartbeat: held
+    old = time.time() - 120
+    os.utime(foreign, (old, old))
+    claim = store.claim("a", 0, 4, timeout=60)
+    assert claim is not None and claim.path.name.endswith(".claim.1")  # taken over, not deleted
+    assert store.claim("a", 0, 4, timeout=60) is None  # ours now (we are alive)
+    claim.release()
+    assert foreign.exists() and not claim.path.exists()
+
+
+# --- through the CLI --------------------------------------------------------------------------------
+def test_cli_damaged_run_exits_2_naming_repair_and_repair_recomputes_it(tmp_path, capsys):
+    args = ["eval", "rotation", *TINY, "--limit", "4", "--batch-size", "2", "--angle-step", "0"]
+    assert main([*args, "--out", str(tmp_path / "run")]) == 0
+    store = RunStore(tmp_path / "run")
+    good = _chunk_files(store)
+    path = store.chunk_path("cw90", 2, 4)
+    _drop_last_line(path)
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "--repair" in err and "Traceback" not in err
+    assert main([*args, "--repair", "--out", str(tmp_path / "run")]) == 0
+    assert str(path) in capsys.readouterr().err
+    assert _chunk_files(store) == good
+
+
+
+
+@pytest.mark.slow
+def test_two_identical_cli_commands_into_one_out_compute_each_chunk_once(tmp_path):
+    args = [sys.executable, "-m", "robust_attn.cli", "eval", "rotation", *TINY, "--limit", "16", "--batch-size", "1",
+            "--angle-step", "0", "--out", str(tmp_path / "run")]
+    procs = [subprocess.Popen(args, env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    # each chunk file was written once: its manifest entry and the chunk agree, no leftovers
+    store = RunStore(tmp_path / "run")
+    assert store.verify() == [] and store.missing() == []
+    assert not list((tmp_path / "run").rglob("*.claim.*")) and not list((tmp_path / "run").rglob("*.tmp"))
+    assert len(list((tmp_path / "run" / "records").rglob("*.csv"))) == 16 * 6
+
+
+@pytest.mark.slow
+def test_sigkill_at_20_random_points_then_resume_equals_an_uninterrupted_run_byte_for_byte(tmp_path):
+    args = ["eval", "rotation", *TINY, "--limit", "80", "--batch-size", "2", "--angle-step", "90"]
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    assert subprocess.run([sys.executable, "-m", "robust_attn.cli", *args, "--out", str(clean)], env=subprocess_env(),
+                          cwd=REPO, capture_output=True).returncode == 0
+    rng = random.Random(18)
+    count = lambda: len(list((killed / "records").rglob("*.csv")))  # noqa: E731
+    kills, written = 0, []
+    for _ in range(20):
+        before = count()
+        proc = subprocess.Popen([sys.executable, "-m", "robust_attn.cli", *args, "--out", str(killed)], env=subprocess_env(),
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while proc.poll() is None and count() == before and time.time() < deadline:
+            time.sleep(0.01)  # until it computes: then a random point within the next few chunks
+        time.sleep(rng.uniform(0, 0.25))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+        written.append(count())
+    total = len(list((clean / "records").rglob("*.csv")))
+    # killed at least 10 times with work left, and the kill points spread over the run
+    assert kills >= 10 and len({w for w in written if 0 < w < total}) >= 5, written
+    assert subprocess.run([sys.executable, "-m", "robust_attn.cli", *args, "--out", str(killed)], env=subprocess_env(),
+                          cwd=REPO, capture_output=True).returncode == 0
+    a, b = RunStore(clean), RunStore(killed)
+    assert _chunk_files(b) == _chunk_files(a)
+    sidecars = {p.relative_to(killed): p.read_bytes() for p in (killed / "manifest").rglob("*.sha256")}
+    assert sidecars == {p.relative_to(clean): p.read_bytes() for p in (clean / "manifest").rglob("*.sha256")}
+    assert not list(killed.rglob("*.claim.*"))  # stale claims go once their chunks are written
+    assert a.pack(tmp_path / "pa").root.joinpath("records.csv.gz").read_bytes() == \
+        b.pack(tmp_path / "pb").root.joinpath("records.csv.gz").read_bytes()
