@@ -32,8 +32,8 @@ import pandas as pd
 import torch
 
 from robust_attn.distributed import init_distributed, world_size as process_count
-from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings, run_pgd
-from robust_attn.protocols.rotation import rotation_conditions, run_rotation
+from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
+from robust_attn.protocols.registry import STUDY_PROTOCOLS, StudyContext, list_study_protocols
 from robust_attn.results import RunStore, library_versions
 from robust_attn.utils.io import atomic_path
 
@@ -41,7 +41,7 @@ __all__ = ["StudyConfig", "run_study", "study_models", "TIMINGS_FILE"]
 
 TIMINGS_FILE = "timings.csv"
 BACKENDS = ("native", "torchattacks", "foolbox")
-PROTOCOLS = ("rotation", "pgd")
+PROTOCOLS = ("rotation", "pgd", "autoattack", "square", "transfer", "masking")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,14 @@ class StudyConfig:
     bootstrap: int = 1000
     baseline: str = "resnet26"         # the convolutional reference of the findings
     protocols: tuple[str, ...] = PROTOCOLS   # a subset runs only those (the report covers what exists)
+    attack_limit: int | None = 1000    # the seeded subset of the attack protocols (autoattack, square, transfer)
+    autoattack_eps: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)   # 1/255 units, L-inf, untargeted
+    square_eps: float = 8.0            # 1/255 units
+    square_queries: int = 5000
+    transfer_steps: int = 10           # the untargeted PGD of the transfer matrix (step 2/255), beside {8, 2, 4}
+    attack_batch_size: int = 100
+    attack_steps: int | None = None    # iterations of AutoAttack's members (None: their standard 100)
+    masking_images: int = 100          # images of the gradient-masking probes (unbounded PGD, gradients)
 
     def __post_init__(self):
         if self.split not in ("train", "val", "test"):
@@ -73,8 +81,16 @@ class StudyConfig:
             raise ValueError("sweep_eps must be positive and sweep_steps at least 1")
         if self.batch_size < 1 or self.bootstrap < 1:
             raise ValueError("batch_size and bootstrap must be positive")
-        if not self.protocols or set(self.protocols) - set(PROTOCOLS):
-            raise ValueError(f"protocols must be a non-empty subset of {PROTOCOLS}, got {self.protocols}")
+        known = list_study_protocols()
+        if not self.protocols or set(self.protocols) - set(known):
+            raise ValueError(f"protocols must be a non-empty subset of {', '.join(known)}, got "
+                             f"{', '.join(self.protocols) or 'none'}")
+        if self.attack_limit is not None and self.attack_limit < 1:
+            raise ValueError(f"attack_limit must be positive (or None for every image), got {self.attack_limit}")
+        if any(not 0 < e <= 255 for e in (*self.autoattack_eps, self.square_eps)):
+            raise ValueError("autoattack_eps and square_eps are in 1/255 units, in (0, 255]")
+        if self.square_queries < 1 or self.transfer_steps < 1 or self.attack_batch_size < 1:
+            raise ValueError("square_queries, transfer_steps and attack_batch_size must be positive")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
@@ -136,7 +152,10 @@ def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: i
 
 def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=None, manifest=None,
               progress: bool = True, log=print) -> list[Path]:
-    """Run (or resume) the study and write the report; returns the report's files."""
+    """Run (or resume) the study and write the report; returns the report's files.
+
+    The protocols run in the order of ``config.protocols``: every per-model step
+    (:mod:`robust_attn.protocols.registry`) for each model, then the steps across models."""
     from robust_attn.data import build_dataset, dataset_info
     from robust_attn.reports import make_report
     from robust_attn.zoo import Manifest, load_entry
@@ -145,41 +164,45 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     entries = study_models(config, manifest)
     info = dataset_info(config.dataset)
     dataset = build_dataset(config.dataset, root=root, split=config.split, limit=config.limit)
+    attack_limit = min(x for x in (config.limit, config.attack_limit, len(dataset)) if x is not None)
+    attack_dataset = dataset if attack_limit >= len(dataset) else build_dataset(
+        config.dataset, root=root, split=config.split, limit=attack_limit)
     rank, world_size, device = init_distributed(device)   # under torchrun: each rank a shard of the images
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
-    shard = {"rank": rank, "world_size": world_size}
-    conditions = rotation_conditions(config.angle_step)
-    settings = config.attack_settings()
+    base_info = {"dataset": {"name": config.dataset, "split": config.split, "limit": config.limit},
+                 "data_root": str(root) if root else None, "data_source": getattr(dataset, "source", None),
+                 "data_variant": getattr(dataset, "variant", config.dataset), "command": list(sys.argv),
+                 "device": str(device), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    ctx = StudyContext(config=config, info=info, dataset=dataset, attack_dataset=attack_dataset, runs_dir=runs_dir,
+                       device=device, rank=rank, world_size=world_size, progress=progress, base_info=base_info,
+                       log=log)
+    steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
     run_dirs: list[Path] = []
+    models = {}
     for i, entry in enumerate(entries, start=1):
         log(f"[{i}/{len(entries)}] {entry.name}: loading {entry.weights or entry.torchvision}")
-        model = load_entry(entry, manifest, device=str(device))
-        run_info = {"model": model.arch_args["name"] if hasattr(model, "arch_args") else entry.name,
-                    "zoo_entry": entry.name, "arch": getattr(model, "arch_args", entry.arch),
-                    "checkpoint": {"path": entry.weights, "sha256": entry.sha256},
-                    "dataset": {"name": config.dataset, "split": config.split, "limit": config.limit},
-                    "data_root": str(root) if root else None, "command": list(sys.argv), "device": str(device),
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        rotation_dir, pgd_dir = runs_dir / f"rotation-{entry.name}", runs_dir / f"pgd-{entry.name}"
-        if "rotation" in config.protocols:
-            _timed(runs_dir, entry.name, "rotation", rotation_dir, device, rank, lambda: run_rotation(
-                model, dataset, rotation_dir, conditions=conditions, batch_size=config.batch_size, device=device,
-                run_info=run_info, progress=progress, **shard))
-            run_dirs.append(rotation_dir)
-        if "pgd" in config.protocols:
-            _timed(runs_dir, entry.name, "pgd", pgd_dir, device, rank, lambda: run_pgd(
-                model, dataset, pgd_dir, num_classes=info.num_classes, settings=settings, seed=config.seed,
-                backend=config.backend, batch_size=config.batch_size, device=device,
-                run_info=run_info, progress=progress, **shard))
-            run_dirs.append(pgd_dir)
-        log(f"[{i}/{len(entries)}] {entry.name}: done -> {', '.join(str(d) for d in run_dirs[-len(config.protocols):])}")
+        model = models[entry.name] = load_entry(entry, manifest, device=str(device))
+        for step in (s for s in steps if s.per_model):
+            out = ctx.run_dir(step.name, entry.name)
+            _timed(runs_dir, entry.name, step.name, out, device, rank, lambda: step.step(ctx, entry, model))
+            run_dirs.append(out)
+        log(f"[{i}/{len(entries)}] {entry.name}: done")
+    for step in (s for s in steps if not s.per_model):
+        start = time.perf_counter()
+        made = step.step(ctx, entries, models)
+        if rank == 0:
+            _append_timing(runs_dir, {"model": "all", "protocol": step.name,
+                                      "seconds": round(time.perf_counter() - start, 1), "chunks_written": -1,
+                                      "chunks_total": -1, "device": str(device), "threads": torch.get_num_threads(),
+                                      "processes": process_count(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        run_dirs += list(made)
     if rank != 0:
         return []
     report_dir = Path(report_dir)
     packed = [RunStore(d).pack(report_dir / "runs" / d.name).root for d in run_dirs]
     files = make_report(packed, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,
-                        preamble=_preamble(config, runs_dir, len(dataset)))
+                        preamble=_preamble(config, runs_dir, len(dataset), len(attack_dataset)))
     with atomic_path(report_dir / TIMINGS_FILE) as tmp:
         tmp.write_bytes((runs_dir / TIMINGS_FILE).read_bytes())
     study_file = report_dir / "study.json"
@@ -190,13 +213,22 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     return files + [report_dir / TIMINGS_FILE, study_file]
 
 
-def _preamble(config: StudyConfig, runs_dir: Path, num_images: int) -> list[str]:
+def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_images: int) -> list[str]:
     eps = ", ".join(f"{e:g}" for e in config.sweep_eps)
     lines = [f"Study: every zoo model trained on `{config.dataset}`, evaluated on {num_images} images of its "
              f"'{config.split}' split. Rotation: SAN Table 9's conditions, the left-right flip and a sweep every "
              f"{config.angle_step:g}° (bilinear, zero fill). PGD: targeted L-inf, Table 10's {{8, 4, 2}} and "
              f"{{8, 2, 4}} plus eps {{{eps}}}/255 with {config.sweep_steps} steps of eps/{config.sweep_steps}, "
              f"{config.backend} backend; every model attacked towards the same targets (seed {config.seed}).", ""]
+    attacks = [p for p in config.protocols if p in ("autoattack", "square", "transfer", "masking")]
+    if attacks:
+        aa_eps = ", ".join(f"{e:g}" for e in config.autoattack_eps)
+        lines += [f"Attacks ({', '.join(attacks)}) on a seeded subset of {num_attack_images} of these images: "
+                  f"AutoAttack's standard ensemble, untargeted L-inf, at eps {{{aa_eps}}}/255"
+                  + (f" with {config.attack_steps} iterations per member" if config.attack_steps else "")
+                  + f"; Square alone at {config.square_eps:g}/255 with {config.square_queries} queries; a transfer "
+                  f"matrix (every model crafting Table 10's targeted {{8, 2, 4}} and an untargeted "
+                  f"{config.transfer_steps}-step PGD at 8/255 for every model); gradient-masking checks per model.", ""]
     timings_path = runs_dir / TIMINGS_FILE
     if timings_path.is_file():
         timings = pd.read_csv(timings_path)

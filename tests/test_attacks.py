@@ -9,32 +9,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import robust_attn
 from robust_attn.attacks import BACKENDS, PGDConfig, draw_targets, run_checks, targeted_pgd
 from robust_attn.attacks import checks
 from robust_attn.wrapper import NormalizedModel
 
 PAPER_SETTINGS = [PGDConfig(8, 4, 2), PGDConfig(8, 2, 4)]  # SAN Table 10: {eps, rho, n}
-MEAN, STD = [0.49, 0.48, 0.45], [0.25, 0.24, 0.26]
+from helpers import MEAN, STD, tiny_resnet
 
 
 def _tiny_model(seed: int = 1) -> NormalizedModel:
-    """resnet26 at width 0.25 for 32x32 input, with random ("trained-ish") batch-norm statistics.
-
-    The zoo's init zeroes the last BN of each block (every residual branch is the identity);
-    random BN affine parameters and running statistics make every branch contribute.
-    """
-    torch.manual_seed(seed)
-    net = robust_attn.create_model("resnet26", num_classes=10, resolution="cifar", width=0.25)
-    gen = torch.Generator().manual_seed(seed)
-    for module in net.modules():
-        if isinstance(module, nn.BatchNorm2d):
-            c = module.num_features
-            module.weight.data = torch.rand(c, generator=gen) + 0.5
-            module.bias.data = 0.1 * torch.randn(c, generator=gen)
-            module.running_mean.copy_(0.1 * torch.randn(c, generator=gen))
-            module.running_var.copy_(torch.rand(c, generator=gen) + 0.5)
-    return NormalizedModel(net, MEAN, STD).eval()
+    return tiny_resnet(seed)
 
 
 @pytest.fixture(scope="module")

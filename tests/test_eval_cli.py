@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,16 +17,12 @@ from robust_attn.cli import main
 from robust_attn.registry import create_model
 from robust_attn.results import load_records
 from robust_attn.wrapper import NormalizedModel
+from helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "resnet26", "--model-args", "width=0.25", "--dataset", "synthetic", "--no-progress"]
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
 def test_rotation_cli_writes_a_run_and_prints_a_summary(tmp_path, capsys):
@@ -119,7 +114,7 @@ def test_real_cifar100_sample_if_present(tmp_path, shared_dir):
 def test_sigkill_midway_then_resume_equals_an_uninterrupted_run(tmp_path):
     args = ["eval", "rotation", *TINY, "--limit", "12", "--batch-size", "1", "--angle-step", "90"]
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "robust_attn.cli", *args, "--out", str(killed)], env=_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "robust_attn.cli", *args, "--out", str(killed)], env=subprocess_env(),
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and len(list((killed / "records").rglob("*.csv"))) < 10:
@@ -144,7 +139,7 @@ def test_torchrun_two_gloo_ranks_merge_to_the_single_process_run(tmp_path, proto
     args = ["eval", protocol, *TINY, "--limit", "6", "--batch-size", "2", "--device", "cpu", *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "robust_attn.cli", *args, "--out", str(tmp_path / "ddp")]
-    result = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(f"{protocol} resnet26 on synthetic/test (6 images)") == 1  # rank 0 only
     assert main([*args, "--out", str(tmp_path / "single")]) == 0

@@ -88,7 +88,7 @@ def tiny_zoo(tmp_path):
 
 def test_study_runs_every_zoo_model_then_resumes_for_free(tmp_path, tiny_zoo):
     config = StudyConfig(dataset="synthetic", limit=12, angle_step=90, sweep_eps=(2.0, 8.0), sweep_steps=2,
-                         batch_size=8, bootstrap=50)
+                         batch_size=8, bootstrap=50, protocols=("rotation", "pgd"))
     runs, report = tmp_path / "runs", tmp_path / "report"
     files = run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
     names = {f.name for f in files}
@@ -125,6 +125,53 @@ def test_study_runs_every_zoo_model_then_resumes_for_free(tmp_path, tiny_zoo):
     pd.testing.assert_frame_equal(pd.read_csv(report / "comparison.csv"), comparison)
 
 
+def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
+    """AutoAttack, Square, the transfer matrix and the masking checks on two tiny models: the
+    report's sections agree with the records, and `report` derives them again from the packed runs."""
+    from robust_attn.protocols.registry import list_study_protocols
+    from robust_attn.results import load_records
+
+    needed = {"autoattack", "square", "transfer", "masking"}
+    if not {"apgd-ce", "apgd-t", "fab-t", "square", "pgd"} <= set(robust_attn.attacks.list_attacks()):
+        pytest.skip("an attack of AutoAttack's ensemble is not registered")
+    assert needed <= set(list_study_protocols())
+    config = StudyConfig(dataset="synthetic", limit=8, attack_limit=6, autoattack_eps=(2.0, 8.0), square_queries=20,
+                         attack_steps=3, transfer_steps=2, masking_images=4, batch_size=8, attack_batch_size=3,
+                         bootstrap=20, protocols=("autoattack", "square", "transfer", "masking"))
+    runs, report = tmp_path / "runs", tmp_path / "report"
+    files = run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    names = {f.name for f in files}
+    assert {"robust_accuracy.csv", "transfer_matrix.csv", "transfer_matrix.png", "masking_checks.csv"} <= names
+    table = pd.read_csv(report / "robust_accuracy.csv")
+    aa = load_records(runs / "autoattack-resnet26")
+    for condition, group in aa.groupby("condition"):
+        column = {"clean": "clean", "autoattack_linf_eps2_n3": "AutoAttack 2/255",
+                  "autoattack_linf_eps8_n3": "AutoAttack 8/255"}[condition]
+        row = table[(table["model"] == "resnet26") & (table["column"] == column)]
+        assert row["top1"].item() == pytest.approx(group["top1"].mean() * 100)
+        assert row["n"].item() == 6
+    # AutoAttack attacks only the clean-correct images and keeps every fooled one fooled
+    attacked = aa[aa["condition"] != "clean"]
+    assert (attacked.loc[attacked["clean_pred"] != attacked["label"], "by"] == "clean").all()
+    assert (attacked.loc[attacked["top1"] == 0, "by"] != "none").all()
+    # the transfer matrix's diagonal is each model attacked with its own images
+    matrix = pd.read_csv(report / "transfer_matrix.csv").set_index("source")
+    transfer = load_records(runs / "transfer-resnet26")
+    own = transfer[(transfer["target_model"] == "resnet26") & (transfer["target"] == -1)
+                   & ~transfer["condition"].str.startswith("clean")]
+    assert matrix.loc["resnet26", "resnet26"] == pytest.approx(own["top1"].mean() * 100)
+    assert (own["success"] == own["source_success"]).all()
+    checks = pd.read_csv(report / "masking_checks.csv")
+    assert set(checks["check"]) >= {"blackbox_beats_whitebox", "unbounded_attack", "gain_with_strength",
+                                    "input_gradients", "loss_saturation"}
+    assert set(checks["model"]) == {"resnet26", "sasa_resnet26"}
+    assert "## Robust accuracy" in (report / "report.md").read_text()
+    packed = sorted((report / "runs").iterdir())
+    assert main(["report", *map(str, packed), "--out", str(tmp_path / "again"), "--bootstrap", "20"]) == 0
+    for name in ("robust_accuracy.csv", "transfer_matrix.csv", "masking_checks.csv"):
+        pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again" / name), pd.read_csv(report / name))
+
+
 def test_study_command_names_what_is_wrong(tmp_path, tiny_zoo, capsys):
     common = ["--dataset", "synthetic", "--manifest", str(tiny_zoo), "--runs", str(tmp_path / "r"),
               "--out", str(tmp_path / "o"), "--no-progress"]
@@ -152,7 +199,7 @@ def test_study_under_torchrun_gives_the_single_process_records(tmp_path, tiny_zo
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
     args = ["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), "--limit", "6", "--batch-size", "2",
             "--angle-step", "90", "--sweep-eps", "2", "--sweep-steps", "1", "--bootstrap", "20", "--device", "cpu",
-            "--no-progress"]
+            "--protocols", "rotation,pgd", "--no-progress"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "robust_attn.cli", *args, "--runs", str(tmp_path / "ddp"), "--out", str(tmp_path / "ddp_report")]
     result = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=600)

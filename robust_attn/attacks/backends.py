@@ -18,9 +18,11 @@ explicitly, since foolbox would otherwise ``model.to("cuda:0")`` whenever CUDA e
 eagerpy computes the input gradient with ``loss.backward()``, which also fills the model's
 parameter ``.grad``; we freeze the parameters for the run so the caller's model is untouched.
 
-Sign of the gradient: mean and sum of the cross-entropy differ by the factor 1/N, which
-never changes a sign (and is exact for N a power of two), so the three backends take the same
-steps.
+Sign of the gradient: mean and sum of the cross-entropy differ by the factor 1/N. In real
+arithmetic that never changes a sign; in float32 it is exact only for N a power of two, and at
+other N a gradient entry within rounding error of zero can take the other sign, so torchattacks
+and foolbox can disagree on a batch of 14, 50 or 60 images. ``targeted_pgd(..., exact=True)``
+therefore runs every backend on power-of-two blocks of the batch (see its docstring).
 """
 from __future__ import annotations
 

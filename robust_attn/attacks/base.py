@@ -117,10 +117,13 @@ class AttackConfig:
 @dataclass
 class AttackOutput:
     """``adv``: adversarial images (N, C, H, W) in [0, 1], within ``eps`` of the input.
-    ``queries``: per-image model queries used (score-based attacks), else None."""
+    ``queries``: per-image model queries used (score-based attacks), else None.
+    ``by``: per image, which part of an ensemble produced ``adv`` ("" where none succeeded),
+    else None."""
 
     adv: torch.Tensor
     queries: torch.Tensor | None = None
+    by: list[str] | None = None
 
 
 class Attack:
@@ -147,6 +150,34 @@ class Attack:
             raise AttackInputError(f"attack {self.name!r} has no {mode} mode; {other}, or choose another attack "
                                    f"({', '.join(list_attacks())})")
         self.config = config
+
+    def own_step_sizes(self, default_steps: int, why: str) -> int:
+        """For attacks that choose their step sizes themselves (APGD, FAB): ``step`` and a
+        ``schedule`` are errors (``why`` says what the attack does instead); returns the number
+        of iterations, ``config.steps`` or ``default_steps``, at least 1."""
+        c = self.config
+        if c.step is not None:
+            raise AttackInputError(f"{self.name} {why}: drop step={c.step!r}")
+        if c.schedule != "constant":
+            raise AttackInputError(f"{self.name} {why}: drop schedule={c.schedule!r}")
+        steps = default_steps if c.steps is None else c.steps
+        if steps < 1:
+            raise AttackInputError(f"{self.name} needs steps >= 1 (default {default_steps}), got {steps}")
+        return steps
+
+    def target_classes(self, num_classes: int, default: int = 9) -> int:
+        """How many of the most likely wrong classes the targeted runs of an untargeted attack
+        take (AutoAttack's APGD-T and FAB-T): ``options["n_target_classes"]``, else
+        ``min(default, num_classes - 1)``; a clear error when it is not an int in [1, C - 1]."""
+        n = self.config.options.get("n_target_classes")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1):
+            raise AttackInputError(f"options['n_target_classes'] must be an int >= 1 (default "
+                                   f"min({default}, num_classes - 1)), got {n!r}")
+        n = min(default, num_classes - 1) if n is None else int(n)
+        if n > num_classes - 1:
+            raise AttackInputError(f"options['n_target_classes']={n} but the model has only {num_classes - 1} "
+                                   f"wrong classes: use n_target_classes <= {num_classes - 1}")
+        return n
 
     def run(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
             targets: torch.Tensor | None = None) -> AttackOutput:

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["PGDConfig", "BACKENDS", "targeted_pgd", "validate_attack_inputs"]
+__all__ = ["PGDConfig", "BACKENDS", "targeted_pgd", "validate_attack_inputs", "power_of_two_blocks"]
 
 BACKENDS = ("native", "torchattacks", "foolbox")
 
@@ -200,7 +200,8 @@ def native_pgd(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, co
     decision boundary can end in another class. So the fast mode agrees with the library
     backends "up to floating-point ties" (tests/test_attacks.py says how closely), while
     ``fold_bn=False, channels_last=False`` (``targeted_pgd(..., exact=True)``) runs the
-    libraries' float32 operations in their order and gives bit-identical images.
+    libraries' float32 operations in their order and gives bit-identical images (on
+    power-of-two batches; :func:`targeted_pgd` says why and splits other sizes).
     """
     eps, step = config.eps_abs, config.step_abs
     targets = targets.to(images.device, torch.long)
@@ -208,8 +209,10 @@ def native_pgd(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, co
         from robust_attn.attacks.fast_model import attack_model
 
         model = attack_model(model, images[:4].detach())
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    x0 = images.detach().contiguous(memory_format=fmt)
+    # The exact mode keeps the caller's memory layout, as the libraries do (their ``clone()``
+    # preserves it): convolving a channels-last batch rounds differently from a contiguous one.
+    fmt = torch.channels_last if channels_last else torch.preserve_format
+    x0 = images.detach().clone(memory_format=fmt)
     with torch.no_grad():
         if config.random_start:
             x = (x0 + torch.empty_like(x0).uniform_(-eps, eps)).clamp_(0, 1)
@@ -230,6 +233,17 @@ def native_pgd(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, co
     return x.contiguous()
 
 
+def power_of_two_blocks(n: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges cutting ``n`` items into blocks whose sizes are the powers of two
+    of ``n``'s binary expansion, largest first: 60 -> [(0, 32), (32, 48), (48, 56), (56, 60)]."""
+    blocks, start = [], 0
+    for bit in reversed(range(max(int(n), 0).bit_length())):
+        if n >> bit & 1:
+            blocks.append((start, start + (1 << bit)))
+            start += 1 << bit
+    return blocks
+
+
 def targeted_pgd(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, config: PGDConfig,
                  backend: str = "native", *, labels: torch.Tensor | None = None,
                  exact: bool = False) -> torch.Tensor:
@@ -243,10 +257,31 @@ def targeted_pgd(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, 
     (bit for bit with ``exact=True``, see below) when ``random_start`` is False; random starts come from each library's own use of the
     global torch RNG and are not comparable across backends.
 
-    ``exact`` (native backend): by default the native attack runs a faster, mathematically
-    equivalent computation (batch norm folded into the convolutions, channels-last layout) that
-    agrees with the library backends up to floating-point ties; ``exact=True`` makes it
-    bit-identical to them (see :func:`native_pgd`). The library backends are always exact.
+    ``exact``: by default the native attack runs a faster, mathematically equivalent computation
+    (batch norm folded into the convolutions, channels-last layout) that agrees with the library
+    backends up to floating-point ties, and every backend takes the whole batch at once.
+    ``exact=True`` runs the native attack in the libraries' float32 operations and order, in the
+    caller's memory layout (see :func:`native_pgd`), and runs *every* backend on the batch split
+    into power-of-two blocks (:func:`power_of_two_blocks`: 60 images as 32 + 16 + 8 + 4); the three
+    backends then give bit-identical images at any batch size, a ragged last chunk included.
+
+    Why the split: torchattacks differentiates the *mean* cross-entropy, foolbox and the native
+    attack the *sum*. The mean's gradient is the sum's times 1/N, which is exact in float32 only
+    when N is a power of two; otherwise every gradient entry is rounded differently, and an entry
+    within rounding error of zero (e.g. along a direction that shifts all logits alike, whose
+    gradient is exactly zero in real arithmetic) can take the other sign, moving that pixel by
+    2 * step. So on one batch of a non-power-of-two size, torchattacks and foolbox themselves can
+    disagree, and no single computation can be bit-identical to both. On each power-of-two block
+    the mean is the sum scaled exactly by 2**-k (barring float32 underflow to subnormals, at
+    gradients below ~1e-38), so all three take the same signs. Per image, the split changes only
+    which batch size the convolutions run at (oneDNN picks kernels per shape, so the rounding, not
+    the function, may change); ``exact=False`` runs the libraries on the whole batch unsplit.
+
+    Where exact mode is still not bit-identical: with ``random_start=True`` (each library draws
+    its own noise); with gradients that underflow to float32 subnormals (scaling by 2**-k is then
+    not exact); and on GPU unless cuDNN runs deterministic kernels
+    (``torch.backends.cudnn.deterministic = True``, ``torch.use_deterministic_algorithms(True)``),
+    since its backward convolutions may sum with atomics in a run-dependent order.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attack backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -258,12 +293,16 @@ def targeted_pgd(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, 
     targets = targets.to(images.device, torch.long)
     before = [(p.dtype, p.device) for p in model.parameters()]
     with torch.enable_grad():  # callers may evaluate under no_grad; the attack needs gradients
-        if backend == "native":
-            adv = native_pgd(model, images, targets, config, fold_bn=not exact, channels_last=not exact)
-        else:
-            from robust_attn.attacks import backends
+        parts = []
+        for start, stop in (power_of_two_blocks(len(images)) if exact else [(0, len(images))]):
+            x, t = images[start:stop], targets[start:stop]
+            if backend == "native":
+                parts.append(native_pgd(model, x, t, config, fold_bn=not exact, channels_last=not exact))
+            else:
+                from robust_attn.attacks import backends
 
-            adv = backends.run_backend(backend, model, images, targets, config)
+                parts.append(backends.run_backend(backend, model, x, t, config))
+        adv = parts[0] if len(parts) == 1 else torch.cat(parts)
     after = [(p.dtype, p.device) for p in model.parameters()]
     if _training_modules(model) or before != after:
         raise RuntimeError(f"the {backend} backend changed the model's mode, dtype or device")

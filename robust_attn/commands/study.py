@@ -16,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from robust_attn.study import BACKENDS, StudyConfig
 
     d = StudyConfig()
-    p = sub.add_parser("study", help="rotation + PGD on every zoo model of a dataset, then the report")
+    p = sub.add_parser("study", help="rotation, Table 10 PGD, AutoAttack, Square, transfer and gradient-masking "
+                                     "checks on every zoo model of a dataset, then the report")
     p.add_argument("--dataset", default=d.dataset, help=f"zoo dataset (default {d.dataset})")
     p.add_argument("--models", help="comma list of zoo entries (default: every entry for --dataset)")
     p.add_argument("--root", help="data folder (default: $ROBUST_ATTN_DATA, ./data or the system copy)")
@@ -29,7 +30,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep-steps", type=int, default=d.sweep_steps, help="PGD steps of the sweep (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="images per batch and record chunk")
     p.add_argument("--protocols", default=",".join(d.protocols),
-                   help="comma list of rotation, pgd (default both; separate processes may share --runs)")
+                   help="comma list of the protocols to run, in order (default %(default)s; separate processes "
+                        "may share --runs)")
+    p.add_argument("--attack-limit", type=int, default=d.attack_limit,
+                   help="seeded subset of images for autoattack, square and transfer (default %(default)s)")
+    p.add_argument("--autoattack-eps", default=",".join(f"{e:g}" for e in d.autoattack_eps),
+                   help="AutoAttack L-inf radii in 1/255, comma list (default %(default)s)")
+    p.add_argument("--square-queries", type=int, default=d.square_queries, help="Square's budget (default %(default)s)")
+    p.add_argument("--attack-steps", type=int, default=None,
+                   help="iterations of AutoAttack's members (default: the standard 100)")
+    p.add_argument("--attack-batch-size", type=int, default=d.attack_batch_size,
+                   help="images per batch and record chunk of the attacks (default %(default)s)")
     p.add_argument("--backend", default=d.backend, choices=BACKENDS)
     p.add_argument("--seed", type=int, default=d.seed, help="attack targets and bootstrap seed")
     p.add_argument("--bootstrap", type=int, default=d.bootstrap, help="bootstrap resamples (default %(default)s)")
@@ -51,7 +62,11 @@ def run_study_cmd(args) -> int:
                              angle_step=args.angle_step, sweep_eps=tuple(parse_list(args.sweep_eps, float, "--sweep-eps")),
                              sweep_steps=args.sweep_steps, batch_size=args.batch_size, seed=args.seed,
                              backend=args.backend, bootstrap=args.bootstrap, baseline=args.baseline,
-                             protocols=tuple(p.strip() for p in args.protocols.split(",") if p.strip()))
+                             protocols=tuple(p.strip() for p in args.protocols.split(",") if p.strip()),
+                             attack_limit=args.attack_limit,
+                             autoattack_eps=tuple(parse_list(args.autoattack_eps, float, "--autoattack-eps")),
+                             square_queries=args.square_queries, attack_steps=args.attack_steps,
+                             attack_batch_size=args.attack_batch_size)
     except ValueError as err:
         raise UserError(str(err)) from None
     from robust_attn.distributed import cleanup

@@ -16,12 +16,20 @@ Choices where the paper is silent (stated here and recorded in every run's ``run
   sweep without an explicit step uses that rule.
 * The attack runs on the model in eval mode; gradients flow through the normalization inside
   :class:`robust_attn.wrapper.NormalizedModel`.
+* Backend agreement: by default the native attack agrees with torchattacks and foolbox up to
+  floating-point ties (a faster float order). ``run_pgd(..., exact=True)`` (``eval pgd --exact``)
+  makes the three backends bit-identical at any ``batch_size``, the ragged last chunk included,
+  by running each chunk in power-of-two blocks: torchattacks differentiates the mean loss and
+  foolbox the sum, and their 1/N factor is exact in float32 only for N a power of two (see
+  :func:`robust_attn.attacks.targeted_pgd` for why, and for the cases it still cannot cover:
+  random starts, subnormal gradients, non-deterministic GPU kernels).
 """
 from __future__ import annotations
 
 import itertools
 import json
 import re
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -32,6 +40,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from robust_attn.distributed import barrier
+from robust_attn.protocols.registry import study_protocol
 from robust_attn.protocols.runner import open_run, run_chunks, topk_hits
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_file
 
@@ -153,12 +162,14 @@ def save_targets(out_dir, labels: torch.Tensor, targets: torch.Tensor) -> Path:
 
 
 def make_evaluator(model: nn.Module, settings: Sequence[AttackSetting], targets: torch.Tensor,
-                   device: torch.device, backend: str = "native", attack: Callable | None = None):
+                   device: torch.device, backend: str = "native", attack: Callable | None = None,
+                   exact: bool = False):
     """The ``evaluate`` callback of :func:`robust_attn.protocols.runner.run_chunks`.
 
     Records per image: ``index, label, target, pred, top1`` (pred == label), ``success``
     (pred == target), ``top5`` and ``linf`` (the largest pixel change, 1/255 units).
-    ``attack`` defaults to :func:`robust_attn.attacks.targeted_pgd`.
+    ``attack`` defaults to :func:`robust_attn.attacks.targeted_pgd`; ``exact=True`` is passed on to
+    it (``exact=True`` only, so a custom ``attack`` without that keyword still works otherwise).
     """
     from robust_attn.attacks import PGDConfig
 
@@ -182,7 +193,9 @@ def make_evaluator(model: nn.Module, settings: Sequence[AttackSetting], targets:
                 adv = images
             else:
                 s = by_name[name]
-                adv = attack(model, images, tgt, PGDConfig(s.eps, s.step, s.steps), backend=backend).detach()
+                extra = {"exact": True} if exact else {}
+                adv = attack(model, images, tgt, PGDConfig(s.eps, s.step, s.steps), backend=backend,
+                             **extra).detach()
             with torch.no_grad():
                 logits = model(adv)
             linf = (adv - images).abs().flatten(1).amax(dim=1) * 255
@@ -223,13 +236,21 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
             settings: Sequence[AttackSetting] = PAPER_SETTINGS, seed: int = 0, backend: str = "native",
             targets_file: str | Path | None = None, batch_size: int = 64, device: str | torch.device = "cpu",
             run_info: dict | None = None, rank: int = 0, world_size: int = 1, num_workers: int = 0,
-            progress: bool = True, attack: Callable | None = None, checks: bool = True):
+            progress: bool = True, attack: Callable | None = None, checks: bool = True, exact: bool = False):
     """Run (or resume) targeted PGD (clean condition plus each setting) into ``out_dir``.
 
     The targets are saved (``targets.csv``); ``checks=True`` runs the attack's sanity checks
     once on the first images, and the sweep's monotonicity check on the finished records, and
     saves them (``checks.json``: name, passed, detail, setting). Returns the RunStore.
+
+    ``exact=True`` runs the attack in its exact mode (:func:`robust_attn.attacks.targeted_pgd`):
+    every backend on power-of-two blocks of each chunk, the native one in the libraries' float
+    order, so native, torchattacks and foolbox runs give bit-identical records at any
+    ``batch_size`` (the ragged last chunk included); it is recorded in ``run.json`` as
+    ``parameters["exact"]``. The per-batch sanity checks always exercise the default mode.
     """
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact must be a bool (True: bit-identical across backends), got {exact!r}")
     device = torch.device(device)
     model = model.to(device).eval()
     settings = list(settings)
@@ -238,15 +259,18 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
     conditions = [{"name": CLEAN, "eps": 0.0, "step": 0.0, "steps": 0}] + [s.as_dict() for s in settings]
     store = open_run(out_dir, dict(run_info or {}), protocol=PROTOCOL,
                      parameters={"norm": "Linf", "units": "1/255", "targeted": True, "random_start": False,
-                                 "backend": backend, "seed": int(seed), "targets": source},
+                                 "backend": backend, "exact": exact, "seed": int(seed), "targets": source},
                      conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank)
     if rank == 0:
         save_targets(out_dir, labels, targets)
     checks_path = Path(out_dir) / CHECKS_FILE
     if checks and rank == 0 and not checks_path.is_file():
+        if progress:  # issue #18: tens of seconds with no output otherwise looks hung
+            print(f"pgd: sanity checks on the first {min(8, len(dataset))} images (eps 0, gradients, bounds)...",
+                  file=sys.stderr, flush=True)
         atomic_write_json(checks_path, _batch_checks(model, dataset, targets, settings, device, backend))
     run_chunks(store, dataset, [c["name"] for c in conditions],
-               make_evaluator(model, settings, targets, device, backend, attack),
+               make_evaluator(model, settings, targets, device, backend, attack, exact=exact),
                chunk_size=batch_size, rank=rank, world_size=world_size, num_workers=num_workers,
                progress=progress and rank == 0, desc="pgd")
     barrier()
@@ -279,3 +303,13 @@ def summarize_pgd(records: pd.DataFrame) -> pd.DataFrame:
 def load_checks(run_dir) -> list[dict]:
     path = Path(run_dir) / CHECKS_FILE
     return json.loads(path.read_text()) if path.is_file() else []
+
+
+@study_protocol("pgd", summary="SAN Table 10's targeted PGD {8, 4, 2} and {8, 2, 4} plus an eps sweep")
+def study_pgd(ctx, entry, model):
+    """The study's Table 10 step: every image of the study, the same targets for every model."""
+    out = ctx.run_dir("pgd", entry.name)
+    run_pgd(model, ctx.dataset, out, num_classes=ctx.info.num_classes, settings=ctx.config.attack_settings(),
+            seed=ctx.config.seed, backend=ctx.config.backend, batch_size=ctx.config.batch_size, device=ctx.device,
+            run_info=ctx.run_info(entry, model), progress=ctx.progress, **ctx.shard)
+    return out

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from robust_attn.distributed import barrier
+from robust_attn.protocols.registry import study_protocol
 from robust_attn.protocols.runner import open_run, run_chunks, topk_hits
 
 __all__ = ["RotationCondition", "PAPER_CONDITIONS", "rotation_conditions", "rotate_clockwise",
@@ -187,3 +188,13 @@ def run_rotation(model: nn.Module, dataset, out_dir, *, conditions: list[Rotatio
                progress=progress and rank == 0, desc="rotation")
     barrier()
     return store
+
+
+@study_protocol("rotation", summary="SAN Table 9's rotations and flips, the left-right flip and an angle sweep")
+def study_rotation(ctx, entry, model):
+    """The study's rotation step: every image of the study, ``config.angle_step`` sweep."""
+    out = ctx.run_dir("rotation", entry.name)
+    run_rotation(model, ctx.dataset, out, conditions=rotation_conditions(ctx.config.angle_step),
+                 batch_size=ctx.config.batch_size, device=ctx.device, run_info=ctx.run_info(entry, model),
+                 progress=ctx.progress, **ctx.shard)
+    return out

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from robust_attn.reports.attacks import attack_sections
 from robust_attn.reports.comparison import DEFAULT_BASELINE, HEADLINE_MEASURES, compare_models, findings_text
 from robust_attn.reports.plots import plot_comparison, plot_pgd, plot_rotation
 from robust_attn.reports.stats import bootstrap_mean_ci
@@ -19,6 +20,7 @@ from robust_attn.utils.io import atomic_path, atomic_write_text
 
 __all__ = ["make_report", "bootstrap_mean_ci", "load_runs", "rotation_table", "pgd_table"]
 
+REPORTED_PROTOCOLS = ("rotation", "pgd", "attack", "transfer", "masking")
 TABLE9_CAPTION = ("Robustness to rotation and flipping at test time (SAN Table 9 layout): top-1 / top-5 "
                   "accuracy (%), drop from the unrotated result in brackets (lower is better).")
 TABLE10_CAPTION = ("Targeted white-box L-inf PGD (SAN Table 10 layout): eps = 8/255; n = 2 with step 4/255, "
@@ -40,9 +42,9 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
     runs = load_runs(run_dirs)
     if not runs:
         raise ValueError("give at least one run directory")
-    unknown = sorted({r.protocol for r in runs} - {"rotation", "pgd"})
+    unknown = sorted({r.protocol for r in runs} - set(REPORTED_PROTOCOLS))
     if unknown:
-        raise ValueError(f"runs of unknown protocol(s) {unknown}; the report knows rotation and pgd")
+        raise ValueError(f"runs of unknown protocol(s) {unknown}; the report knows {', '.join(REPORTED_PROTOCOLS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
@@ -92,7 +94,7 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
         files += [out / "table10_pgd.md", out / "table10_pgd.tex"]
         sweep = pgd_sweep(runs)
         files.append(_write_csv(sweep, out / "pgd_conditions.csv"))
-        cc = t10[t10["source"] == "ours"][["model", "dataset", "n2_success_rate_clean_correct",
+        cc = t10[t10["source"] == "ours"][["label", "n", "n2_success_rate_clean_correct",
                                            "n2_top1_clean_correct", "n4_success_rate_clean_correct",
                                            "n4_top1_clean_correct"]]
         md += ["## Table 10: targeted PGD", "", TABLE10_CAPTION, "", to_markdown(shown),
@@ -102,13 +104,18 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
             files += plot_pgd(sweep, out)
             md += ["![PGD against steps](pgd_steps.png) ![PGD against eps](pgd_eps.png)", ""]
 
+    attack_md, attack_files = attack_sections(runs, out, n_boot=n_boot, seed=seed, level=level, plots=plots)
+    md += attack_md
+    files += attack_files
+
     ci = headline_ci(runs, n_boot=n_boot, seed=seed, level=level)
-    files.append(_write_csv(ci, out / "headline_ci.csv"))
-    shown_ci = ci.assign(interval=[f"{v:.1f} [{lo:.1f}, {hi:.1f}]" for v, lo, hi in
-                                   zip(ci["value"], ci["low"], ci["high"])])[["model", "dataset", "metric",
-                                                                               "interval", "n"]]
-    md += [f"## {level:.0%} bootstrap intervals over images ({n_boot} resamples, seed {seed})", "",
-           to_markdown(shown_ci)]
+    if not ci.empty:
+        files.append(_write_csv(ci, out / "headline_ci.csv"))
+        shown_ci = ci.assign(interval=[f"{v:.1f} [{lo:.1f}, {hi:.1f}]" for v, lo, hi in
+                                       zip(ci["value"], ci["low"], ci["high"])])[["label", "metric", "interval",
+                                                                                   "n"]]
+        md += [f"## {level:.0%} bootstrap intervals over images ({n_boot} resamples, seed {seed})", "",
+               to_markdown(shown_ci)]
     atomic_write_text(out / "report.md", "\n".join(md))
     files.append(out / "report.md")
     return files

@@ -1,0 +1,91 @@
+"""AutoAttack's standard ensemble (Croce & Hein, ICML 2020, section 5 and its public ``standard`` version).
+
+The ensemble runs four attacks one after another, each only on the images that are still
+classified correctly, and keeps per image the first adversarial image found, so the robust
+accuracy it reports is the worst case over the four:
+
+1. APGD-CE: untargeted APGD on the cross-entropy, 100 iterations (:mod:`robust_attn.attacks.apgd`);
+2. APGD-T: APGD on the targeted DLR loss toward each of the 9 most likely wrong classes, 100
+   iterations each;
+3. FAB-T: the targeted fast adaptive boundary attack toward the same 9 classes, 100 iterations
+   each (:mod:`robust_attn.attacks.fab`);
+4. Square: the score-based (gradient-free) attack, 5000 queries (:mod:`robust_attn.attacks.square`).
+
+Images the model already misclassifies are not attacked (their ``by`` is ``"clean"``); the
+``by`` of an image fooled by the ensemble names the attack that fooled it first, and is ``""``
+for an image that resisted all four. ``options={"attacks": [...]}`` runs another list of
+registered untargeted attacks in the same way (e.g. ``["apgd-ce", "square"]`` for a cheaper
+check). With fewer than 10 classes the targeted attacks take every wrong class as a target
+(``num_classes - 1``).
+
+Each member is seeded from the ensemble's ``seed``; its other settings are the member's own
+defaults (the standard version's), except ``steps``, ``restarts`` and ``queries`` when the
+ensemble's config sets them (a cheaper run, named so in the condition's name).
+"""
+from __future__ import annotations
+
+
+import torch
+import torch.nn as nn
+
+from robust_attn.attacks.base import Attack, AttackConfig, AttackInputError, AttackOutput, make_attack, register_attack
+
+__all__ = ["AutoAttack", "STANDARD"]
+
+STANDARD = ("apgd-ce", "apgd-t", "fab-t", "square")
+N_TARGET_CLASSES = 9
+
+
+@register_attack
+class AutoAttack(Attack):
+    """The standard AutoAttack ensemble: worst case per image over APGD-CE, APGD-T, FAB-T and Square."""
+
+    name = "autoattack"
+    targeted_modes = (False,)
+    paper = "Croce & Hein, ICML 2020, section 5 (standard version)"
+
+    def __init__(self, config: AttackConfig):
+        super().__init__(config)
+        members = config.options.get("attacks", STANDARD)
+        if isinstance(members, str) or not members:
+            raise AttackInputError(f"options['attacks'] must be a non-empty list of attack names, got {members!r}")
+        if self.name in members:
+            raise AttackInputError("autoattack cannot contain itself")
+        self.member_names = list(members)
+        for i, m in enumerate(self.member_names):   # unknown names and unsupported settings fail here
+            make_attack(self._member_config(m, i, num_classes=10))
+
+    def _member_config(self, member: str, position: int, num_classes: int) -> AttackConfig:
+        c = self.config
+        options = {k: v for k, v in c.options.items() if k != "attacks"}
+        if member.endswith("-t"):   # the targeted members: the most likely wrong classes
+            options.setdefault("n_target_classes", min(N_TARGET_CLASSES, num_classes - 1))
+        return AttackConfig(member, norm=c.norm, eps=c.eps, targeted=False, steps=c.steps, restarts=c.restarts,
+                            queries=c.queries, seed=c.seed * 16 + position, options=options)
+
+    def _run(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+             targets: torch.Tensor | None) -> AttackOutput:
+        adv = images.clone()
+        by = [""] * len(images)
+        queries = torch.zeros(len(images), dtype=torch.long, device=images.device)
+        with torch.no_grad():
+            logits = model(images)
+        robust = logits.argmax(1) == labels
+        for i in (~robust).nonzero().flatten().tolist():
+            by[i] = "clean"
+        for position, member in enumerate(self.member_names):
+            todo = robust.nonzero().flatten()
+            if todo.numel() == 0:
+                break
+            attack = make_attack(self._member_config(member, position, logits.shape[1]))
+            out = attack.run(model, images[todo], labels[todo])
+            with torch.no_grad():
+                fooled = model(out.adv).argmax(1) != labels[todo]
+            if out.queries is not None:
+                queries[todo] += out.queries.to(queries.device, torch.long)
+            hit = todo[fooled]
+            adv[hit] = out.adv[fooled]
+            robust[hit] = False
+            for i in hit.tolist():
+                by[i] = member
+        return AttackOutput(adv, queries=queries, by=by)

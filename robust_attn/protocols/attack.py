@@ -1,0 +1,193 @@
+"""Evaluation attacks on a test set (issue #14): any registered attack, per-image records.
+
+Where :mod:`robust_attn.protocols.pgd` is SAN's Table 10 (targeted PGD with the paper's weak
+settings), this protocol runs the attacks a careful evaluator adds (PGD with restarts, APGD-CE,
+APGD-T, FAB-T, Square and the AutoAttack ensemble, :mod:`robust_attn.attacks`), each as one
+condition of a resumable, shardable run directory (:mod:`robust_attn.results`), beside the
+clean condition.
+
+Records, per image and condition:
+
+``index, label``; ``target`` (the targeted attacks' target, -1 untargeted); ``clean_pred`` and
+``pred`` (predictions on the clean and attacked image); ``top1`` (pred == label: robust
+accuracy is its mean); ``success`` (targeted: pred == target; untargeted: pred != label, so an
+image misclassified already counts as a success, as in RobustBench); ``margin`` (z_label minus
+the largest other logit on the attacked image: negative means misclassified); ``linf`` and
+``l2`` (the perturbation's norms in [0, 1] image units); ``queries`` (model queries a
+score-based attack used, else -1); ``by`` (which member of an ensemble fooled the image,
+``clean`` if it was misclassified without attack, ``none`` otherwise).
+
+Choices: the random draws of an attack on chunk ``[start, stop)`` are seeded with
+``seed * 2**32 + start``, so a resumed or sharded run computes the same images as an
+uninterrupted one, while the records depend on the batch size (recorded in run.json as the
+chunk size). Targets for targeted attacks are drawn like Table 10's
+(:func:`robust_attn.protocols.pgd.prepare_targets`) and saved in ``targets.csv``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import pandas as pd
+import torch
+import torch.nn as nn
+
+from robust_attn.attacks.base import AttackConfig, make_attack
+from robust_attn.distributed import barrier
+from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
+from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.runner import open_run, run_chunks
+
+__all__ = ["PROTOCOL", "CLEAN", "attack_records", "logit_margin", "make_evaluator", "run_attack",
+           "summarize_attack", "config_from_condition"]
+
+PROTOCOL = "attack"
+CLEAN = "clean"
+
+
+def logit_margin(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``z_y - max_{i != y} z_i`` per row: positive where the label wins."""
+    own = logits.gather(1, labels[:, None]).squeeze(1)
+    other = logits.scatter(1, labels[:, None], float("-inf")).amax(1)
+    return own - other
+
+
+def attack_records(indices: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor | None,
+                   clean_logits: torch.Tensor, logits: torch.Tensor, images: torch.Tensor, adv: torch.Tensor,
+                   queries: torch.Tensor | None = None, by: Sequence[str] | None = None) -> pd.DataFrame:
+    """The per-image records of one attacked batch (module docstring)."""
+    pred, clean_pred = logits.argmax(1), clean_logits.argmax(1)
+    delta = (adv - images).flatten(1).double()
+    success = pred == targets if targets is not None else pred != labels
+    n = len(labels)
+    return pd.DataFrame({
+        "index": indices.cpu().numpy(), "label": labels.cpu().numpy(),
+        "target": (targets if targets is not None else torch.full_like(labels, -1)).cpu().numpy(),
+        "clean_pred": clean_pred.cpu().numpy(), "pred": pred.cpu().numpy(),
+        "top1": (pred == labels).long().cpu().numpy(), "success": success.long().cpu().numpy(),
+        "margin": logit_margin(logits.double(), labels).cpu().numpy().round(5),
+        "linf": delta.abs().amax(1).cpu().numpy().round(7), "l2": delta.norm(dim=1).cpu().numpy().round(6),
+        "queries": (queries.cpu().long().numpy() if queries is not None else [-1] * n),
+        "by": [b or "none" for b in by] if by is not None else ["none"] * n})
+
+
+def make_evaluator(model: nn.Module, configs: Sequence[AttackConfig], targets: torch.Tensor | None,
+                   device: torch.device):
+    """The ``evaluate`` callback of :func:`robust_attn.protocols.runner.run_chunks`: the clean
+    forward once per chunk, then every missing attack condition."""
+    by_name = {c.name: c for c in configs}
+
+    def evaluate(images, labels, indices, todo) -> Iterator[tuple[str, pd.DataFrame]]:
+        images, labels = images.to(device), labels.to(device).long()
+        with torch.no_grad():
+            clean_logits = model(images)
+        start = int(indices[0])
+        for name in todo:
+            if name == CLEAN:
+                yield name, attack_records(indices, labels, None, clean_logits, clean_logits, images, images)
+                continue
+            config = by_name[name]
+            attack = make_attack(dataclasses.replace(config, seed=config.seed * 2 ** 32 + start))
+            tgt = targets[indices].to(device) if config.targeted else None
+            out = attack.run(model, images, labels, tgt)
+            with torch.no_grad():
+                logits = model(out.adv)
+            yield name, attack_records(indices, labels, tgt, clean_logits, logits, images, out.adv,
+                                       out.queries, out.by)
+
+    return evaluate
+
+
+def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackConfig], num_classes: int,
+               seed: int = 0, targets_file: str | Path | None = None, batch_size: int = 64,
+               device: str | torch.device = "cpu", run_info: dict | None = None, rank: int = 0,
+               world_size: int = 1, num_workers: int = 0, progress: bool = True, checks: bool = True):
+    """Run (or resume) the clean condition and every attack of ``configs`` into ``out_dir``.
+
+    ``seed`` draws the targets of targeted attacks (each attack's own random draws follow its
+    config's seed). With ``checks`` the gradient-masking checks of
+    :mod:`robust_attn.attacks.masking` that the records allow are computed after the run and
+    saved in ``checks.json``. Returns the RunStore.
+    """
+    configs = list(configs)
+    if not configs:
+        raise ValueError("give at least one attack")
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names) or CLEAN in names:
+        raise ValueError(f"attack conditions must have distinct names, got {names}")
+    for c in configs:   # unknown attacks and unsupported settings fail before anything is written
+        make_attack(c)
+    device = torch.device(device)
+    model = model.to(device).eval()
+    targets, source = None, None
+    labels = dataset_labels(dataset)
+    if any(c.targeted for c in configs):
+        targets, source = prepare_targets(labels, num_classes, seed, targets_file)
+    conditions = [{"name": CLEAN, "attack": "none", "eps": 0.0}] + [c.as_dict() for c in configs]
+    store = open_run(out_dir, dict(run_info or {}), protocol=PROTOCOL,
+                     parameters={"units": "[0, 1] image units", "seed": int(seed), "targets": source,
+                                 "chunk_seed": "config.seed * 2**32 + chunk start"},
+                     conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank)
+    if rank == 0 and targets is not None:
+        save_targets(out_dir, labels, targets)
+    run_chunks(store, dataset, [c["name"] for c in conditions], make_evaluator(model, configs, targets, device),
+               chunk_size=batch_size, rank=rank, world_size=world_size, num_workers=num_workers,
+               progress=progress and rank == 0, desc="attack")
+    barrier()
+    if checks and rank == 0:
+        from robust_attn.protocols.masking import attack_run_checks
+
+        attack_run_checks(store.root, model, dataset, configs, device)
+    return store
+
+
+def config_from_condition(condition: dict) -> AttackConfig:
+    """The :class:`AttackConfig` a run.json condition was made from."""
+    fields = {f.name for f in dataclasses.fields(AttackConfig)}
+    return AttackConfig(**{k: v for k, v in condition.items() if k in fields})
+
+
+def summarize_attack(records: pd.DataFrame) -> pd.DataFrame:
+    """Per condition (percent): ``robust_top1`` (mean top1 over all images), ``success_rate``,
+    the clean-correct subset's size and robust accuracy, the largest perturbation norms and the
+    median queries (score-based attacks)."""
+    clean = records[records["condition"] == CLEAN].set_index("index")["top1"] if CLEAN in set(
+        records["condition"]) else None
+    rows = []
+    for condition, group in records.groupby("condition", sort=False):
+        row = {"condition": condition, "n": len(group), "robust_top1": group["top1"].mean() * 100,
+               "success_rate": group["success"].mean() * 100, "max_linf": group["linf"].max(),
+               "max_l2": group["l2"].max()}
+        if clean is not None:
+            correct = group["index"].map(clean).fillna(0).astype(bool).to_numpy()
+            row["n_clean_correct"] = int(correct.sum())
+            row["robust_top1_clean_correct"] = group["top1"][correct].mean() * 100 if correct.any() else float("nan")
+        q = group["queries"][group["queries"] >= 0]
+        row["median_queries"] = float(q.median()) if len(q) else float("nan")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _study_attack(ctx, entry, model, protocol: str, configs: list[AttackConfig]):
+    out = ctx.run_dir(protocol, entry.name)
+    run_attack(model, ctx.attack_dataset, out, configs=configs, num_classes=ctx.info.num_classes,
+               seed=ctx.config.seed, batch_size=ctx.config.attack_batch_size, device=ctx.device,
+               run_info=ctx.run_info(entry, model), progress=ctx.progress, checks=False, **ctx.shard)
+    return out
+
+
+@study_protocol("autoattack", summary="AutoAttack (standard, untargeted L-inf) at each eps on the attack subset")
+def study_autoattack(ctx, entry, model):
+    """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps`` (1/255)."""
+    return _study_attack(ctx, entry, model, "autoattack", [
+        AttackConfig("autoattack", eps=e / 255, steps=ctx.config.attack_steps, seed=ctx.config.seed)
+        for e in ctx.config.autoattack_eps])
+
+
+@study_protocol("square", summary="Square (score-based, no gradients) on the attack subset")
+def study_square(ctx, entry, model):
+    """The black-box reference: Square alone on every image, ``config.square_queries`` queries."""
+    return _study_attack(ctx, entry, model, "square", [
+        AttackConfig("square", eps=ctx.config.square_eps / 255, queries=ctx.config.square_queries,
+                     seed=ctx.config.seed)])

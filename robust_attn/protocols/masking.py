@@ -1,0 +1,173 @@
+"""Gradient-masking checks as a protocol (issue #14): per model, from its attack runs and its own probes.
+
+The checks themselves are :mod:`robust_attn.attacks.masking`; this module gathers their inputs
+from the run directories and saves their verdicts (``checks.json``: name, verdict, detail,
+evidence) beside a small run of its own, so the report can show them and ``report`` can derive
+them again from what was saved.
+
+In the study (step ``masking``, after ``autoattack``, ``square`` and ``transfer``), for each model:
+
+* ``blackbox_beats_whitebox``: the white-box part of AutoAttack at the largest eps (images
+  misclassified already, or fooled by APGD-CE, APGD-T or FAB-T: AutoAttack's records name the
+  member in ``by``) against Square alone at the same eps, against AutoAttack's own Square member
+  (an image only Square fooled inside AutoAttack is the same evidence), and against the
+  untargeted transfer attack from every other model at 8/255;
+* ``gain_with_strength``: AutoAttack's success rate must grow with eps;
+* ``unbounded_attack``: 20-step PGD at eps = 1 on the first ``config.masking_images`` images;
+* ``input_gradients``: compared with the baseline model's (``config.baseline``) on those images;
+* ``loss_saturation``: the loss along the gradient sign and 4 random directions on 4 images,
+  plotted to ``loss_directions.png``.
+
+For a single ``eval attack`` run (:func:`attack_run_checks`) the checks the run allows: the
+unbounded attack, the input gradients (no baseline), the loss sweep, success against eps when
+several eps of one attack ran, and Square against every white-box condition at the same eps.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from robust_attn.attacks import masking
+from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.runner import open_run
+from robust_attn.results import RunStore, load_description, load_records
+from robust_attn.utils.io import atomic_write_json
+
+__all__ = ["PROTOCOL", "white_box_records", "attack_run_checks", "write_checks"]
+
+PROTOCOL = "masking"
+CHECKS_FILE = "checks.json"
+PLOT_FILE = "loss_directions.png"
+SWEEP_FILE = "loss_directions.csv"
+WHITE_BOX_MEMBERS = ("clean", "apgd-ce", "apgd-t", "fab-t")
+
+
+def _first_images(dataset, n: int, device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    n = min(n, len(dataset))
+    images, labels = next(iter(DataLoader(Subset(dataset, range(n)), batch_size=n)))
+    return images.to(device), torch.as_tensor(labels).long().to(device), list(range(n))
+
+
+def white_box_records(records: pd.DataFrame) -> pd.DataFrame:
+    """AutoAttack records with ``success`` kept only where a white-box member (or the clean
+    misclassification) did it: an image Square alone fooled counts as not fooled."""
+    out = records.copy()
+    out["success"] = (out["success"].astype(bool) & out["by"].isin(WHITE_BOX_MEMBERS)).astype(int)
+    return out
+
+
+def _condition_at(run_dir: Path, attack: str, eps: float) -> str | None:
+    for c in load_description(run_dir)["conditions"]:
+        if c.get("attack") == attack and c.get("norm", "linf") == "linf" and abs(c["eps"] - eps) < 1e-9 \
+                and not c.get("targeted", False):
+            return c["name"]
+    return None
+
+
+def write_checks(out: Path, model, images, labels, indices, eps: float, run_info: dict, *, white=None,
+                 black=None, rates=None, baseline=None, seed: int = 0) -> list[dict]:
+    """Run the checks the inputs allow and save them in run directory ``out`` (records of the
+    unbounded attack, the loss sweep and its plot, ``checks.json``). Returns the checks."""
+    store = open_run(out, run_info, protocol=PROTOCOL, parameters={"eps": eps, "unbounded_steps": 20,
+                                                                   "sweep_images": 4, "seed": seed},
+                     conditions=[{"name": "unbounded", "attack": "pgd", "eps": 1.0, "steps": 20}],
+                     num_images=len(images), chunk_size=len(images))
+    if (out / CHECKS_FILE).is_file() and not store.missing():
+        return json.loads((out / CHECKS_FILE).read_text())
+    results = []
+    if white is not None and black:
+        results.append(masking.check_blackbox_beats_whitebox(white, black))
+    unbounded = masking.unbounded_success(model, images, labels, steps=20, seed=seed, indices=indices)
+    results.append(masking.check_unbounded(unbounded))
+    if rates is not None and len(rates) > 1:
+        results.append(masking.check_gain_with_strength(rates, what="eps"))
+    results.append(masking.check_input_gradients(masking.input_gradient_stats(model, images, labels), baseline))
+    sweep = masking.loss_along_directions(model, images[:4], labels[:4], eps, seed=seed, indices=indices[:4])
+    sweep.to_csv(out / SWEEP_FILE, index=False)
+    masking.plot_loss_along_directions(sweep, out / PLOT_FILE, title=str(run_info.get("model", "")))
+    results.append(masking.check_loss_saturation(sweep))
+    if not store.has_chunk("unbounded", 0, len(images)):
+        store.write_chunk("unbounded", 0, len(images), unbounded)
+    checks = [r.to_dict() for r in results]
+    atomic_write_json(out / CHECKS_FILE, checks)
+    return checks
+
+
+def attack_run_checks(run_dir, model, dataset, configs, device, images: int = 64) -> list[dict]:
+    """The checks an ``eval attack`` run allows (module docstring), saved in ``<run_dir>/masking``
+    and summarized in ``<run_dir>/checks.json``."""
+    run_dir = Path(run_dir)
+    records = load_records(run_dir)
+    x, y, idx = _first_images(dataset, images, device)
+    linf = [c for c in configs if c.norm == "linf" and not c.targeted]
+    eps = max((c.eps for c in linf), default=8 / 255)
+    white = black = None
+    square = [c for c in linf if c.attack == "square"]
+    whites = [c for c in linf if c.attack != "square" and any(abs(s.eps - c.eps) < 1e-9 for s in square)]
+    if whites:
+        w = whites[-1]
+        s = next(s for s in square if abs(s.eps - w.eps) < 1e-9)
+        white = records[records["condition"] == w.name]
+        black = {"square": records[records["condition"] == s.name]}
+    rates = None
+    by_attack: dict[str, list] = {}
+    for c in linf:
+        by_attack.setdefault(c.attack, []).append(c)
+    sweeps = [cs for cs in by_attack.values() if len(cs) > 1]
+    if sweeps:
+        cs = sorted(sweeps[0], key=lambda c: c.eps)
+        rates = {c.name: float(records.loc[records["condition"] == c.name, "success"].mean()) for c in cs}
+    description = load_description(run_dir)
+    info = {k: description[k] for k in ("model", "dataset", "checkpoint") if k in description}
+    checks = write_checks(run_dir / "masking", model, x, y, idx, eps, info, white=white, black=black, rates=rates)
+    atomic_write_json(run_dir / CHECKS_FILE, checks)
+    return checks
+
+
+@study_protocol("masking", per_model=False, summary="gradient-masking checks per model, from the attack runs")
+def study_masking(ctx, entries, models):
+    """The checks of the module docstring for every model (after autoattack, square and transfer)."""
+    config = ctx.config
+    images, labels, indices = _first_images(ctx.attack_dataset, config.masking_images, ctx.device)
+    base = models.get(config.baseline)
+    baseline = masking.input_gradient_stats(base, images, labels) if base is not None else None
+    eps = max(config.autoattack_eps) / 255
+    outs = []
+    for entry in entries:
+        model = models[entry.name]
+        white, black, rates = None, {}, None
+        aa_dir = ctx.run_dir("autoattack", entry.name)
+        if RunStore(aa_dir).exists():
+            aa = load_records(aa_dir)
+            conditions = {e: _condition_at(aa_dir, "autoattack", e / 255) for e in sorted(config.autoattack_eps)}
+            rates = {f"{e:g}/255": float(aa.loc[aa["condition"] == c, "success"].mean())
+                     for e, c in conditions.items() if c}
+            top = aa[aa["condition"] == conditions[max(config.autoattack_eps)]]
+            white = white_box_records(top)
+            black["autoattack's square"] = top.assign(success=top["success"].astype(bool).astype(int))
+        square_dir = ctx.run_dir("square", entry.name)
+        if white is not None and RunStore(square_dir).exists() and abs(config.square_eps / 255 - eps) < 1e-9:
+            c = _condition_at(square_dir, "square", eps)
+            if c:
+                sq = load_records(square_dir)
+                black["square"] = sq[sq["condition"] == c]
+        if white is not None and abs(eps - 8 / 255) < 1e-9:
+            for source in entries:
+                t_dir = ctx.run_dir("transfer", source.name)
+                if source.name == entry.name or not RunStore(t_dir).exists():
+                    continue
+                tr = load_records(t_dir)
+                mine = tr[(tr["target_model"] == entry.name) & (tr["target"] == -1)
+                          & ~tr["condition"].str.startswith("clean.")]
+                if len(mine):
+                    black[f"transfer from {source.name}"] = mine[mine["condition"] == mine["condition"].iloc[0]]
+        out = ctx.run_dir("masking", entry.name)
+        if ctx.rank == 0:
+            write_checks(out, model, images, labels, indices, eps, ctx.run_info(entry, model), white=white,
+                         black=black or None, rates=rates, baseline=baseline, seed=config.seed)
+        outs.append(out)
+    return outs

@@ -1,0 +1,87 @@
+"""How a protocol joins ``robust-attn study``: one registered step per protocol, in its own file.
+
+A protocol module decorates a function with :func:`study_protocol`; the study
+(:mod:`robust_attn.study`) runs the steps that ``StudyConfig.protocols`` names, in that order,
+and nothing else in the study names protocols. Two kinds of step:
+
+* per model (``per_model=True``): ``step(ctx, entry, model) -> Path`` runs the protocol on one
+  zoo model and returns its run directory;
+* across models (``per_model=False``): ``step(ctx, entries, models) -> list[Path]`` runs once
+  with every model loaded (e.g. the transfer matrix), after all per-model steps.
+
+Every step writes resumable run directories under ``ctx.runs_dir`` and may be called again
+after an interruption; under torchrun each rank computes a shard (``ctx.shard``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["StudyContext", "StudyProtocol", "STUDY_PROTOCOLS", "study_protocol", "list_study_protocols"]
+
+
+@dataclass
+class StudyContext:
+    """What every study step gets: the config (:class:`robust_attn.study.StudyConfig`), the
+    dataset's info, the evaluation images (``dataset``: the whole split or ``config.limit``;
+    ``attack_dataset``: the seeded subset the expensive attacks use), where runs go, the device
+    and this process's shard, and :meth:`run_info` for a model's part of run.json."""
+
+    config: Any
+    info: Any
+    dataset: Any
+    attack_dataset: Any
+    runs_dir: Path
+    device: Any
+    rank: int = 0
+    world_size: int = 1
+    progress: bool = True
+    base_info: dict = field(default_factory=dict)
+    log: Callable[[str], None] = print
+
+    @property
+    def shard(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world_size}
+
+    def run_info(self, entry, model) -> dict:
+        arch = getattr(model, "arch_args", None) or entry.arch
+        return {**self.base_info, "model": (arch or {}).get("name", entry.name), "zoo_entry": entry.name,
+                "arch": arch, "checkpoint": {"path": entry.weights, "sha256": entry.sha256}}
+
+    def run_dir(self, protocol: str, name: str) -> Path:
+        return self.runs_dir / f"{protocol}-{name}"
+
+
+@dataclass(frozen=True)
+class StudyProtocol:
+    name: str
+    step: Callable
+    per_model: bool = True
+    summary: str = ""
+
+
+STUDY_PROTOCOLS: dict[str, StudyProtocol] = {}
+
+
+def study_protocol(name: str, *, per_model: bool = True, summary: str = ""):
+    """Decorator: register ``fn`` as the study step of protocol ``name``."""
+
+    def add(fn: Callable) -> Callable:
+        if name in STUDY_PROTOCOLS:
+            raise ValueError(f"study protocol {name!r} is registered twice")
+        STUDY_PROTOCOLS[name] = StudyProtocol(name, fn, per_model, summary or (fn.__doc__ or "").split("\n")[0])
+        return fn
+
+    return add
+
+
+def list_study_protocols() -> list[str]:
+    import robust_attn.protocols  # noqa: F401  (imports every protocol module)
+
+    return list(STUDY_PROTOCOLS)
+
+
+def replace(ctx: StudyContext, **changes) -> StudyContext:
+    return dataclasses.replace(ctx, **changes)

@@ -1,0 +1,41 @@
+"""Shared test fixtures' building blocks: a tiny attackable ResNet and a clean subprocess environment."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+import robust_attn
+from robust_attn.wrapper import NormalizedModel
+
+REPO = Path(__file__).resolve().parents[1]
+MEAN, STD = [0.49, 0.48, 0.45], [0.25, 0.24, 0.26]
+
+
+def tiny_resnet(seed: int = 1, num_classes: int = 10, **arch) -> NormalizedModel:
+    """resnet26 at width 0.25 for 32x32 input (``arch`` adds e.g. ``stem_downsample=4``), in eval
+    mode, with random batch-norm affine parameters and running statistics: a default-initialized
+    network zeroes each residual branch's last BN scale, which leaves only the shortcuts (96% of
+    its input gradient exactly 0) and would make attack tests meaningless."""
+    torch.manual_seed(seed)
+    net = robust_attn.create_model("resnet26", num_classes=num_classes, resolution="cifar", width=0.25, **arch)
+    gen = torch.Generator().manual_seed(seed)
+    for module in net.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            c = module.num_features
+            module.weight.data = torch.rand(c, generator=gen) + 0.5
+            module.bias.data = 0.1 * torch.randn(c, generator=gen)
+            module.running_mean.copy_(0.1 * torch.randn(c, generator=gen))
+            module.running_var.copy_(torch.rand(c, generator=gen) + 0.5)
+    return NormalizedModel(net, MEAN, STD).eval()
+
+
+def subprocess_env() -> dict:
+    """The environment for a ``python -m robust_attn.cli`` child: one thread, this checkout first,
+    no leftover torchrun variables."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env

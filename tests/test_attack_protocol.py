@@ -1,0 +1,259 @@
+"""The attack and transfer protocols (issue #14): records, resumption, sharding, the AutoAttack
+ensemble's worst case, transfer matrices, and the CLI's errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+
+from robust_attn.attacks.base import ATTACKS, Attack, AttackConfig, AttackOutput, list_attacks, make_attack
+from robust_attn.cli import main
+from robust_attn.data import build_dataset
+from robust_attn.protocols.attack import CLEAN, logit_margin, run_attack, summarize_attack
+from robust_attn.protocols.transfer import EnsembleModel, run_transfer, summarize_transfer
+from robust_attn.registry import create_model
+from robust_attn.results import RunStore, load_records
+from robust_attn.wrapper import NormalizedModel
+from helpers import subprocess_env
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "resnet26", "--model-args", "width=0.25", "stem_downsample=4", "--dataset", "synthetic",
+        "--no-progress"]
+
+
+class SignNoise(Attack):
+    """A seeded random corner of the L-inf ball: deterministic per seed, no gradients."""
+
+    name = "test-sign-noise"
+    norms = ("linf",)
+
+    def _run(self, model, images, labels, targets):
+        g = torch.Generator().manual_seed(self.config.seed)
+        sign = torch.randint(0, 2, images.shape, generator=g).float() * 2 - 1
+        return AttackOutput((images + self.config.eps * sign).clamp(0, 1))
+
+
+def _fooling_attack(name: str, fools, calls: list):
+    """An attack that 'fools' exactly the images whose value at pixel 0 satisfies ``fools``, by
+    setting that image to a fixed pattern the test model maps to class 0 (see _PixelModel)."""
+
+    class Fool(Attack):
+        gradient_free = True
+
+        def _run(self, model, images, labels, targets):
+            calls.append((self.name, images[:, 0, 0, 0].clone()))
+            adv = images.clone()
+            hit = fools(images[:, 0, 0, 0])
+            adv[hit, 1] = (adv[hit, 1] - self.config.eps).clamp(0, 1)   # channel 1 down: class 0 wins
+            return AttackOutput(adv, queries=torch.full((len(images),), 7))
+
+    Fool.name = name
+    return Fool
+
+
+class _PixelModel(nn.Module):
+    """Two classes from the mean of channels 0 and 1: logits (c1 - c0 - t, c0 - c1 + t)... kept
+    simple: class 1 when channel 1's mean exceeds channel 0's by more than 0."""
+
+    def forward(self, x):
+        d = x[:, 1].mean((1, 2)) - x[:, 0].mean((1, 2))
+        return torch.stack([-d, d], 1) * 100
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    def add(cls):
+        monkeypatch.setitem(ATTACKS, cls.name, cls)
+        return cls
+    return add
+
+
+def test_margin_is_label_logit_minus_best_other():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [5.0, -1.0, 4.5]])
+    labels = torch.tensor([2, 0])
+    assert torch.allclose(logit_margin(logits, labels), torch.tensor([2.0 - 3.0, 5.0 - 4.5]))
+
+
+def test_autoattack_keeps_the_first_success_and_attacks_only_robust_images(registered):
+    calls = []
+    # images: channel 1 = 0.6 > channel 0 = 0.5 -> class 1 (correct for label 1); pixel 0 of channel 0 tags them
+    images = torch.full((6, 3, 4, 4), 0.5)
+    images[:, 1] = 0.6
+    tags = torch.tensor([0.10, 0.20, 0.30, 0.40, 0.45, 0.35])
+    images[:, 0, 0, 0] = tags
+    labels = torch.tensor([1, 1, 1, 1, 0, 1])   # image 4 is misclassified without attack
+    registered(_fooling_attack("test-a", lambda t: t < 0.25, calls))   # fools images 0, 1
+    registered(_fooling_attack("test-b", lambda t: t > 0.0, calls))    # would fool all it sees
+    aa = make_attack(AttackConfig("autoattack", eps=0.3, options={"attacks": ["test-a", "test-b"]}))
+    model = _PixelModel().eval()
+    out = aa.run(model, images, labels)
+    assert out.by == ["test-a", "test-a", "test-b", "test-b", "clean", "test-b"]
+    seen_a, seen_b = calls[0][1], calls[1][1]
+    assert torch.equal(seen_a, tags[[0, 1, 2, 3, 5]])            # the misclassified image is not attacked
+    assert torch.equal(seen_b, tags[[2, 3, 5]])                  # B only sees what A left robust
+    assert (model(out.adv).argmax(1) != labels).all()
+    assert out.queries.tolist() == [7, 7, 14, 14, 0, 14]
+
+
+def test_autoattack_rejects_targeted_and_unknown_members():
+    with pytest.raises(ValueError, match="no targeted mode"):
+        make_attack(AttackConfig("autoattack", targeted=True))
+    with pytest.raises(ValueError, match="unknown attack 'apgd-xx'"):
+        make_attack(AttackConfig("autoattack", options={"attacks": ["apgd-xx"]}))
+
+
+def _tiny_model(num_classes=10, seed=0):
+    torch.manual_seed(seed)
+    net = create_model("resnet26", num_classes=num_classes, resolution="cifar", width=0.25, stem_downsample=4)
+    return NormalizedModel(net, [0.5] * 3, [0.25] * 3).eval()
+
+
+def test_attack_records_resume_and_summaries(tmp_path, registered):
+    registered(SignNoise)
+    dataset = build_dataset("synthetic", split="test", limit=10)
+    model = _tiny_model()
+    configs = [AttackConfig("test-sign-noise", eps=e) for e in (2 / 255, 16 / 255)]
+    run_attack(model, dataset, tmp_path / "full", configs=configs, num_classes=10, batch_size=4, progress=False,
+               checks=False)
+    full = load_records(tmp_path / "full")
+    assert set(full["condition"]) == {CLEAN, *(c.name for c in configs)}
+    # every record agrees with a direct recomputation
+    with torch.no_grad():
+        images = torch.stack([dataset[i][0] for i in range(10)])
+        clean_pred = model(images).argmax(1).numpy()
+    for name, group in full.groupby("condition"):
+        group = group.sort_values("index")
+        assert (group["clean_pred"].to_numpy() == clean_pred).all()
+        assert ((group["pred"] == group["label"]).astype(int) == group["top1"]).all()
+        assert ((group["pred"] != group["label"]).astype(int) == group["success"]).all()
+        assert (group["margin"] > 0).eq(group["top1"].astype(bool)).all()
+        eps = 0 if name == CLEAN else next(c.eps for c in configs if c.name == name)
+        assert group["linf"].max() <= eps + 1e-6 and (group["queries"] == -1).all()
+    # a run that lost a chunk and resumed equals the uninterrupted one
+    run_attack(model, dataset, tmp_path / "part", configs=configs, num_classes=10, batch_size=4, progress=False,
+               checks=False)
+    RunStore(tmp_path / "part").chunk_path(configs[1].name, 4, 8).unlink()
+    run_attack(model, dataset, tmp_path / "part", configs=configs, num_classes=10, batch_size=4, progress=False,
+               checks=False)
+    pd.testing.assert_frame_equal(load_records(tmp_path / "part"), full)
+    summary = summarize_attack(full).set_index("condition")
+    assert summary.loc[CLEAN, "robust_top1"] == pytest.approx(full[full.condition == CLEAN]["top1"].mean() * 100)
+    assert summary.loc[CLEAN, "n_clean_correct"] == full[full.condition == CLEAN]["top1"].sum()
+
+
+def test_targeted_attack_records_use_saved_targets(tmp_path, registered):
+    registered(SignNoise)
+    dataset = build_dataset("synthetic", split="test", limit=6)
+    config = AttackConfig("test-sign-noise", eps=4 / 255, targeted=True)
+    run_attack(_tiny_model(), dataset, tmp_path, configs=[config], num_classes=10, batch_size=3, progress=False,
+               checks=False, seed=3)
+    records = load_records(tmp_path)
+    saved = pd.read_csv(tmp_path / "targets.csv")
+    attacked = records[records.condition == config.name].sort_values("index")
+    assert (attacked["target"].to_numpy() == saved["target"].to_numpy()).all()
+    assert ((attacked["pred"] == attacked["target"]).astype(int) == attacked["success"]).all()
+    assert (records[records.condition == CLEAN]["target"] == -1).all()
+
+
+def test_transfer_from_the_model_itself_equals_the_white_box_attack(tmp_path, registered):
+    registered(SignNoise)
+    dataset = build_dataset("synthetic", split="test", limit=8)
+    a, b = _tiny_model(seed=0), _tiny_model(seed=1)
+    config = AttackConfig("test-sign-noise", eps=16 / 255)
+    run_transfer("a", a, {"a": a, "b": b}, dataset, tmp_path / "t", configs=[config], batch_size=4, progress=False)
+    run_attack(a, dataset, tmp_path / "w", configs=[config], num_classes=10, batch_size=4, progress=False,
+               checks=False)
+    transfer = load_records(tmp_path / "t")
+    white = load_records(tmp_path / "w")
+    self_transfer = transfer[transfer.condition == f"{config.name}.a"].sort_values("index")
+    white_box = white[white.condition == config.name].sort_values("index")
+    assert (self_transfer["pred"].to_numpy() == white_box["pred"].to_numpy()).all()
+    assert (self_transfer["success"].to_numpy() == self_transfer["source_success"].to_numpy()).all()
+    on_b = transfer[transfer.condition == f"{config.name}.b"].sort_values("index")
+    with torch.no_grad():
+        images = torch.stack([dataset[i][0] for i in range(8)])
+    assert (on_b["clean_pred"].to_numpy() == b(images).argmax(1).numpy()).all()
+    summary = summarize_transfer(transfer)
+    assert set(summary["target_model"]) == {"a", "b"} and set(summary["source"]) == {"a"}
+
+
+def test_transfer_refuses_a_target_with_other_classes(tmp_path, registered):
+    registered(SignNoise)
+    dataset = build_dataset("synthetic", split="test", limit=2)
+    with pytest.raises(ValueError, match="source a has 10 classes but target.*b has 7"):
+        run_transfer("a", _tiny_model(), {"b": _tiny_model(num_classes=7)}, dataset, tmp_path,
+                     configs=[AttackConfig("test-sign-noise")], progress=False)
+
+
+def test_ensemble_is_the_mean_of_logits():
+    a, b = _tiny_model(seed=0), _tiny_model(seed=1)
+    x = torch.rand(3, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(EnsembleModel([a, b])(x), (a(x) + b(x)) / 2)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--attack", "apgd-xx"], "unknown attack 'apgd-xx'"),
+    (["--attack", "autoattack", "--targeted"], "no targeted mode"),
+    (["--attack", "pgd", "--eps", "8"], "write 8/255"),
+    (["--attack", "pgd", "--eps=-1/255"], "eps must be >= 0"),
+    (["--attack", "pgd", "--eps", "x"], "not a number"),
+])
+def test_attack_cli_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
+    assert main(["eval", "attack", *TINY, "--limit", "2", *argv, "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_l2_eps_in_255_units_warns():
+    with pytest.warns(UserWarning, match="did you divide by 255"):
+        AttackConfig("pgd", norm="l2", eps=0.5 / 255)
+
+
+def test_transfer_cli_names_the_class_mismatch(tmp_path, capsys):
+    from robust_attn.checkpoint import save_checkpoint
+
+    for name, classes in (("ten", 10), ("seven", 7)):
+        net = create_model("resnet26", num_classes=classes, resolution="cifar", width=0.25, stem_downsample=4)
+        save_checkpoint(tmp_path / f"{name}.safetensors", NormalizedModel(net, [0.5] * 3, [0.25] * 3))
+    assert main(["eval", "transfer", "--dataset", "synthetic", "--limit", "2", "--no-progress",
+                 "--source", str(tmp_path / "ten.safetensors"), "--target", str(tmp_path / "seven.safetensors"),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "7 classes" in capsys.readouterr().err
+
+
+needs_pgd = pytest.mark.skipif("pgd" not in list_attacks(), reason="the 'pgd' attack is not registered")
+
+
+@needs_pgd
+def test_attack_cli_runs_pgd_and_writes_records(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["eval", "attack", *TINY, "--limit", "4", "--batch-size", "2", "--attack", "pgd",
+                 "--eps", "1/255,8/255", "--steps", "3", "--no-checks", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "pgd_linf_eps1_n3: robust top-1" in printed and "pgd_linf_eps8_n3" in printed
+    records = load_records(out)
+    assert set(records["condition"]) == {CLEAN, "pgd_linf_eps1_n3", "pgd_linf_eps8_n3"}
+    run = json.loads((out / "run.json").read_text())
+    assert run["protocol"] == "attack" and run["conditions"][1]["eps"] == pytest.approx(1 / 255)
+
+
+
+
+@pytest.mark.slow
+@needs_pgd
+def test_attack_two_gloo_ranks_equal_one_process(tmp_path):
+    args = ["eval", "attack", *TINY, "--limit", "6", "--batch-size", "2", "--device", "cpu", "--attack", "pgd",
+            "--eps", "4/255", "--steps", "2", "--restarts", "2", "--no-checks"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "robust_attn.cli", *args, "--out", str(tmp_path / "ddp")]
+    result = subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert main([*args, "--out", str(tmp_path / "single")]) == 0
+    pd.testing.assert_frame_equal(load_records(tmp_path / "ddp"), load_records(tmp_path / "single"))

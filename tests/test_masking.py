@@ -1,0 +1,345 @@
+"""Gradient-masking checks (issue #14): hand-made masked models trigger each check, a plain
+(tiny, random) ResNet triggers none."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from robust_attn.attacks.base import AttackConfig, make_attack
+from robust_attn.attacks.masking import (MaskingCheck, check_blackbox_beats_whitebox, check_gain_with_strength,
+                                         check_input_gradients, check_loss_saturation, check_unbounded,
+                                         input_gradient_stats, loss_along_directions, plot_loss_along_directions,
+                                         run_masking_checks, unbounded_success)
+from robust_attn.wrapper import NormalizedModel
+
+from helpers import tiny_resnet
+EPS = 2 / 255
+
+
+def _tiny_resnet(seed: int = 1) -> NormalizedModel:
+    return tiny_resnet(seed, stem_downsample=4)
+
+
+class Quantized(nn.Module):
+    """A ResNet behind an input quantizer (4 grey levels): torch.round has a zero gradient."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(torch.round(x * 3) / 3)
+
+
+class Brightness(nn.Module):
+    """A steep sigmoid on the mean brightness: class 1 iff mean(x) > 0.5, logits +-1e4 (m - 0.5).
+    The softmax saturates, so the cross-entropy and its gradient are exactly 0 away from the
+    boundary, yet the whole-image attack (brighten or darken) reaches the other class."""
+
+    def forward(self, x):
+        z = 1e4 * (x.mean(dim=(1, 2, 3)) - 0.5)
+        return torch.stack([-z, z], dim=1)
+
+
+class Scaled(nn.Module):
+    """Logits times ``scale``: the gradient vanishes (scale << 1) but is neither zero nor masked in sign."""
+
+    def __init__(self, inner: nn.Module, scale: float):
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, x):
+        return self.inner(x) * self.scale
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    return _tiny_resnet()
+
+
+@pytest.fixture(scope="module")
+def batch(resnet):
+    images = torch.rand(8, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        labels = resnet(images).argmax(1)
+    return images, labels
+
+
+@pytest.fixture(scope="module")
+def bright_batch():
+    """Dark images (mean ~0.25) and bright ones (~0.75), labelled by the Brightness model."""
+    gen = torch.Generator().manual_seed(3)
+    images = torch.rand(6, 3, 32, 32, generator=gen) * 0.5
+    images[3:] += 0.5
+    return images, torch.tensor([0, 0, 0, 1, 1, 1])
+
+
+def _records(indices, success, condition="c"):
+    return pd.DataFrame({"index": indices, "success": success, "condition": condition})
+
+
+def _fooled(model, adv, labels):
+    with torch.no_grad():
+        return (model(adv).argmax(1) != labels).long().numpy()
+
+
+# ------------------------------------------------------------------ MaskingCheck
+
+
+def test_masking_check_to_dict_is_json_and_verdict_validated():
+    check = MaskingCheck("x", "flag", "d", {"n": np.int64(3), "idx": np.array([1, 2]), "rate": np.float32(0.5),
+                                            "nested": {1: (np.bool_(True),)}})
+    back = json.loads(json.dumps(check.to_dict()))
+    assert back == {"name": "x", "verdict": "flag", "passed": False, "detail": "d",
+                    "evidence": {"n": 3, "idx": [1, 2], "rate": 0.5, "nested": {"1": [True]}}}
+    assert MaskingCheck("x", "pass", "d").passed
+    with pytest.raises(ValueError, match="verdict must be one of"):
+        MaskingCheck("x", "fail", "d")
+
+
+# ------------------------------------------------------------------ black-box beats white-box
+
+
+def test_blackbox_beats_whitebox_counts_and_indices():
+    rng = np.random.default_rng(0)
+    white_idx = np.arange(40)
+    white_ok = rng.integers(0, 2, 40)
+    square_idx = rng.permutation(np.arange(10, 50))          # partial overlap, shuffled rows
+    square_ok = rng.integers(0, 2, 40)
+    white = _records(white_idx, white_ok)
+    black = {"square": _records(square_idx, square_ok), "transfer:a": _records(white_idx, white_ok)}
+    check = check_blackbox_beats_whitebox(white, black)
+    w = dict(zip(white_idx, white_ok))
+    expected = sorted(i for i, ok in zip(square_idx, square_ok) if i in w and ok and not w[i])
+    assert expected, "the draw must contain beaten images for the test to mean anything"
+    assert check.verdict == "flag"
+    ev = check.evidence["square"]
+    assert ev["beats"] == len(expected) and ev["indices"] == expected[:20]
+    assert ev["compared"] == 30
+    assert ev["white_success"] == int(white_ok[10:].sum())
+    assert check.evidence["transfer:a"]["beats"] == 0       # same records: nothing beats
+
+
+def test_blackbox_subset_of_whitebox_passes_and_bad_input_is_named():
+    white = _records(range(6), [1, 1, 0, 1, 0, 1])
+    black = {"square": _records(range(6), [1, 0, 0, 1, 0, 0])}
+    assert check_blackbox_beats_whitebox(white, black).verdict == "pass"
+    two = pd.concat([white, _records(range(6), [0] * 6, "d")])
+    with pytest.raises(ValueError, match="condition="):
+        check_blackbox_beats_whitebox(two, black)
+    assert check_blackbox_beats_whitebox(two, {"s": _records(range(6), [1] * 6)}, condition="d").verdict == "flag"
+    with pytest.raises(ValueError, match="share no image"):
+        check_blackbox_beats_whitebox(white, {"square": _records(range(10, 12), [1, 1])})
+    with pytest.raises(ValueError, match="'success'"):
+        check_blackbox_beats_whitebox(white.drop(columns="success"), black)
+
+
+# ------------------------------------------------------------------ gain with strength
+
+
+def test_gain_with_strength_flags_drops_and_stalls():
+    up = check_gain_with_strength({"n1": 0.2, "n10": 0.5, "n100": 0.6})
+    assert up.verdict == "pass" and up.evidence["gain"] == pytest.approx(0.4)
+    drop = check_gain_with_strength({"n100": 0.3, "n1": 0.2, "n10": 0.5}, order=["n1", "n10", "n100"])
+    assert drop.verdict == "flag" and drop.evidence["drops"] == [
+        {"from": "n10", "to": "n100", "rate_from": 0.5, "rate_to": 0.3}]
+    stall = check_gain_with_strength({1: 0.4, 2: 0.4, 4: 0.4})
+    assert stall.verdict == "flag" and not stall.evidence["drops"]
+    assert check_gain_with_strength({1: 1.0, 2: 1.0}).verdict == "pass"      # already 100%
+    assert check_gain_with_strength({1: 0.5, 2: 0.45, 3: 0.6}, tol=0.1).verdict == "pass"
+    with pytest.raises(ValueError, match="divide percentages"):
+        check_gain_with_strength({1: 40.0, 2: 60.0})
+    with pytest.raises(ValueError, match="at least two"):
+        check_gain_with_strength({1: 0.4})
+
+
+# ------------------------------------------------------------------ unbounded attack
+
+
+def test_unbounded_check_from_records_and_rate():
+    check = check_unbounded(_records([5, 7, 9, 11], [1, 0, 1, 0]))
+    assert check.verdict == "flag" and check.evidence["indices"] == [7, 11]
+    assert check.evidence["success_rate"] == 0.5
+    assert check_unbounded(1.0).verdict == "pass" and check_unbounded(0.99).verdict == "flag"
+    with pytest.raises(ValueError, match="divide percentages"):
+        check_unbounded(100.0)
+
+
+def test_saturated_model_fails_unbounded_attack(bright_batch):
+    images, labels = bright_batch
+    model = Brightness().eval()
+    records = unbounded_success(model, images, labels, steps=10)
+    check = check_unbounded(records)
+    assert check.verdict == "flag" and records["success"].sum() == 0
+    # the images are far from unreachable: a hand-made eps=1 image (invert brightness) fools every one
+    assert _fooled(model, 1 - images, labels).all()
+
+
+def test_unbounded_success_matches_pgd(resnet, batch):
+    images, labels = batch
+    records = unbounded_success(resnet, images, labels, steps=5, indices=range(100, 108))
+    adv = make_attack(AttackConfig("pgd", eps=1.0, steps=5)).run(resnet, images, labels).adv
+    assert records["index"].tolist() == list(range(100, 108))
+    assert records["success"].tolist() == _fooled(resnet, adv, labels).tolist()
+    assert check_unbounded(records).verdict == "pass"
+
+
+# ------------------------------------------------------------------ input gradients
+
+
+def _manual_gradients(model, images, labels):
+    """Per-image gradient of the float64 cross-entropy, one image at a time."""
+    grads = []
+    for x, y in zip(images, labels):
+        x = x[None].clone().requires_grad_(True)
+        loss = F.cross_entropy(model(x).double(), y[None])
+        (g,) = torch.autograd.grad(loss, x)
+        grads.append(g.flatten().double())
+    return torch.stack(grads)
+
+
+def test_input_gradient_stats_match_per_image_autograd(resnet, batch):
+    images, labels = batch
+    stats = input_gradient_stats(resnet, images, labels)
+    grads = _manual_gradients(resnet, images, labels)
+    assert stats["zero_fraction"] == pytest.approx((grads == 0).double().mean().item(), abs=1e-3)
+    assert stats["nonfinite_fraction"] == 0 and stats["zero_images"] == 0
+    l2, l1 = grads.norm(dim=1).numpy(), grads.abs().sum(1).numpy()
+    assert stats["l2_quantiles"]["0.5"] == pytest.approx(np.median(l2), rel=1e-4)
+    assert stats["l1_quantiles"]["1.0"] == pytest.approx(l1.max(), rel=1e-4)
+    assert check_input_gradients(stats, stats).verdict == "pass"
+
+
+def test_quantized_model_flags_input_gradients(resnet, batch):
+    images, labels = batch
+    stats = input_gradient_stats(Quantized(resnet).eval(), images, labels)
+    assert stats["zero_fraction"] == 1.0 and stats["zero_images"] == len(images)
+    check = check_input_gradients(stats)
+    assert check.verdict == "flag" and check.evidence["zero_indices"] == list(range(len(images)))
+
+
+def test_vanishing_gradient_flags_only_against_the_baseline(resnet, batch):
+    images, labels = batch
+    baseline = input_gradient_stats(resnet, images, labels)
+    stats = input_gradient_stats(Scaled(resnet, 1e-5).eval(), images, labels)
+    assert stats["zero_fraction"] < 0.5 and stats["zero_images"] == 0
+    assert check_input_gradients(stats).verdict == "pass"
+    check = check_input_gradients(stats, baseline)
+    assert check.verdict == "flag" and check.evidence["median_ratio"] < 1e-3
+
+
+def test_nonfinite_gradient_flags(batch):
+    images, labels = batch
+
+    class Sqrt(nn.Module):   # d sqrt(x) / dx is inf at x = 0
+        def forward(self, x):
+            return torch.stack([x.sqrt().mean((1, 2, 3)), 1 - x.mean((1, 2, 3))], 1)
+
+    x = images.clone()
+    x[0, 0, 0, 0] = 0.0
+    stats = input_gradient_stats(Sqrt().eval(), x, torch.zeros(len(x), dtype=torch.long))
+    assert stats["nonfinite_images"] == 1
+    assert check_input_gradients(stats).verdict == "flag"
+
+
+# ------------------------------------------------------------------ loss along directions
+
+
+def test_loss_sweep_matches_direct_evaluation(resnet, batch):
+    images, labels = batch[0][:3], batch[1][:3]
+    frame = loss_along_directions(resnet, images, labels, EPS, points=5, random_directions=2, seed=4,
+                                  indices=[10, 11, 12])
+    assert len(frame) == 3 * 5 * 3 and set(frame["direction"]) == {"grad_sign", "random_0", "random_1"}
+    assert sorted(frame["t"].unique()) == pytest.approx([-EPS, -EPS / 2, 0, EPS / 2, EPS])
+    sign = _manual_gradients(resnet, images, labels).view_as(images).sign().float()
+    with torch.no_grad():
+        clean = F.cross_entropy(resnet(images).double(), labels, reduction="none").numpy()
+        ascended = F.cross_entropy(resnet((images + EPS * sign).clamp(0, 1)).double(), labels,
+                                   reduction="none").numpy()
+    for k, image in enumerate([10, 11, 12]):
+        rows = frame[frame["image"] == image]
+        assert rows.loc[rows["t"] == 0, "loss"].to_numpy() == pytest.approx([clean[k]] * 3, rel=1e-5)
+        top = rows[(rows["direction"] == "grad_sign") & (rows["t"] == rows["t"].max())]["loss"].item()
+        assert top == pytest.approx(ascended[k], rel=1e-4)
+    again = loss_along_directions(resnet, images, labels, EPS, points=5, random_directions=2, seed=4,
+                                  indices=[10, 11, 12])
+    pd.testing.assert_frame_equal(frame, again)
+    with pytest.raises(ValueError, match="odd"):
+        loss_along_directions(resnet, images, labels, EPS, points=4)
+
+
+def test_loss_saturation_flags_quantized_and_saturated_models(resnet, batch, bright_batch):
+    images, labels = batch[0][:4], batch[1][:4]
+    frame = loss_along_directions(Quantized(resnet).eval(), images, labels, 8 / 255, points=5, random_directions=2)
+    check = check_loss_saturation(frame)
+    assert check.verdict == "flag" and check.evidence["flat"] == 4
+    grad = frame[frame["direction"] == "grad_sign"]
+    assert grad.groupby("image")["loss"].nunique().eq(1).all()      # exactly constant along sign(0) = 0
+    bright = loss_along_directions(Brightness().eval(), *bright_batch, 8 / 255, points=5, random_directions=2)
+    assert check_loss_saturation(bright).evidence["flat"] == len(bright_batch[0])
+
+
+def test_loss_saturation_flags_random_beating_gradient():
+    t = np.linspace(-1, 1, 5)
+    rows = [{"image": 0, "direction": "grad_sign", "t": v, "loss": 1 + 0.1 * v} for v in t]
+    rows += [{"image": 0, "direction": "random_0", "t": v, "loss": 1 + v * v} for v in t]
+    check = check_loss_saturation(pd.DataFrame(rows))
+    assert check.verdict == "flag" and check.evidence["random_wins_indices"] == [0] and check.evidence["flat"] == 0
+    only_grad = pd.DataFrame(rows[:5])
+    assert check_loss_saturation(only_grad).verdict == "pass"
+
+
+def test_plot_loss_along_directions(resnet, batch, tmp_path):
+    pytest.importorskip("matplotlib")
+    frame = loss_along_directions(resnet, batch[0][:2], batch[1][:2], EPS, points=3, random_directions=1)
+    path = plot_loss_along_directions(frame, tmp_path / "sub" / "loss.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ a plain ResNet triggers none
+
+
+def test_plain_resnet_triggers_no_check(resnet, batch, tmp_path):
+    images, labels = batch
+    eps = 1 / 255      # the white-box attack fools 6 of 8 here: the comparison is not settled by 100%
+    white = _fooled(resnet, make_attack(AttackConfig("pgd", eps=eps, steps=5)).run(resnet, images, labels).adv, labels)
+    assert 0 < white.mean() < 1
+    # black-box: random sign noise at eps; transfer: PGD crafted on another ResNet
+    noise = (images + eps * torch.sign(torch.randn(images.shape, generator=torch.Generator().manual_seed(5))))
+    source = _tiny_resnet(seed=7)
+    with torch.no_grad():
+        source_labels = source(images).argmax(1)
+    crafted = make_attack(AttackConfig("pgd", eps=eps, steps=5)).run(source, images, source_labels).adv
+    idx = range(len(images))
+    black = {"noise": _records(idx, _fooled(resnet, noise.clamp(0, 1), labels)),
+             "transfer:seed7": _records(idx, _fooled(resnet, crafted, labels))}
+    rates = {}
+    for e in (0.2, 0.5, 1, 2):
+        adv = make_attack(AttackConfig("pgd", eps=e / 255, steps=5)).run(resnet, images, labels).adv
+        rates[f"eps{e}"] = float(_fooled(resnet, adv, labels).mean())
+    checks = run_masking_checks(resnet, images, labels, EPS, white=_records(idx, white),
+                                black=black, rates=rates, baseline=_tiny_resnet(seed=3), unbounded_steps=10,
+                                plot_path=tmp_path / "loss.png")
+    assert [c.name for c in checks] == ["blackbox_beats_whitebox", "unbounded_attack", "gain_with_strength",
+                                        "input_gradients", "loss_saturation"]
+    assert [c.verdict for c in checks] == ["pass"] * 5, [c.detail for c in checks if not c.passed]
+    json.dumps([c.to_dict() for c in checks])
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_saturated_model_flags_every_model_check(bright_batch, resnet):
+    images, labels = bright_batch
+    model = Brightness().eval()
+    rates = {}
+    for eps in (2, 8, 32):
+        adv = make_attack(AttackConfig("pgd", eps=eps / 255, steps=5)).run(model, images, labels).adv
+        rates[eps] = float(_fooled(model, adv, labels).mean())
+    checks = {c.name: c for c in run_masking_checks(model, images, labels, 8 / 255, rates=rates, unbounded_steps=5)}
+    assert set(checks) == {"unbounded_attack", "gain_with_strength", "input_gradients", "loss_saturation"}
+    assert all(c.verdict == "flag" for c in checks.values()), {n: c.detail for n, c in checks.items()}
