@@ -1,8 +1,8 @@
 """Images/s of each evaluation attack per family, beside torchattacks' implementation at equal settings.
 
 For every model (default: the seven depth-26 families at the CIFAR-10 CPU recipe's shape, width
-0.25 and stem downsampling 2, random weights with non-trivial batch-norm statistics, 32x32
-input) and every attack, our attack (:mod:`robust_attn.attacks`) and torchattacks' counterpart
+0.25 and stem downsampling 2, random weights with the zero-initialized residual scales set to 0.2
+so every block contributes and batch-norm statistics calibrated on random images, 32x32 input) and every attack, our attack (:mod:`robust_attn.attacks`) and torchattacks' counterpart
 run on the same images, interleaved round by round, timed in process CPU time (the machine may
 be shared); the fastest round is kept. Settings are equal on both sides:
 
@@ -22,6 +22,8 @@ what this measures.
 
     python benchmarks/bench_attacks.py                                  # all families, batch 16
     python benchmarks/bench_attacks.py --models resnet26 --attacks pgd,apgd-ce --out /tmp/a.json
+    python benchmarks/bench_attacks.py --zoo fashion_mnist --attacks autoattack --aa-steps 100 --queries 5000 \
+        --out benchmarks/results/autoattack_cost_fashion_mnist.json      # standard AutoAttack, trained models
 """
 from __future__ import annotations
 
@@ -58,12 +60,23 @@ def cpu_seconds(fn) -> float:
 def build(name: str, seed: int = 0) -> NormalizedModel:
     torch.manual_seed(seed)
     net = robust_attn.create_model(name, num_classes=10, resolution="cifar", width=0.25, stem_downsample=2)
-    for m in net.modules():   # trained-like batch-norm statistics (zero-initialized scales would mute blocks)
+    for m in net.modules():   # zero-initialized residual scales would mute every block
         if isinstance(m, torch.nn.BatchNorm2d):
-            m.weight.data.uniform_(0.5, 1.5)
-            m.running_mean.uniform_(-0.1, 0.1)
-            m.running_var.uniform_(0.5, 1.5)
-    return NormalizedModel(net, [0.49, 0.48, 0.45], [0.25, 0.24, 0.26]).eval()
+            if not m.weight.detach().any():
+                m.weight.data.fill_(0.2)
+            m.reset_running_stats()
+            m.momentum = None      # cumulative average over the calibration batches below
+    model = NormalizedModel(net, [0.49, 0.48, 0.45], [0.25, 0.24, 0.26])
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():     # batch-norm statistics of the images the model sees, as after training
+        model.train()
+        for _ in range(4):
+            model(torch.rand(32, 3, 32, 32, generator=gen))
+    model.eval()
+    with torch.no_grad():
+        if not torch.isfinite(model(torch.rand(2, 3, 32, 32))).all():
+            raise RuntimeError(f"{name}: non-finite logits with the benchmark's weights")
+    return model
 
 
 def pairs(attack: str, model, images, labels, args) -> dict:
@@ -112,23 +125,34 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=100, help="Square's queries (standard: 5000)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--zoo", metavar="DATASET",
+                        help="attack the zoo's trained models for DATASET on its first --batch test images "
+                             "(the embedded test set) instead of random-weight models on random images")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "attacks.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     images = torch.rand(args.batch, 3, 32, 32, generator=gen)
-    labels = torch.randint(0, 10, (args.batch,), generator=gen)
     rows = []
+    if args.zoo:
+        from robust_attn.data import build_dataset
+        from robust_attn.zoo import load_model
+
+        test = build_dataset(args.zoo, split="test")
+        images = torch.stack([test[i][0] for i in range(args.batch)])
+        true_labels = torch.as_tensor([int(test[i][1]) for i in range(args.batch)])
     for name in args.models.split(","):
-        model = build(name)
+        model = load_model(name, args.zoo) if args.zoo else build(name)
         with torch.no_grad():
-            labels_m = model(images).argmax(1)   # attack clean-correct images: every attack has work to do
+            # random models: attack their own predictions, so every image starts correct; zoo models:
+            # the true labels (AutoAttack skips the misclassified ones, as it would in a study)
+            labels_m = true_labels if args.zoo else model(images).argmax(1)
         for attack in args.attacks.split(","):
             fns = pairs(attack, model, images, labels_m, args)
             for fn in fns.values():   # warm-up (kernel compilation, folded-BN cache)
                 fn()
             best = {k: min(cpu_seconds(fn) for _ in range(args.rounds)) for k, fn in fns.items()}
-            row = {"model": name, "attack": attack, "batch": args.batch,
+            row = {"model": name, "attack": attack, "batch": args.batch, "weights": args.zoo or "random",
                    **{f"{k}_img_s": args.batch / v for k, v in best.items()},
                    **{f"{k}_ms_per_image": 1e3 * v / args.batch for k, v in best.items()}}
             if "torchattacks" in best:

@@ -257,3 +257,13 @@ def test_attack_two_gloo_ranks_equal_one_process(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert main([*args, "--out", str(tmp_path / "single")]) == 0
     pd.testing.assert_frame_equal(load_records(tmp_path / "ddp"), load_records(tmp_path / "single"))
+
+
+def test_a_model_with_nan_logits_is_refused():
+    class Broken(nn.Module):
+        def forward(self, x):
+            return torch.full((x.shape[0], 10), float("nan"))
+
+    with pytest.raises(ValueError, match="NaN or inf logits"):
+        make_attack(AttackConfig("pgd", steps=2)).run(
+            Broken().eval(), torch.rand(2, 3, 8, 8), torch.tensor([0, 1]))

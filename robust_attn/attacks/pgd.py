@@ -155,6 +155,9 @@ def validate_attack_inputs(model: nn.Module, images: torch.Tensor, targets: torc
         logits = model(images[:1])
     if logits.dim() != 2:
         raise ValueError(f"the model must return logits of shape (N, num_classes), got {tuple(logits.shape)}")
+    if not torch.isfinite(logits).all():
+        raise ValueError("the model returns NaN or inf logits on these images: an attack on it measures nothing; "
+                         "check its weights (a damaged or untrained checkpoint) and that images are in [0, 1]")
     num_classes = logits.shape[1]
     if targets.min().item() < 0 or targets.max().item() >= num_classes:
         raise ValueError(f"targets must be class indices in [0, {num_classes}), got values in "

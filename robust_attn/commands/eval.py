@@ -1,6 +1,6 @@
 """``robust-attn eval rotation|pgd|attack|transfer``: the SAN paper's robustness protocols
-(section 5.4), the evaluation attacks and transfer attacks (issue #14) on one model, written to a
-resumable run directory (see :mod:`robust_attn.results`).
+(section 5.4) on one model, written to a resumable run directory (see :mod:`robust_attn.results`);
+the evaluation and transfer attacks live in :mod:`robust_attn.commands.eval_attacks`.
 
 Runs under ``torchrun --nproc_per_node=N`` as well: each rank evaluates a disjoint shard of the
 images and the run directory merges them.
@@ -93,41 +93,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pgd.add_argument("--exact", action="store_true", help="exact mode: bit-identical images across the native, "
                      "torchattacks and foolbox backends at any --batch-size (slower native attack)")
     pgd.set_defaults(func=run_pgd_cmd)
-    _add_attack_parsers(ev_sub)
+    from robust_attn.commands.eval_attacks import add_attack_parsers
 
-
-def _add_attack_options(p: argparse.ArgumentParser, default_attack: str | None) -> None:
-    p.add_argument("--attack", default=default_attack, required=default_attack is None,
-                   help="attack name (pgd, apgd-ce, apgd-t, fab-t, square, autoattack)")
-    p.add_argument("--norm", default="linf", choices=["linf", "l2"], help="threat model (default linf)")
-    p.add_argument("--eps", default="8/255", help="radius(es) in [0, 1] image units, comma list; "
-                                                  "'8/255' allowed (default 8/255)")
-    p.add_argument("--targeted", action="store_true", help="attack toward seeded wrong-class targets")
-    p.add_argument("--steps", type=int, help="iterations (default: the attack's own)")
-    p.add_argument("--step", help="step size in image units, e.g. 2/255 (PGD; default: the attack's own)")
-    p.add_argument("--restarts", type=int, default=1, help="random restarts, strongest kept per image")
-    p.add_argument("--queries", type=int, help="query budget of score-based attacks (Square)")
-    p.add_argument("--attack-seed", type=int, default=0, help="seed of the attack's random draws")
-
-
-def _add_attack_parsers(ev_sub) -> None:
-    att = ev_sub.add_parser("attack", help="an evaluation attack (PGD, APGD, FAB, Square, AutoAttack) with "
-                                           "per-image records and gradient-masking checks")
-    _add_common(att)
-    _add_attack_options(att, None)
-    att.add_argument("--targets", help="reuse another run's targets.csv (same images) for --targeted")
-    att.add_argument("--no-checks", action="store_true", help="skip the gradient-masking checks")
-    att.set_defaults(func=run_attack_cmd)
-    tra = ev_sub.add_parser("transfer", help="craft adversarial images on --source model(s), evaluate them on "
-                                             "every --target model")
-    _add_common(tra)
-    tra.add_argument("--source", action="append", required=True,
-                     help="zoo entry name (for --dataset) or checkpoint .safetensors; repeat for an ensemble "
-                          "(mean of logits)")
-    tra.add_argument("--target", action="append", required=True,
-                     help="zoo entry name or checkpoint .safetensors; repeat for several targets")
-    _add_attack_options(tra, "pgd")
-    tra.set_defaults(func=run_transfer_cmd)
+    add_attack_parsers(ev_sub)
 
 
 def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
@@ -266,126 +234,4 @@ def run_pgd_cmd(args) -> int:
         if failed:
             print(f"WARNING: {len(failed)} attack sanity check(s) failed (see {store.root / 'checks.json'}): "
                   + "; ".join(failed[:3]), file=sys.stderr)
-    return 0
-
-
-def attack_configs(args) -> list:
-    """One :class:`~robust_attn.attacks.base.AttackConfig` per ``--eps`` value."""
-    from robust_attn.attacks.base import AttackConfig, parse_eps
-
-    step = parse_eps(args.step) if args.step is not None else None
-    eps = [parse_eps(e) for e in str(args.eps).split(",") if e.strip()]
-    if not eps:
-        raise UserError("--eps is empty; give e.g. 8/255 or 1/255,2/255,4/255,8/255")
-    return [AttackConfig(args.attack, norm=args.norm, eps=e, targeted=args.targeted, steps=args.steps,
-                         restarts=args.restarts, step=step, queries=args.queries, seed=args.attack_seed)
-            for e in eps]
-
-
-@_with_cleanup
-def run_attack_cmd(args) -> int:
-    from robust_attn.protocols.attack import run_attack, summarize_attack
-    from robust_attn.results import load_records
-
-    configs = attack_configs(args)
-    if args.targets and not Path(args.targets).is_file():
-        raise UserError(f"--targets {args.targets} does not exist; pass another run's targets.csv")
-    info, rank, world_size, device, model, dataset, out, run_info = _setup(args, f"attack-{args.attack}")
-    store = run_attack(model, dataset, out, configs=configs, num_classes=info.num_classes, seed=args.seed,
-                       targets_file=args.targets, batch_size=args.batch_size, device=device, run_info=run_info,
-                       rank=rank, world_size=world_size, num_workers=args.num_workers,
-                       progress=not args.no_progress, checks=not args.no_checks)
-    if rank == 0:
-        summary = summarize_attack(load_records(store.root)).set_index("condition")
-        parts = [f"{c.name}: robust top-1 {summary.loc[c.name, 'robust_top1']:.1f}" for c in configs]
-        print(f"{args.attack} on {run_info['model']} ({args.dataset}/{args.split}, {len(dataset)} images): clean "
-              f"top-1 {summary.loc['clean', 'robust_top1']:.1f}; {'; '.join(parts)} -> {store.root}")
-        _warn_flagged(store.root)
-    return 0
-
-
-def _warn_flagged(root: Path) -> None:
-    import json
-
-    path = Path(root) / "checks.json"
-    if not path.is_file():
-        return
-    flagged = [c for c in json.loads(path.read_text()) if c.get("verdict", "pass") != "pass"
-               or c.get("passed", True) is False]
-    if flagged:
-        print(f"WARNING: {len(flagged)} gradient-masking check(s) flagged (see {path}): "
-              + "; ".join(f"{c['name']}: {c.get('detail', '')}" for c in flagged[:3]), file=sys.stderr)
-
-
-def load_named_model(spec: str, info, device) -> tuple[str, torch.nn.Module, dict]:
-    """A transfer source or target: a zoo entry name (``NAME`` or ``zoo:NAME``, for the dataset)
-    or a checkpoint file. Returns (name, model, description)."""
-    from robust_attn.checkpoint import load_checkpoint
-    from robust_attn.utils.io import sha256_file
-    from robust_attn.zoo import Manifest, load_entry
-
-    path = Path(spec)
-    if spec.endswith(".safetensors") or path.is_file():
-        if not path.is_file():
-            raise UserError(f"checkpoint {path} does not exist; check the path")
-        model = load_checkpoint(path)
-        name = path.stem
-        desc = {"model": model.arch_args.get("name", name), "checkpoint": {"path": str(path),
-                                                                           "sha256": sha256_file(path)}}
-    else:
-        manifest = Manifest()
-        entry_name = spec.removeprefix("zoo:")
-        try:
-            entry = manifest.get(entry_name, info.name)
-        except (KeyError, ValueError) as err:
-            raise UserError(f"{spec!r} is neither a checkpoint file nor a zoo model for {info.name}: {err}") from None
-        model = load_entry(entry, manifest, device=str(device))
-        name = entry.name
-        desc = {"model": entry.name, "zoo_entry": entry.name,
-                "checkpoint": {"path": entry.weights, "sha256": entry.sha256}}
-    from robust_attn.checkpoint import check_num_classes
-
-    model = model.to(device).eval()
-    check_num_classes(model, info.num_classes, f"model {spec}", image_size=info.image_size)
-    return name.replace(".", "_"), model, desc
-
-
-@_with_cleanup
-def run_transfer_cmd(args) -> int:
-    from robust_attn.data import build_dataset, dataset_info
-    from robust_attn.distributed import init_distributed
-    from robust_attn.protocols.transfer import EnsembleModel, run_transfer, summarize_transfer
-    from robust_attn.results import load_records
-
-    if args.model or args.checkpoint or args.zoo:
-        raise UserError("eval transfer takes its models as --source and --target, not --model/--checkpoint/--zoo")
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be positive, got {args.batch_size}")
-    configs = attack_configs(args)
-    info = dataset_info(args.dataset)
-    rank, world_size, device = init_distributed(args.device)
-    sources = [load_named_model(s, info, device) for s in args.source]
-    targets = [load_named_model(t, info, device) for t in args.target]
-    source_name = "+".join(n for n, _, _ in sources)
-    source = sources[0][1] if len(sources) == 1 else EnsembleModel([m for _, m, _ in sources])
-    dataset = build_dataset(args.dataset, root=args.root, split=args.split, limit=args.limit)
-    out = Path(args.out or f"runs/transfer-{source_name}-{args.dataset}-{args.split}")
-    _repair(args, out, rank)
-    run_info = {"model": source_name, "sources": [d for _, _, d in sources],
-                "checkpoint": [d["checkpoint"] for _, _, d in sources] if all(d.get("checkpoint") for _, _, d in
-                                                                              sources) else None,
-                "target_models": {n: d for n, _, d in targets},
-                "dataset": {"name": args.dataset, "split": args.split, "limit": args.limit},
-                "data_source": getattr(dataset, "source", None), "command": list(sys.argv),
-                "device": str(device), "world_size": world_size, "host": socket.gethostname(),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    store = run_transfer(source_name, source, {n: m for n, m, _ in targets}, dataset, out, configs=configs,
-                         seed=args.seed, batch_size=args.batch_size, device=device, run_info=run_info, rank=rank,
-                         world_size=world_size, num_workers=args.num_workers, progress=not args.no_progress)
-    if rank == 0:
-        summary = summarize_transfer(load_records(store.root))
-        for _, row in summary.iterrows():
-            print(f"transfer {row['source']} -> {row['target_model']} [{row['attack']}]: top-1 {row['top1']:.1f}, "
-                  f"success {row['success_rate']:.1f} (on the source {row['source_success_rate']:.1f})")
-        print(f"-> {store.root}")
     return 0
