@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import fcntl
 import json
+import multiprocessing
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -133,7 +135,7 @@ def _append_timing(runs_dir: Path, row: dict) -> None:
             frame.to_csv(tmp, index=False)
 
 
-def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: int, fn) -> None:
+def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: int, fn, workers: int = 1) -> None:
     """Run ``fn`` (a protocol call writing into ``out``; it ends with a barrier under torchrun)
     and log, on rank 0, its wall time and how many record chunks were written (0: the run was
     already complete)."""
@@ -146,16 +148,34 @@ def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: i
     _append_timing(runs_dir, {"model": model, "protocol": protocol, "seconds": round(time.perf_counter() - start, 1),
                               "chunks_written": after - before, "chunks_total": after,
                               "device": str(device), "threads": torch.get_num_threads(),
-                              "processes": process_count(),
+                              "processes": process_count(), "workers": workers,
                               "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
+def default_workers() -> int:
+    """Processes of a CPU study: one per core (each on one thread: small models use one core
+    better in two processes than in one process with two threads)."""
+    return max(1, os.cpu_count() or 1)
+
+
+def _study_worker(config: StudyConfig, runs_dir: str, root, device, manifest_path: str) -> None:
+    torch.set_num_threads(1)
+    run_study(config, runs_dir, None, root=root, device=device, manifest=manifest_path, progress=False,
+              log=lambda *_: None, _worker=True)
+
+
 def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=None, manifest=None,
-              progress: bool = True, log=print) -> list[Path]:
+              progress: bool = True, log=print, workers: int = 1, _worker: bool = False) -> list[Path]:
     """Run (or resume) the study and write the report; returns the report's files.
 
     The protocols run in the order of ``config.protocols``: every per-model step
-    (:mod:`robust_attn.protocols.registry`) for each model, then the steps across models."""
+    (:mod:`robust_attn.protocols.registry`) for each model, then the steps across models.
+
+    ``workers`` > 1 (CPU, not under torchrun) starts that many processes in all, one thread each,
+    working through the same runs: every record chunk is claimed before it is computed
+    (:mod:`robust_attn.results`), so they share each run's chunks and finish it together before
+    the next. Only this process runs the steps that are not chunked (the masking checks), logs
+    the timings and writes the report."""
     from robust_attn.data import build_dataset, dataset_info
     from robust_attn.reports import make_report
     from robust_attn.zoo import Manifest, load_entry
@@ -170,6 +190,16 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     rank, world_size, device = init_distributed(device)   # under torchrun: each rank a shard of the images
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
+    helpers = []
+    if workers > 1 and world_size == 1 and not _worker:
+        spawn = multiprocessing.get_context("spawn")
+        helpers = [spawn.Process(target=_study_worker, args=(config, str(runs_dir), root, str(device),
+                                                            str(manifest.path)), name=f"study-worker-{w}")
+                   for w in range(1, workers)]
+        for helper in helpers:
+            helper.start()
+        torch.set_num_threads(1)
+        log(f"study: {workers} processes of one thread share the runs in {runs_dir}")
     base_info = {"dataset": {"name": config.dataset, "split": config.split, "limit": config.limit},
                  "data_root": str(root) if root else None, "data_source": getattr(dataset, "source", None),
                  "data_variant": getattr(dataset, "variant", config.dataset), "command": list(sys.argv),
@@ -185,19 +215,27 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
         model = models[entry.name] = load_entry(entry, manifest, device=str(device))
         for step in (s for s in steps if s.per_model):
             out = ctx.run_dir(step.name, entry.name)
-            _timed(runs_dir, entry.name, step.name, out, device, rank, lambda: step.step(ctx, entry, model))
+            _timed(runs_dir, entry.name, step.name, out, device, 1 if _worker else rank,
+                   lambda: step.step(ctx, entry, model), workers)
             run_dirs.append(out)
         log(f"[{i}/{len(entries)}] {entry.name}: done")
-    for step in (s for s in steps if not s.per_model):
+    for step in (s for s in steps if not s.per_model and (s.chunked or not _worker)):
         start = time.perf_counter()
         made = step.step(ctx, entries, models)
-        if rank == 0:
+        if rank == 0 and not _worker:
             _append_timing(runs_dir, {"model": "all", "protocol": step.name,
                                       "seconds": round(time.perf_counter() - start, 1), "chunks_written": -1,
                                       "chunks_total": -1, "device": str(device), "threads": torch.get_num_threads(),
-                                      "processes": process_count(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                                      "processes": process_count(), "workers": workers,
+                                      "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
         run_dirs += list(made)
-    if rank != 0:
+    for helper in helpers:
+        helper.join()
+    failed = [h.name for h in helpers if h.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"study worker(s) {failed} failed (see their messages above); run the study again: "
+                           f"it resumes where they stopped")
+    if rank != 0 or _worker:
         return []
     report_dir = Path(report_dir)
     packed = [RunStore(d).pack(report_dir / "runs" / d.name).root for d in run_dirs]

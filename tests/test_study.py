@@ -172,6 +172,23 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
         pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again" / name), pd.read_csv(report / name))
 
 
+def test_two_study_workers_share_the_runs_and_equal_one_process(tmp_path, tiny_zoo):
+    """Two processes of one thread claim disjoint chunks of every run; the records are those of one
+    process, and the report is written once."""
+    from robust_attn.results import load_records
+
+    config = StudyConfig(dataset="synthetic", limit=12, angle_step=90, sweep_eps=(2.0,), sweep_steps=1,
+                         batch_size=2, bootstrap=20, protocols=("rotation", "pgd"))
+    quiet = dict(manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    run_study(config, tmp_path / "two", tmp_path / "two_report", workers=2, **quiet)
+    run_study(config, tmp_path / "one", tmp_path / "one_report", **quiet)
+    for run in ("rotation-resnet26", "pgd-sasa_resnet26", "pgd-resnet26"):
+        pd.testing.assert_frame_equal(load_records(tmp_path / "two" / run), load_records(tmp_path / "one" / run))
+    timings = pd.read_csv(tmp_path / "two" / TIMINGS_FILE)
+    assert len(timings) == 4 and (timings["workers"] == 2).all()     # one row per model and protocol
+    assert not list((tmp_path / "two").rglob("*.claim*"))              # every claim released
+
+
 def test_study_command_names_what_is_wrong(tmp_path, tiny_zoo, capsys):
     common = ["--dataset", "synthetic", "--manifest", str(tiny_zoo), "--runs", str(tmp_path / "r"),
               "--out", str(tmp_path / "o"), "--no-progress"]

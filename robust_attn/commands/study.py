@@ -49,6 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--manifest", help="zoo manifest (default zoo/manifest.json)")
     p.add_argument("--runs", default=None, help="run directories (default runs/study-<dataset>)")
     p.add_argument("--out", default=None, help="report folder (default reports/study-<dataset>)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes sharing the runs, one thread each (default on CPU: one per core; on GPU: 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_study_cmd)
 
@@ -71,9 +73,18 @@ def run_study_cmd(args) -> int:
         raise UserError(str(err)) from None
     from robust_attn.distributed import cleanup
 
+    import torch
+
+    from robust_attn.study import default_workers
+
+    on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+    workers = args.workers if args.workers is not None else (default_workers() if on_cpu else 1)
+    if workers < 1:
+        raise UserError(f"--workers must be at least 1, got {workers}")
     try:
         run_study(config, args.runs or f"runs/study-{args.dataset}", args.out or f"reports/study-{args.dataset}",
-                  root=args.root, device=args.device, manifest=args.manifest, progress=not args.no_progress)
+                  root=args.root, device=args.device, manifest=args.manifest, progress=not args.no_progress,
+                  workers=workers)
     finally:
         cleanup()   # leave the torchrun process group, also on errors
     return 0

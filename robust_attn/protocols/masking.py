@@ -128,7 +128,8 @@ def attack_run_checks(run_dir, model, dataset, configs, device, images: int = 64
     return checks
 
 
-@study_protocol("masking", per_model=False, summary="gradient-masking checks per model, from the attack runs")
+@study_protocol("masking", per_model=False, chunked=False,
+                summary="gradient-masking checks per model, from the attack runs")
 def study_masking(ctx, entries, models):
     """The checks of the module docstring for every model (after autoattack, square and transfer)."""
     config = ctx.config

@@ -60,18 +60,22 @@ class StudyProtocol:
     step: Callable
     per_model: bool = True
     summary: str = ""
+    chunked: bool = True     # writes through claimed record chunks, so several study workers can share it
 
 
 STUDY_PROTOCOLS: dict[str, StudyProtocol] = {}
 
 
-def study_protocol(name: str, *, per_model: bool = True, summary: str = ""):
-    """Decorator: register ``fn`` as the study step of protocol ``name``."""
+def study_protocol(name: str, *, per_model: bool = True, summary: str = "", chunked: bool = True):
+    """Decorator: register ``fn`` as the study step of protocol ``name``. ``chunked=False``: the
+    step writes files of its own rather than claimed record chunks, so only the study's main
+    process runs it."""
 
     def add(fn: Callable) -> Callable:
         if name in STUDY_PROTOCOLS:
             raise ValueError(f"study protocol {name!r} is registered twice")
-        STUDY_PROTOCOLS[name] = StudyProtocol(name, fn, per_model, summary or (fn.__doc__ or "").split("\n")[0])
+        STUDY_PROTOCOLS[name] = StudyProtocol(name, fn, per_model, summary or (fn.__doc__ or "").split("\n")[0],
+                                              chunked)
         return fn
 
     return add
