@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 COMMANDS = ["zoo", "train", "eval", "report", "study"]
 
@@ -21,9 +22,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warnings_as_lines(command: str):
+    """A ``warnings.showwarning`` printing each distinct message once, as ``robust-attn CMD:
+    warning: ...`` (no source line: the user did not write that code)."""
+    seen: set[str] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if text not in seen:
+            seen.add(text)
+            print(f"robust-attn {command}: warning: {text}", file=file or sys.stderr)
+
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    previous = warnings.showwarning
+    warnings.showwarning = _warnings_as_lines(args.command)
+    try:
+        return _run(parser, args, extra)
+    finally:
+        warnings.showwarning = previous
+
+
+def _run(parser: argparse.ArgumentParser, args, extra: list[str]) -> int:
     if extra:  # argparse leaves KEY=VALUE words given after options unparsed; a command may take them
         if not isinstance(getattr(args, "overrides", None), list):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -66,6 +66,9 @@ class AttackSetting:
             raise ValueError(f"PGD eps, step and steps must be non-negative, got {self}")
         if self.steps > 0 and self.step == 0:
             raise ValueError(f"PGD step size must be positive (got {self}); give --step for eps 0")
+        if self.eps > 255 or self.step > 255:
+            raise ValueError(f"PGD eps and step are in 1/255 units (Table 10: eps 8 means 8/255), at most 255, "
+                             f"the whole [0, 1] pixel range; got eps {self.eps:g}, step {self.step:g}")
 
     @property
     def name(self) -> str:
