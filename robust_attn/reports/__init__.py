@@ -11,7 +11,8 @@ from pathlib import Path
 import pandas as pd
 
 from robust_attn.reports.attacks import attack_sections
-from robust_attn.reports.comparison import DEFAULT_BASELINE, HEADLINE_MEASURES, compare_models, findings_text
+from robust_attn.reports.comparison import (DEFAULT_BASELINE, HEADLINE_MEASURES, agreement_findings, compare_models,
+                                            findings_text)
 from robust_attn.reports.plots import plot_comparison, plot_pgd, plot_rotation
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, load_runs, pgd_sweep, pgd_table,
@@ -63,6 +64,8 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
             drawn = plot_comparison(comparison, HEADLINE_MEASURES, out)
             files += drawn
             md += ["![each model's loss with its interval](comparison.png)", ""] if drawn else []
+
+    md += agreement_findings(runs, n_boot=n_boot, seed=seed, level=level)
 
     t9 = rotation_table(runs)
     if not t9.empty:

@@ -9,8 +9,10 @@ loss, so two models evaluated on the same images can be compared image by image:
 * ``pgd_drop:<setting>``: top-1 hit on the clean image minus the hit under that targeted PGD
   setting (every setting the runs share: Table 10's two and any eps sweep), in points.
 * ``pgd_success:<setting>``: targeted attack success (prediction equals the target), in %.
+* ``attack_drop:<condition>``: top-1 hit on the clean image minus the hit under an evaluation
+  attack of the ``attack`` protocol (AutoAttack, Square, ...; issue #14), in points.
 
-Lower is better for all three. For each measure the model with the lowest mean is "best"; the
+Lower is better for all four. For each measure the model with the lowest mean is "best"; the
 difference of every other model to it, and to the convolutional baseline, is bootstrapped over
 images *paired* (one resample of image indices serves both models), which is what makes a
 difference of a few tenths of a point resolvable on 10,000 images when the separate intervals
@@ -27,13 +29,17 @@ import pandas as pd
 from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS
 from robust_attn.reports.stats import bootstrap_mean_ci
 
-__all__ = ["per_image_losses", "compare_models", "findings_text", "ROTATED", "DEFAULT_BASELINE",
-           "HEADLINE_MEASURES"]
+__all__ = ["per_image_losses", "compare_models", "findings_text", "agreement_findings", "ROTATED",
+           "DEFAULT_BASELINE", "HEADLINE_MEASURES", "AGREEMENT_REFERENCES"]
 
 ROTATED = ("cw90", "cw180", "cw270", "flip_ud")  # Table 9's four rotated conditions
 DEFAULT_BASELINE = "resnet26"
 _HEADLINE_PGD = PAPER_SETTINGS[1].name           # {8, 2, 4}: the stronger of Table 10's two settings
 HEADLINE_MEASURES = ["rotation_drop", f"pgd_drop:{_HEADLINE_PGD}", f"pgd_success:{_HEADLINE_PGD}"]
+#: which measures each SAN measure is checked against (:func:`agreement_findings`): Table 10's
+#: {8, 2, 4} against every evaluation attack, rotation against every other shift (measure key
+#: prefixes; a shift protocol names its measures ``shift_drop:<condition>``)
+AGREEMENT_REFERENCES = {f"pgd_drop:{_HEADLINE_PGD}": ("attack_drop:",), "rotation_drop": ("shift_drop:",)}
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ def _measure(key: str) -> Measure:
     kind, _, setting = key.partition(":")
     if kind == "rotation_drop":
         return Measure(key, "rotation: mean top-1 drop over 90°, 180°, 270° and upside-down", "points")
+    if kind == "attack_drop":
+        return Measure(key, f"{_attack_label(setting)}: top-1 drop (clean minus attacked)", "points")
     label = _setting_label(key)
     if kind == "pgd_drop":
         return Measure(key, f"targeted PGD ({label}): top-1 drop (clean minus attacked)", "points")
@@ -75,6 +83,10 @@ def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
             top1 = _hits(run.records, "top1")
             if "none" in top1 and all(c in top1 for c in ROTATED):
                 put(run, "rotation_drop", top1["none"] - top1[list(ROTATED)].mean(axis=1))
+        elif run.protocol == "attack":
+            top1 = _hits(run.records, "top1")
+            for condition in (c for c in top1.columns if c != CLEAN and CLEAN in top1):
+                put(run, f"attack_drop:{condition}", top1[CLEAN] - top1[condition])
         elif run.protocol == "pgd":
             top1, success = _hits(run.records, "top1"), _hits(run.records, "success")
             for setting in (c for c in top1.columns if c != CLEAN):
@@ -89,7 +101,21 @@ def _measure_order(key: str) -> tuple:
     kind, _, setting = key.partition(":")
     if kind == "rotation_drop":
         return (0,)
+    if kind == "attack_drop":
+        return (3, setting)
     return (1 if kind == "pgd_drop" else 2, *_setting_order(key))
+
+
+def _attack_label(condition: str) -> str:
+    """``"autoattack_linf_eps8"`` -> ``"AutoAttack 8/255"`` (a condition name of the attack
+    protocol, :meth:`robust_attn.attacks.base.AttackConfig.name`); other names as they are."""
+    parts = condition.split("_")
+    if len(parts) < 3 or parts[1] not in ("linf", "l2") or not parts[2].startswith("eps"):
+        return condition
+    name = {"autoattack": "AutoAttack", "square": "Square"}.get(parts[0], parts[0])
+    size = parts[2][3:]
+    extra = f" ({', '.join(parts[3:])})" if len(parts) > 3 else ""
+    return (f"{name} {size}/255" if parts[1] == "linf" else f"{name} L2 {size.replace('p', '.')}") + extra
 
 
 def _family(model: str) -> str:
@@ -210,3 +236,31 @@ def _setting_label(measure: str) -> str:
 
     s = parse_setting_name(measure.partition(":")[2])
     return f"eps {s.eps:g}, step {s.step:g}, n {s.steps}"
+
+
+def agreement_findings(runs, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> list[str]:
+    """Markdown lines: does each SAN measure rank the models as the stronger or other measures do
+    (:data:`AGREEMENT_REFERENCES`; Kendall's tau and the flipped pairs, :mod:`robust_attn.reports.agreement`)?
+    Measures on different image sets (e.g. Table 10 on the whole test set, AutoAttack on a seeded
+    subset) are compared too, resampled separately. Empty when no pair of measures exists."""
+    from robust_attn.reports.agreement import agreement_lines, rank_agreement
+
+    losses = per_image_losses(runs)
+    by_key: dict[str, list[pd.DataFrame]] = {}
+    for (_, key), frame in losses.items():
+        by_key.setdefault(key, []).append(frame)
+    lines: list[str] = []
+    for reference, prefixes in AGREEMENT_REFERENCES.items():
+        for key in (k for k in by_key if k.startswith(prefixes)):
+            for ref_frame in by_key.get(reference, []):
+                for frame in by_key[key]:
+                    if len(set(ref_frame.columns) & set(frame.columns)) < 3:
+                        continue    # fewer than 3 models share both: no ranking to speak of
+                    result = rank_agreement(ref_frame, frame, n_boot=n_boot, seed=seed, level=level)
+                    lines += agreement_lines(_measure(reference).title, _measure(key).title, result)
+    if lines:
+        lines = ["## Do the measures rank the models alike?", "",
+                 "Kendall's tau between the models' mean losses under a SAN measure and under a stronger or "
+                 "different one; a pair of models that changes order counts as resolved only when both measures "
+                 "separate the two (paired bootstrap interval of their difference excludes 0).", ""] + lines
+    return lines
