@@ -41,10 +41,11 @@ Where we deviate from the reference (each also said in its function's docstring)
 from __future__ import annotations
 
 import difflib
-import zlib
 from typing import Callable, Sequence
 
 import numpy as np
+
+from robust_attn.shifts.seeds import image_rngs
 
 __all__ = ["CORRUPTIONS", "COMMON", "EXTRA", "FAMILIES", "SEVERITIES", "register", "corrupt", "corrupt_batch",
            "corruption_names", "check_corruption", "check_severity", "image_rngs"]
@@ -76,7 +77,8 @@ def register(name: str):
 
 def corruption_names(subset: str = "common") -> list[str]:
     """``common`` (the 15), ``extra`` (the 4), ``all`` (19), a family (``noise``, ``blur``,
-    ``weather``, ``digital``) or a comma list of names, each checked."""
+    ``weather``, ``digital``), a corruption's name, or a comma list of any of these (in order,
+    without repeats); an unknown name is a ValueError with the closest name."""
     if subset == "common":
         return list(COMMON)
     if subset == "extra":
@@ -85,10 +87,12 @@ def corruption_names(subset: str = "common") -> list[str]:
         return list(COMMON + EXTRA)
     if subset in FAMILIES:
         return list(FAMILIES[subset])
-    names = [n.strip() for n in subset.split(",") if n.strip()]
-    if not names:
+    parts = [n.strip() for n in subset.split(",") if n.strip()]
+    if not parts:
         raise ValueError("no corruption named; give common, extra, all, a family or corruption names")
-    return [check_corruption(n) for n in names]
+    if len(parts) > 1:
+        return list(dict.fromkeys(name for part in parts for name in corruption_names(part)))
+    return [check_corruption(parts[0])]
 
 
 def check_corruption(name: str) -> str:
@@ -105,12 +109,6 @@ def check_severity(severity) -> int:
     if isinstance(severity, bool) or int(severity) != severity or int(severity) not in SEVERITIES:
         raise ValueError(f"severity must be an integer from 1 to 5, got {severity!r}")
     return int(severity)
-
-
-def image_rngs(name: str, indices: Sequence[int], seed: int = 0) -> list[np.random.Generator]:
-    """The generator of each image: ``default_rng([seed, crc32(name), index])``."""
-    key = zlib.crc32(name.encode())
-    return [np.random.default_rng([int(seed), key, int(i)]) for i in indices]
 
 
 def _as_batch(images: np.ndarray) -> np.ndarray:
