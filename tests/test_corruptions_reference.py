@@ -22,29 +22,13 @@ import pytest
 
 ic = pytest.importorskip("imagecorruptions")
 
+from helpers import Recorder, sample_images  # noqa: E402
 from robust_attn.shifts.corruptions import COMMON, EXTRA, corrupt_batch  # noqa: E402
 
 #: Max abs difference (grey levels of 255) allowed per corruption: 1 for float rounding before
 #: the reference's truncation to uint8 (and, for frost, OpenCV's fixed-point bicubic resize).
 TOLERANCE = defaultdict(lambda: 1)
 NUMPY_NAMES = {"normal": "normal", "uniform": "uniform", "poisson": "poisson", "integers": "randint"}
-
-
-class Recorder:
-    """A generator that logs every draw."""
-
-    def __init__(self, rng):
-        self.rng, self.log = rng, defaultdict(list)
-
-    def __getattr__(self, name):
-        method = getattr(self.rng, name)
-
-        def call(*args, **kwargs):
-            out = method(*args, **kwargs)
-            self.log[name].append(np.asarray(out))
-            return out
-
-        return call
 
 
 class Replay:
@@ -100,20 +84,6 @@ def reference(monkeypatch):
         return ours, theirs
 
     return run
-
-
-def sample_images(size: int, count: int = 2) -> np.ndarray:
-    """CIFAR-10 test images (embedded in the package), upscaled bilinearly for larger sizes."""
-    import torch
-    import torch.nn.functional as F
-
-    from robust_attn.data import build_dataset
-
-    dataset = build_dataset("cifar10", split="test", limit=count)
-    images = torch.stack([dataset[i][0] for i in range(count)])
-    if size != images.shape[-1]:
-        images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
-    return (images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
 
 
 def max_differences(run, size: int, names=COMMON + EXTRA, severities=(1, 2, 3, 4, 5), count: int = 2) -> dict:
