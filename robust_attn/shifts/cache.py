@@ -151,14 +151,14 @@ class CorruptionCache:
         n = len(self.dataset)
         loader = DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False)
         outputs, temps = {}, {}
-        digest = hashlib.sha256()
+        digest, label_digest = hashlib.sha256(), hashlib.sha256()   # apart, so the batch size does not matter
         shape = None
         start = 0
         try:
             for images, labels in loader:
                 clean = to_uint8(images)
                 digest.update(clean.tobytes())
-                digest.update(np.asarray(labels, dtype=np.int64).tobytes())
+                label_digest.update(np.asarray(labels, dtype=np.int64).tobytes())
                 if shape is None:
                     shape = clean.shape[1:]
                     for pair in pairs:
@@ -170,7 +170,7 @@ class CorruptionCache:
                 for (name, severity), out in outputs.items():
                     out[start:stop] = corrupt_batch(clean, name, severity, indices=indices, seed=self.seed)
                 start = stop
-            self._check_meta(digest.hexdigest(), shape)
+            self._check_meta(hashlib.sha256((digest.hexdigest() + label_digest.hexdigest()).encode()).hexdigest(), shape)
             for pair, out in outputs.items():
                 out.flush()
                 del out
