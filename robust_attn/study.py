@@ -71,6 +71,11 @@ class StudyConfig:
     attack_batch_size: int = 100
     attack_steps: int | None = None    # iterations of AutoAttack's members (None: their standard 100)
     masking_images: int = 100          # images of the gradient-masking probes (unbounded PGD, gradients)
+    corruptions: str = "common"        # corruption step: common, extra, all, families or names (comma list)
+    severities: tuple[int, ...] = (1, 2, 3, 4, 5)
+    occlusion_areas: tuple[float, ...] = (10.0, 25.0, 50.0, 75.0)   # percent of the image one square covers
+    shuffle_grids: tuple[int, ...] = (1, 2, 4, 8)
+    shift_seed: int = 0                # per-image corruptions, occlusions and permutations
 
     def __post_init__(self):
         if self.split not in ("train", "val", "test"):
@@ -95,6 +100,16 @@ class StudyConfig:
             raise ValueError("square_queries, transfer_steps and attack_batch_size must be positive")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        from robust_attn.protocols.corruption import corruption_conditions
+        from robust_attn.protocols.occlusion import occlusion_conditions
+        from robust_attn.protocols.shuffle import shuffle_conditions
+
+        from robust_attn.data import dataset_info
+
+        size = dataset_info(self.dataset).image_size
+        corruption_conditions(self.corruptions, self.severities)   # ValueError naming what is wrong
+        occlusion_conditions(self.occlusion_areas, image_size=(size, size))
+        shuffle_conditions(self.shuffle_grids, image_size=(size, size))
 
     def attack_settings(self) -> list[AttackSetting]:
         """Table 10's two settings, then the sweep (without repeating a paper setting)."""

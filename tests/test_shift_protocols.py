@@ -305,9 +305,8 @@ def test_study_runs_the_shift_protocols_with_one_corrupted_set(tmp_path, tiny_zo
     monkeypatch.setattr(cache_module.CorruptionCache, "_make", lambda self, pairs: (made.extend(pairs),
                                                                                     original(self, pairs)))
     config = StudyConfig(dataset="synthetic", limit=8, batch_size=4, bootstrap=20,
-                         protocols=("corruption", "occlusion", "shuffle"))
-    object.__setattr__(config, "corruptions", "gaussian_noise,contrast")   # the study's optional settings
-    object.__setattr__(config, "severities", (1, 3))
+                         protocols=("corruption", "occlusion", "shuffle"), corruptions="gaussian_noise,contrast",
+                         severities=(1, 3), occlusion_areas=(50.0,), shuffle_grids=(1, 4))
     runs, report = tmp_path / "runs", tmp_path / "report"
     files = run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
     assert sorted(made) == [("contrast", 1), ("contrast", 3), ("gaussian_noise", 1), ("gaussian_noise", 3)]  # once
@@ -322,3 +321,13 @@ def test_study_runs_the_shift_protocols_with_one_corrupted_set(tmp_path, tiny_zo
     assert summary.loc["sasa_resnet26", "mCE"] == pytest.approx(expected["mCE"])
     assert summary.loc["sasa_resnet26", "relative_mCE"] == pytest.approx(expected["relative_mCE"], nan_ok=True)
     assert "## Common corruptions" in (report / "report.md").read_text()
+
+
+def test_study_refuses_bad_shift_settings(tiny_zoo, capsys):
+    for option, value, message in (("--corruptions", "fgo", "Did you mean 'fog'"), ("--severities", "0", "from 1 to 5"),
+                                   ("--shuffle-grids", "0", "positive whole number"),
+                                   ("--shuffle-grids", "3", "does not divide the 32x32 image"),
+                                   ("--occlusion-areas", "101", r"\(0, 100\]")):
+        assert main(["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), option, value]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("robust-attn study: error: ") and re.search(message, err), err

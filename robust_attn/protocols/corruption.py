@@ -85,9 +85,9 @@ def study_corruption(ctx, entry, model):
     ``config.severities`` (default 1-5) with ``config.shift_seed`` (default 0), every image of
     the study; the corrupted images are made once, in ``<runs>/corruptions``, for every model."""
     config = ctx.config
-    conditions = corruption_conditions(getattr(config, "corruptions", "common"), getattr(config, "severities", SEVERITIES))
+    conditions = corruption_conditions(config.corruptions, config.severities)
     check_frost(conditions)
-    seed = int(getattr(config, "shift_seed", 0))
+    seed = config.shift_seed
     cache = CorruptionCache(ctx.runs_dir / "corruptions", ctx.dataset, ctx.base_info["dataset"], seed=seed,
                             batch_size=config.batch_size)
     cache.ensure([(c["corruption"], c["severity"]) for c in conditions[1:]], log=ctx.log if ctx.rank == 0 else None)

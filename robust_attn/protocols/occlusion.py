@@ -83,10 +83,9 @@ def study_occlusion(ctx, entry, model):
     """The study's occlusion step: ``config.occlusion_areas`` (default 10, 25, 50, 75%), both
     fills, PatchDrop of 25/50/75% of a 4 x 4 grid, seed ``config.shift_seed``."""
     config = ctx.config
-    conditions = occlusion_conditions(getattr(config, "occlusion_areas", DEFAULT_AREAS),
-                                      image_size=(ctx.info.image_size, ctx.info.image_size))
+    conditions = occlusion_conditions(config.occlusion_areas, image_size=(ctx.info.image_size, ctx.info.image_size))
     out = ctx.run_dir(PROTOCOL, entry.name)
     run_occlusion(model, ctx.dataset, out, conditions=conditions, mean=ctx.info.mean,
-                  seed=int(getattr(config, "shift_seed", 0)), batch_size=config.batch_size, device=ctx.device,
+                  seed=config.shift_seed, batch_size=config.batch_size, device=ctx.device,
                   run_info=ctx.run_info(entry, model), progress=ctx.progress, **ctx.shard)
     return out

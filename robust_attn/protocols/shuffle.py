@@ -22,7 +22,7 @@ def shuffle_conditions(grids=DEFAULT_GRIDS, image_size: tuple[int, int] | None =
     """``clean``, then ``shuffle<g>`` per grid; ``image_size`` (H, W) checks that g divides it."""
     conditions = [{"name": CLEAN, "grid": 0}]
     for g in grids:
-        g = check_grid(g, *image_size) if image_size else int(g)
+        g = check_grid(g, *(image_size or (None, None)))
         conditions.append({"name": f"shuffle{g}", "grid": g})
     if len(conditions) == 1:
         raise ValueError("give at least one grid size")
@@ -56,10 +56,9 @@ def study_shuffle(ctx, entry, model):
     """The study's shuffle step: ``config.shuffle_grids`` (default 1, 2, 4, 8), seed
     ``config.shift_seed``."""
     config = ctx.config
-    conditions = shuffle_conditions(getattr(config, "shuffle_grids", DEFAULT_GRIDS),
-                                    image_size=(ctx.info.image_size, ctx.info.image_size))
+    conditions = shuffle_conditions(config.shuffle_grids, image_size=(ctx.info.image_size, ctx.info.image_size))
     out = ctx.run_dir(PROTOCOL, entry.name)
-    run_shuffle(model, ctx.dataset, out, conditions=conditions, seed=int(getattr(config, "shift_seed", 0)),
+    run_shuffle(model, ctx.dataset, out, conditions=conditions, seed=config.shift_seed,
                 batch_size=config.batch_size, device=ctx.device, run_info=ctx.run_info(entry, model),
                 progress=ctx.progress, **ctx.shard)
     return out

@@ -30,11 +30,14 @@ def check_area(percent: float, what: str = "occluded area") -> float:
     return float(percent)
 
 
-def check_grid(grid: int, height: int, width: int) -> int:
-    """``grid`` if it cuts an ``height`` x ``width`` image into equal cells, else ValueError."""
+def check_grid(grid: int, height: int | None = None, width: int | None = None) -> int:
+    """``grid`` if it is a positive whole number and (given the image size) cuts an ``height``
+    x ``width`` image into equal cells, else ValueError."""
     if isinstance(grid, bool) or int(grid) != grid or grid < 1:
         raise ValueError(f"a grid must be a positive whole number of cells per side, got {grid!r}")
     grid = int(grid)
+    if height is None or width is None:
+        return grid
     if height % grid or width % grid:
         divisors = [g for g in range(1, min(height, width) + 1) if height % g == 0 and width % g == 0]
         raise ValueError(f"a {grid}x{grid} grid does not divide the {height}x{width} image into equal cells; "

@@ -70,7 +70,7 @@ def frost_dir() -> Path:
         "the frost corruption needs Hendrycks & Dietterich's frost photographs (frost1.png ... frost5.jpg), "
         f"which robust-attn does not ship; looked in {looked}. Install them with `pip install imagecorruptions` "
         f"(only its frost/ folder is read), or set ${FROST_ENV} to a folder holding them, or leave frost out "
-        "(e.g. --corruptions with the other names).")
+        "(e.g. --corruptions noise,blur,digital,snow,fog,brightness: the 14 others).")
 
 
 def bicubic_resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
