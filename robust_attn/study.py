@@ -268,11 +268,22 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
 
 def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_images: int) -> list[str]:
     eps = ", ".join(f"{e:g}" for e in config.sweep_eps)
-    lines = [f"Study: every zoo model trained on `{config.dataset}`, evaluated on {num_images} images of its "
-             f"'{config.split}' split. Rotation: SAN Table 9's conditions, the left-right flip and a sweep every "
-             f"{config.angle_step:g}° (bilinear, zero fill). PGD: targeted L-inf, Table 10's {{8, 4, 2}} and "
-             f"{{8, 2, 4}} plus eps {{{eps}}}/255 with {config.sweep_steps} steps of eps/{config.sweep_steps}, "
-             f"{config.backend} backend; every model attacked towards the same targets (seed {config.seed}).", ""]
+    text = f"Study: every zoo model trained on `{config.dataset}`, evaluated on {num_images} images of its " \
+           f"'{config.split}' split."
+    if "rotation" in config.protocols:
+        text += f" Rotation: SAN Table 9's conditions, the left-right flip and a sweep every {config.angle_step:g}° " \
+                f"(bilinear, zero fill)."
+    if "pgd" in config.protocols:
+        text += f" PGD: targeted L-inf, Table 10's {{8, 4, 2}} and {{8, 2, 4}} plus eps {{{eps}}}/255 with " \
+                f"{config.sweep_steps} steps of eps/{config.sweep_steps}, {config.backend} backend; every model " \
+                f"attacked towards the same targets (seed {config.seed})."
+    shifts = [p for p in config.protocols if p in ("corruption", "occlusion", "shuffle")]
+    if shifts:
+        text += f" Shifts ({', '.join(shifts)}; seed {config.shift_seed}): corruptions `{config.corruptions}` at " \
+                f"severities {', '.join(map(str, config.severities))}; occlusion of " \
+                f"{', '.join(f'{a:g}' for a in config.occlusion_areas)}% and PatchDrop; patch shuffle on " \
+                f"{', '.join(f'{g}x{g}' for g in config.shuffle_grids)} grids."
+    lines = [text, ""]
     attacks = [p for p in config.protocols if p in ("autoattack", "square", "transfer", "masking")]
     if attacks:
         aa_eps = ", ".join(f"{e:g}" for e in config.autoattack_eps)
