@@ -331,3 +331,45 @@ def test_study_refuses_bad_shift_settings(tiny_zoo, capsys):
         assert main(["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), option, value]) == 2
         err = capsys.readouterr().err
         assert err.startswith("robust-attn study: error: ") and re.search(message, err), err
+
+
+@pytest.mark.slow   # ~40 s: two torchrun processes on a shared machine
+def test_torchrun_two_ranks_share_the_cache_and_merge_to_the_single_process_run(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import REPO, subprocess_env
+
+    args = ["eval", "corruption", *TINY, "--limit", "6", "--batch-size", "2", "--device", "cpu",
+            "--corruptions", "gaussian_noise,glass_blur", "--severities", "2,4"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "robust_attn.cli",
+           *args, "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "ddp")]
+    result = subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("corruption resnet26 on synthetic/test (6 images") == 1   # rank 0 only
+    assert len(list((tmp_path / "cache").rglob("*.npy"))) == 4
+    assert main([*args, "--out", str(tmp_path / "single")]) == 0
+    pd.testing.assert_frame_equal(load_records(tmp_path / "ddp"), load_records(tmp_path / "single"))
+
+
+def test_cache_waits_for_a_file_another_process_holds_and_makes_it_if_that_process_dies(tmp_path):
+    import fcntl
+    import threading
+    import time
+
+    dataset = _synthetic(4)
+    key = {"name": "synthetic", "split": "test", "limit": 4}
+    cache = CorruptionCache(tmp_path, dataset, key, seed=0)
+    held = cache.path("contrast", 2)
+    held.parent.mkdir(parents=True)
+    lock = open(held.with_name(f".{held.name}.lock"), "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)   # "another process" is making contrast-s2
+    worker = threading.Thread(target=cache.ensure, args=([("contrast", 2), ("fog", 1)],))
+    worker.start()
+    deadline = time.time() + 60
+    while not cache.path("fog", 1).is_file() and time.time() < deadline:
+        time.sleep(0.05)
+    assert cache.path("fog", 1).is_file() and not held.is_file() and worker.is_alive()   # made its own, now waits
+    lock.close()   # the other process dies without making its file
+    worker.join(60)
+    assert not worker.is_alive() and held.is_file()

@@ -9,9 +9,9 @@ the dataset (name, split, limit) and the seed. The folder's ``meta.json`` record
 count and shape and a sha256 of the clean images, checked whenever files are added to it.
 
 Concurrency: several processes (study workers, torchrun ranks) may fill one cache. Each file is
-made under an exclusive ``flock`` on ``.<file>.lock``: a process takes the locks it can get
-without waiting, makes all those files in one pass over the dataset, then waits for the files
-others are making (a lock dies with its process, so a killed maker's file is made again by the
+made under an exclusive ``flock`` on ``.<file>.lock``: a process takes up to
+``pairs_per_pass`` locks it can get without waiting, makes those files in one pass over the
+dataset, and repeats; then it waits for the files others are making (a lock dies with its process, so a killed maker's file is made again by the
 next process). A file is written to a temporary name and renamed after its manifest entry, so
 it exists only whole. Every file is checked against its manifest entry once per process before
 it is read; a damaged file is an error naming it (``repair=True``: made again).
@@ -87,6 +87,9 @@ class CorruptionCache:
     """The corrupted copies of ``dataset`` (items: float (3, H, W) in [0, 1], label) for one seed,
     in ``cache_folder(root, dataset_key, seed)``."""
 
+    #: (corruption, severity) files one process makes per pass over the dataset
+    pairs_per_pass = 8
+
     def __init__(self, root, dataset, dataset_key: dict, seed: int = 0, batch_size: int = 250):
         self.dataset, self.seed, self.batch_size = dataset, int(seed), int(batch_size)
         self.key = {k: dataset_key.get(k) for k in ("name", "split", "limit")}
@@ -131,8 +134,11 @@ class CorruptionCache:
             if not todo:
                 break
             with contextlib.ExitStack() as stack:
-                mine = [p for p in todo if stack.enter_context(_try_lock(self._lock(*p), block=False))
-                        and not self.path(*p).is_file()]
+                mine = []
+                for pair in todo:   # a few per pass, so that other processes take the rest meanwhile
+                    if len(mine) < self.pairs_per_pass and stack.enter_context(_try_lock(self._lock(*pair), False)) \
+                            and not self.path(*pair).is_file():
+                        mine.append(pair)
                 if mine:
                     if log:
                         log(f"corruptions: making {len(mine)} corrupted copies of {len(self.dataset)} images in {self.root}")
