@@ -74,7 +74,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    ev = sub.add_parser("eval", help="robustness protocols: rotation (SAN Table 9), pgd (SAN Table 10)")
+    ev = sub.add_parser("eval", help="robustness protocols: rotation (SAN Table 9), pgd (SAN Table 10), attack, "
+                                     "transfer, corruption, occlusion, shuffle")
     ev_sub = ev.add_subparsers(dest="protocol", required=True, metavar="PROTOCOL")
     rot = ev_sub.add_parser("rotation", help="test-time rotations and flips (SAN Table 9) plus an angle sweep")
     _add_common(rot)
