@@ -381,3 +381,27 @@ def test_frost_blends_a_random_crop_of_a_photograph(monkeypatch, tmp_path):
             assert_close_levels(out, to_uint8(expected))
     finally:
         weather.frost_image.cache_clear()
+
+
+def test_protocol_spec_file_agrees_with_the_code():
+    import sys
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    from robust_attn.shifts.corruptions import SEVERITIES, blur, digital, noise, spatter, weather
+
+    spec = tomllib.loads((Path(__file__).resolve().parents[1] / "protocols" / "corruption.toml").read_text())
+    assert spec["protocol"]["common"] == list(COMMON) and spec["protocol"]["extra"] == list(EXTRA)
+    assert spec["protocol"]["severities"] == list(SEVERITIES)
+    code = {"gaussian_noise": noise.GAUSSIAN, "shot_noise": noise.SHOT, "impulse_noise": noise.IMPULSE,
+            "speckle_noise": noise.SPECKLE, "defocus_blur": blur.DEFOCUS, "glass_blur": blur.GLASS,
+            "motion_blur": blur.MOTION, "gaussian_blur": blur.GAUSSIAN_BLUR, "snow": weather.SNOW,
+            "frost": weather.FROST, "fog": weather.FOG, "spatter": spatter.SPATTER,
+            "brightness": digital.BRIGHTNESS, "contrast": digital.CONTRAST, "elastic_transform": digital.ELASTIC,
+            "pixelate": digital.PIXELATE, "jpeg_compression": digital.JPEG_QUALITY, "saturate": digital.SATURATE}
+    params = spec["parameters"]
+    assert set(params) == set(COMMON + EXTRA)
+    for name, values in code.items():
+        np.testing.assert_allclose(np.array(values, dtype=float), np.array(params[name], dtype=float), err_msg=name)
+    for factors, (start, stop, step) in zip(blur.ZOOM, params["zoom_blur"]):
+        np.testing.assert_array_equal(factors, np.arange(start, stop, step))
