@@ -71,6 +71,11 @@ class StudyConfig:
     attack_batch_size: int = 100
     attack_steps: int | None = None    # iterations of AutoAttack's members (None: their standard 100)
     masking_images: int = 100          # images of the gradient-masking probes (unbounded PGD, gradients)
+    corruptions: str = "common"        # corruption step: common, extra, all, families or names (comma list)
+    severities: tuple[int, ...] = (1, 2, 3, 4, 5)
+    occlusion_areas: tuple[float, ...] = (10.0, 25.0, 50.0, 75.0)   # percent of the image one square covers
+    shuffle_grids: tuple[int, ...] = (1, 2, 4, 8)
+    shift_seed: int = 0                # per-image corruptions, occlusions and permutations
 
     def __post_init__(self):
         if self.split not in ("train", "val", "test"):
@@ -95,6 +100,16 @@ class StudyConfig:
             raise ValueError("square_queries, transfer_steps and attack_batch_size must be positive")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        from robust_attn.protocols.corruption import corruption_conditions
+        from robust_attn.protocols.occlusion import occlusion_conditions
+        from robust_attn.protocols.shuffle import shuffle_conditions
+
+        from robust_attn.data import dataset_info
+
+        size = dataset_info(self.dataset).image_size
+        corruption_conditions(self.corruptions, self.severities)   # ValueError naming what is wrong
+        occlusion_conditions(self.occlusion_areas, image_size=(size, size))
+        shuffle_conditions(self.shuffle_grids, image_size=(size, size))
 
     def attack_settings(self) -> list[AttackSetting]:
         """Table 10's two settings, then the sweep (without repeating a paper setting)."""
@@ -253,11 +268,22 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
 
 def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_images: int) -> list[str]:
     eps = ", ".join(f"{e:g}" for e in config.sweep_eps)
-    lines = [f"Study: every zoo model trained on `{config.dataset}`, evaluated on {num_images} images of its "
-             f"'{config.split}' split. Rotation: SAN Table 9's conditions, the left-right flip and a sweep every "
-             f"{config.angle_step:g}° (bilinear, zero fill). PGD: targeted L-inf, Table 10's {{8, 4, 2}} and "
-             f"{{8, 2, 4}} plus eps {{{eps}}}/255 with {config.sweep_steps} steps of eps/{config.sweep_steps}, "
-             f"{config.backend} backend; every model attacked towards the same targets (seed {config.seed}).", ""]
+    text = f"Study: every zoo model trained on `{config.dataset}`, evaluated on {num_images} images of its " \
+           f"'{config.split}' split."
+    if "rotation" in config.protocols:
+        text += f" Rotation: SAN Table 9's conditions, the left-right flip and a sweep every {config.angle_step:g}° " \
+                f"(bilinear, zero fill)."
+    if "pgd" in config.protocols:
+        text += f" PGD: targeted L-inf, Table 10's {{8, 4, 2}} and {{8, 2, 4}} plus eps {{{eps}}}/255 with " \
+                f"{config.sweep_steps} steps of eps/{config.sweep_steps}, {config.backend} backend; every model " \
+                f"attacked towards the same targets (seed {config.seed})."
+    shifts = [p for p in config.protocols if p in ("corruption", "occlusion", "shuffle")]
+    if shifts:
+        text += f" Shifts ({', '.join(shifts)}; seed {config.shift_seed}): corruptions `{config.corruptions}` at " \
+                f"severities {', '.join(map(str, config.severities))}; occlusion of " \
+                f"{', '.join(f'{a:g}' for a in config.occlusion_areas)}% and PatchDrop; patch shuffle on " \
+                f"{', '.join(f'{g}x{g}' for g in config.shuffle_grids)} grids."
+    lines = [text, ""]
     attacks = [p for p in config.protocols if p in ("autoattack", "square", "transfer", "masking")]
     if attacks:
         aa_eps = ", ".join(f"{e:g}" for e in config.autoattack_eps)

@@ -1,9 +1,12 @@
 """Shared test fixtures' building blocks: a tiny attackable ResNet and a clean subprocess environment."""
 from __future__ import annotations
 
+import functools
 import os
+from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -39,3 +42,39 @@ def subprocess_env() -> dict:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
+
+
+def sample_images(size: int, count: int = 2) -> np.ndarray:
+    """CIFAR-10 test images (embedded in the package), upscaled bilinearly for larger sizes:
+    uint8 (count, size, size, 3), a fresh copy each call."""
+    return _sample_images(size, count).copy()
+
+
+@functools.lru_cache(maxsize=8)
+def _sample_images(size: int, count: int):
+    import torch.nn.functional as F
+
+    from robust_attn.data import build_dataset
+
+    dataset = build_dataset("cifar10", split="test", limit=count)
+    images = torch.stack([dataset[i][0] for i in range(count)])
+    if size != images.shape[-1]:
+        images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+    return (images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+
+
+class Recorder:
+    """A generator that logs every draw."""
+
+    def __init__(self, rng):
+        self.rng, self.log = rng, defaultdict(list)
+
+    def __getattr__(self, name):
+        method = getattr(self.rng, name)
+
+        def call(*args, **kwargs):
+            out = method(*args, **kwargs)
+            self.log[name].append(np.asarray(out))
+            return out
+
+        return call

@@ -1,6 +1,8 @@
-"""``robust-attn eval rotation|pgd|attack|transfer``: the SAN paper's robustness protocols
-(section 5.4) on one model, written to a resumable run directory (see :mod:`robust_attn.results`);
-the evaluation and transfer attacks live in :mod:`robust_attn.commands.eval_attacks`.
+"""``robust-attn eval rotation|pgd|attack|transfer|corruption|occlusion|shuffle``: the SAN paper's
+robustness protocols (section 5.4) on one model, written to a resumable run directory (see
+:mod:`robust_attn.results`); the evaluation and transfer attacks live in
+:mod:`robust_attn.commands.eval_attacks`, the distribution shifts in
+:mod:`robust_attn.commands.eval_shifts`.
 
 Runs under ``torchrun --nproc_per_node=N`` as well: each rank evaluates a disjoint shard of the
 images and the run directory merges them.
@@ -72,7 +74,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    ev = sub.add_parser("eval", help="robustness protocols: rotation (SAN Table 9), pgd (SAN Table 10)")
+    ev = sub.add_parser("eval", help="robustness protocols: rotation (SAN Table 9), pgd (SAN Table 10), attack, "
+                                     "transfer, corruption, occlusion, shuffle")
     ev_sub = ev.add_subparsers(dest="protocol", required=True, metavar="PROTOCOL")
     rot = ev_sub.add_parser("rotation", help="test-time rotations and flips (SAN Table 9) plus an angle sweep")
     _add_common(rot)
@@ -94,8 +97,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      "torchattacks and foolbox backends at any --batch-size (slower native attack)")
     pgd.set_defaults(func=run_pgd_cmd)
     from robust_attn.commands.eval_attacks import add_attack_parsers
+    from robust_attn.commands.eval_shifts import add_shift_parsers
 
     add_attack_parsers(ev_sub)
+    add_shift_parsers(ev_sub)
 
 
 def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:

@@ -41,6 +41,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="iterations of AutoAttack's members (default: the standard 100)")
     p.add_argument("--attack-batch-size", type=int, default=d.attack_batch_size,
                    help="images per batch and record chunk of the attacks (default %(default)s)")
+    p.add_argument("--corruptions", default=d.corruptions,
+                   help="corruption protocol: common, extra, all, families or names, comma list (default %(default)s)")
+    p.add_argument("--severities", default=",".join(map(str, d.severities)),
+                   help="corruption severities, comma list (default %(default)s)")
+    p.add_argument("--occlusion-areas", default=",".join(f"{a:g}" for a in d.occlusion_areas),
+                   help="occlusion: percent of the image one square covers, comma list (default %(default)s)")
+    p.add_argument("--shuffle-grids", default=",".join(map(str, d.shuffle_grids)),
+                   help="patch shuffle: grid sizes g, comma list (default %(default)s)")
+    p.add_argument("--shift-seed", type=int, default=d.shift_seed, help="seed of the corruptions, occlusions and "
+                                                                        "shuffles (default %(default)s)")
     p.add_argument("--backend", default=d.backend, choices=BACKENDS)
     p.add_argument("--seed", type=int, default=d.seed, help="attack targets and bootstrap seed")
     p.add_argument("--bootstrap", type=int, default=d.bootstrap, help="bootstrap resamples (default %(default)s)")
@@ -68,7 +78,11 @@ def run_study_cmd(args) -> int:
                              attack_limit=args.attack_limit,
                              autoattack_eps=tuple(parse_list(args.autoattack_eps, float, "--autoattack-eps")),
                              square_queries=args.square_queries, attack_steps=args.attack_steps,
-                             attack_batch_size=args.attack_batch_size)
+                             attack_batch_size=args.attack_batch_size, corruptions=args.corruptions,
+                             severities=tuple(parse_list(args.severities, int, "--severities")),
+                             occlusion_areas=tuple(parse_list(args.occlusion_areas, float, "--occlusion-areas")),
+                             shuffle_grids=tuple(parse_list(args.shuffle_grids, int, "--shuffle-grids")),
+                             shift_seed=args.shift_seed)
     except ValueError as err:
         raise UserError(str(err)) from None
     from robust_attn.distributed import cleanup

@@ -14,6 +14,7 @@ from robust_attn.reports.attacks import attack_sections
 from robust_attn.reports.comparison import (DEFAULT_BASELINE, HEADLINE_MEASURES, agreement_findings, compare_models,
                                             findings_text)
 from robust_attn.reports.plots import plot_comparison, plot_pgd, plot_rotation
+from robust_attn.reports.shifts import SHIFT_PROTOCOLS, shift_sections
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, load_runs, pgd_sweep, pgd_table,
                                         rotation_sweep, rotation_table, to_latex, to_markdown)
@@ -21,7 +22,7 @@ from robust_attn.utils.io import atomic_path, atomic_write_text
 
 __all__ = ["make_report", "bootstrap_mean_ci", "load_runs", "rotation_table", "pgd_table"]
 
-REPORTED_PROTOCOLS = ("rotation", "pgd", "attack", "transfer", "masking")
+REPORTED_PROTOCOLS = ("rotation", "pgd", "attack", "transfer", "masking") + SHIFT_PROTOCOLS
 TABLE9_CAPTION = ("Robustness to rotation and flipping at test time (SAN Table 9 layout): top-1 / top-5 "
                   "accuracy (%), drop from the unrotated result in brackets (lower is better).")
 TABLE10_CAPTION = ("Targeted white-box L-inf PGD (SAN Table 10 layout): eps = 8/255; n = 2 with step 4/255, "
@@ -110,6 +111,9 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
     attack_md, attack_files = attack_sections(runs, out, n_boot=n_boot, seed=seed, level=level, plots=plots)
     md += attack_md
     files += attack_files
+    shift_md, shift_files = shift_sections(runs, out, baseline=baseline, plots=plots)
+    md += shift_md
+    files += shift_files
 
     ci = headline_ci(runs, n_boot=n_boot, seed=seed, level=level)
     if not ci.empty:

@@ -1,0 +1,98 @@
+"""Common corruptions (Hendrycks & Dietterich, ICLR 2019): top-1 under each corruption and
+severity, per image, with the clean images as the first condition.
+
+Conditions: ``clean`` then ``<corruption>_s<severity>`` (e.g. ``gaussian_noise_s3``) for every
+corruption and severity asked for, each with its ``corruption`` and ``severity`` in run.json.
+The images come from a source (:mod:`robust_attn.shifts.cache`): made on the fly per chunk
+(:class:`~robust_attn.shifts.cache.OnTheFly`, seeded per image), read from a corrupted copy
+made once per study (:class:`~robust_attn.shifts.cache.CorruptionCache`: the same bytes), or
+read from the published CIFAR-10-C / ImageNet-C files
+(:class:`~robust_attn.shifts.published.PublishedCorruptions`). CE and mCE against a baseline
+model: :mod:`robust_attn.shifts.metrics`, in the report (:mod:`robust_attn.reports.shifts`).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from robust_attn.protocols.registry import study_protocol
+from robust_attn.shifts.cache import CorruptionCache, OnTheFly, to_float
+from robust_attn.shifts.corruptions import SEVERITIES, check_severity, corruption_names
+from robust_attn.shifts.evaluate import CLEAN, accuracy_by_condition, run_shift
+
+__all__ = ["PROTOCOL", "corruption_conditions", "run_corruption", "summarize_corruption", "check_frost"]
+
+PROTOCOL = "corruption"
+IMPLEMENTATION = "robust_attn.shifts.corruptions (ImageNet-C parameters as in imagecorruptions 1.1.2; uint8 truncation)"
+
+
+def corruption_conditions(names, severities=SEVERITIES) -> list[dict]:
+    """``clean`` then every (corruption, severity); ``names`` as :func:`corruption_names` takes
+    them (a string such as ``common`` or ``noise,frost``, or a list of names)."""
+    names = corruption_names(names) if isinstance(names, str) else [corruption_names(n)[0] for n in names]
+    severities = [check_severity(s) for s in severities]
+    if not severities:
+        raise ValueError("give at least one severity (1-5)")
+    return [{"name": CLEAN, "corruption": CLEAN, "severity": 0}] + [
+        {"name": f"{n}_s{s}", "corruption": n, "severity": s} for n in names for s in severities]
+
+
+def check_frost(conditions: list[dict]) -> None:
+    """A clear error before any work when frost is asked for without its photographs."""
+    if any(c["corruption"] == "frost" for c in conditions):
+        from robust_attn.shifts.corruptions.weather import frost_dir
+
+        frost_dir()
+
+
+def run_corruption(model: nn.Module, dataset, out_dir, *, conditions: list[dict], seed: int = 0, source=None,
+                   images: str = "generated", batch_size: int = 64, device="cpu", run_info: dict | None = None,
+                   rank: int = 0, world_size: int = 1, num_workers: int = 0, progress: bool = True,
+                   repair: bool = False):
+    """Run (or resume) the corruption protocol; returns the RunStore. ``source``: where the
+    corrupted images come from (default: made on the fly with ``seed``); ``images`` names it in
+    run.json (``generated`` for on the fly and the study's cache alike, which are the same
+    images; ``cifar10-c`` / ``imagenet-c`` for the published files)."""
+    source = source or OnTheFly(seed)
+    if images == "generated":
+        check_frost(conditions)
+    by_name = {c["name"]: c for c in conditions}
+
+    def shift(name, batch, indices, labels):
+        c = by_name[name]
+        kwargs = {"labels": labels} if images != "generated" else {}
+        return to_float(source(c["corruption"], c["severity"], batch, indices, **kwargs), batch.device)
+
+    parameters = {"images": images, "seed": seed if images == "generated" else None,
+                  "implementation": IMPLEMENTATION if images == "generated" else None}
+    return run_shift(PROTOCOL, model, dataset, out_dir, conditions=conditions, shift=shift, parameters=parameters,
+                     batch_size=batch_size, device=device, run_info=run_info, rank=rank, world_size=world_size,
+                     num_workers=num_workers, progress=progress, repair=repair)
+
+
+def summarize_corruption(records, conditions: list[dict]):
+    """Per condition: corruption, severity, n, top1, top5 (percent)."""
+    summary = accuracy_by_condition(records)
+    by_name = {c["name"]: c for c in conditions}
+    summary.insert(1, "corruption", [by_name[n]["corruption"] for n in summary["condition"]])
+    summary.insert(2, "severity", [by_name[n]["severity"] for n in summary["condition"]])
+    return summary
+
+
+@study_protocol("corruption", summary="Hendrycks & Dietterich's common corruptions at severities 1-5 (mCE against "
+                                      "the baseline), from corrupted images made once per study")
+def study_corruption(ctx, entry, model):
+    """The study's corruption step: ``config.corruptions`` (default the 15 common ones) at
+    ``config.severities`` (default 1-5) with ``config.shift_seed`` (default 0), every image of
+    the study; the corrupted images are made once, in ``<runs>/corruptions``, for every model."""
+    config = ctx.config
+    conditions = corruption_conditions(config.corruptions, config.severities)
+    check_frost(conditions)
+    seed = config.shift_seed
+    cache = CorruptionCache(ctx.runs_dir / "corruptions", ctx.dataset, ctx.base_info["dataset"], seed=seed,
+                            batch_size=config.batch_size)
+    cache.ensure([(c["corruption"], c["severity"]) for c in conditions[1:]], log=ctx.log if ctx.rank == 0 else None)
+    out = ctx.run_dir(PROTOCOL, entry.name)
+    run_corruption(model, ctx.dataset, out, conditions=conditions, seed=seed, source=cache,
+                   batch_size=config.batch_size, device=ctx.device, run_info=ctx.run_info(entry, model),
+                   progress=ctx.progress, **ctx.shard)
+    return out

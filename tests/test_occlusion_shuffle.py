@@ -1,0 +1,90 @@
+"""Occlusion and patch shuffling (Naseer et al. 2021; robust_attn/shifts/occlusion.py, shuffle.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from robust_attn.shifts.occlusion import drop_patches, occlude_square, square_side
+from robust_attn.shifts.shuffle import from_patches, shuffle_patches, to_patches
+
+
+def _images(n=4, c=3, h=32, w=32):
+    return torch.rand(n, c, h, w, generator=torch.Generator().manual_seed(0)) * 0.8 + 0.1  # no pixel is 0
+
+
+@pytest.mark.parametrize("percent", [1, 10, 25, 50, 75, 100])
+def test_square_covers_the_stated_share(percent):
+    images = _images()
+    out = occlude_square(images, percent, indices=[0, 1, 2, 3], seed=3)
+    side = square_side(percent, 32, 32)
+    covered = (out == 0).all(dim=1)   # a filled pixel is 0 in every channel
+    assert (covered.flatten(1).sum(1) == side * side).all()
+    assert abs(side * side / 1024 - percent / 100) <= (2 * side + 1) / 1024   # k% up to rounding the side
+    # one solid square per image, the rest untouched
+    for k in range(4):
+        rows, cols = covered[k].nonzero(as_tuple=True)
+        assert rows.max() - rows.min() + 1 == side and cols.max() - cols.min() + 1 == side
+        assert torch.equal(out[k][:, ~covered[k]], images[k][:, ~covered[k]])
+
+
+def test_square_is_seeded_per_image_and_fills_with_the_mean():
+    images = _images()
+    a = occlude_square(images, 25, [5, 6, 7, 8], seed=1)
+    assert torch.equal(a, occlude_square(images, 25, [5, 6, 7, 8], seed=1))
+    assert torch.equal(a[2:3], occlude_square(images[2:3], 25, [7], seed=1))   # same image alone
+    assert not torch.equal(a, occlude_square(images, 25, [5, 6, 7, 8], seed=2))
+    mean = (0.25, 0.5, 0.75)
+    filled = occlude_square(images, 25, [5, 6, 7, 8], seed=1, fill=mean)
+    where = (a == 0).all(dim=1)
+    for c, value in enumerate(mean):
+        assert (filled[:, c][where] == value).all()
+
+
+@pytest.mark.parametrize("grid,percent,cells", [(4, 25, 4), (4, 50, 8), (8, 75, 48), (2, 100, 4)])
+def test_patch_drop_blanks_whole_cells(grid, percent, cells):
+    images = _images()
+    out = drop_patches(images, grid, percent, [0, 1, 2, 3], seed=0)
+    size = 32 // grid
+    blank = (out == 0).all(dim=1).reshape(4, grid, size, grid, size).permute(0, 1, 3, 2, 4).flatten(3)
+    per_cell = blank.float().mean(-1)   # 1: the whole cell dropped, 0: untouched
+    assert ((per_cell == 0) | (per_cell == 1)).all()
+    assert (per_cell.flatten(1).sum(1) == cells).all()
+    assert (out == 0).all(dim=1).flatten(1).float().mean(1).eq(cells / grid ** 2).all()
+
+
+def test_shuffle_with_one_patch_is_the_identity():
+    images = _images()
+    assert torch.equal(shuffle_patches(images, 1, [0, 1, 2, 3], seed=9), images)
+
+
+@pytest.mark.parametrize("grid", [2, 4, 8])
+def test_shuffle_permutes_patches(grid):
+    images = _images()
+    out = shuffle_patches(images, grid, [0, 1, 2, 3], seed=0)
+    assert torch.equal(from_patches(to_patches(images, grid), grid), images)
+    before, after = to_patches(images, grid).flatten(2), to_patches(out, grid).flatten(2)
+    for k in range(4):   # the same patches, each once, in another order
+        match = (after[k][:, None] == before[k][None]).all(-1)
+        assert match.sum(1).eq(1).all() and match.sum(0).eq(1).all()
+        assert not torch.equal(match, torch.eye(grid * grid, dtype=torch.bool))
+    assert torch.equal(out, shuffle_patches(images, grid, [0, 1, 2, 3], seed=0))
+    assert not torch.equal(out, shuffle_patches(images, grid, [0, 1, 2, 3], seed=1))
+
+
+def test_patch_order_is_row_major():
+    image = torch.arange(16.0).reshape(1, 1, 4, 4)
+    patches = to_patches(image, 2)
+    assert patches[0, 1, 0].tolist() == [[2.0, 3.0], [6.0, 7.0]]   # the top-right patch is second
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda x: shuffle_patches(x, 3, [0, 1, 2, 3]), "does not divide the 32x32 image"),
+    (lambda x: drop_patches(x, 5, 50, [0, 1, 2, 3]), "does not divide"),
+    (lambda x: occlude_square(x, 0, [0, 1, 2, 3]), r"percentage in \(0, 100\]"),
+    (lambda x: occlude_square(x, 120, [0, 1, 2, 3]), r"percentage in \(0, 100\]"),
+    (lambda x: drop_patches(x, 4, -5, [0, 1, 2, 3]), "dropped fraction"),
+    (lambda x: occlude_square(x, 10, [0, 1, 2, 3], fill="grey"), "fill must be"),
+])
+def test_bad_input_is_a_clear_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(_images())
