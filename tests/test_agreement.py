@@ -107,3 +107,17 @@ def test_report_section_compares_table10_with_each_attack():
     assert "targeted PGD (eps 8, step 2, n 4)" in text and "AutoAttack 8/255" in text
     assert "resampled separately: 400 and 200 images" in text
     assert "Kendall's tau" in text
+
+
+def test_report_section_compares_rotation_with_each_shift():
+    rng = np.random.default_rng(1)
+    n, runs = 300, []
+    for m, keep in zip("pqrs", (0.2, 0.4, 0.6, 0.8)):
+        clean = (rng.random(n) < 0.9).astype(int)
+        rotated = {c: clean * (rng.random(n) < keep) for c in ("cw90", "cw180", "cw270", "flip_ud")}
+        runs.append(_run("rotation", m, {"none": clean, **rotated}))
+        shifted = {f"fog_s{s}": clean * (rng.random(n) < keep) for s in (1, 3)}
+        runs.append(_run("corruption", m, {"clean": clean, **shifted}))
+    text = "\n".join(agreement_findings(runs, n_boot=200))
+    assert "rotation: mean top-1 drop" in text and "corruption: mean top-1 drop over every shifted condition" in text
+    assert "paired over the same images" in text

@@ -11,6 +11,8 @@ loss, so two models evaluated on the same images can be compared image by image:
 * ``pgd_success:<setting>``: targeted attack success (prediction equals the target), in %.
 * ``attack_drop:<condition>``: top-1 hit on the clean image minus the hit under an evaluation
   attack of the ``attack`` protocol (AutoAttack, Square, ...; issue #14), in points.
+* ``shift_drop:<protocol>``: top-1 hit on the clean image minus the mean hit over every
+  shifted condition of a shift protocol (corruption, occlusion, shuffle; issue #17), in points.
 
 Lower is better for all four. For each measure the model with the lowest mean is "best"; the
 difference of every other model to it, and to the convolutional baseline, is bootstrapped over
@@ -34,6 +36,7 @@ __all__ = ["per_image_losses", "compare_models", "findings_text", "agreement_fin
 
 ROTATED = ("cw90", "cw180", "cw270", "flip_ud")  # Table 9's four rotated conditions
 DEFAULT_BASELINE = "resnet26"
+SHIFT_PROTOCOLS = ("corruption", "occlusion", "shuffle")   # protocols with a clean and shifted conditions
 _HEADLINE_PGD = PAPER_SETTINGS[1].name           # {8, 2, 4}: the stronger of Table 10's two settings
 HEADLINE_MEASURES = ["rotation_drop", f"pgd_drop:{_HEADLINE_PGD}", f"pgd_success:{_HEADLINE_PGD}"]
 #: which measures each SAN measure is checked against (:func:`agreement_findings`): Table 10's
@@ -55,6 +58,8 @@ def _measure(key: str) -> Measure:
         return Measure(key, "rotation: mean top-1 drop over 90°, 180°, 270° and upside-down", "points")
     if kind == "attack_drop":
         return Measure(key, f"{_attack_label(setting)}: top-1 drop (clean minus attacked)", "points")
+    if kind == "shift_drop":
+        return Measure(key, f"{setting}: mean top-1 drop over every shifted condition", "points")
     label = _setting_label(key)
     if kind == "pgd_drop":
         return Measure(key, f"targeted PGD ({label}): top-1 drop (clean minus attacked)", "points")
@@ -87,6 +92,11 @@ def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
             top1 = _hits(run.records, "top1")
             for condition in (c for c in top1.columns if c != CLEAN and CLEAN in top1):
                 put(run, f"attack_drop:{condition}", top1[CLEAN] - top1[condition])
+        elif run.protocol in SHIFT_PROTOCOLS:
+            top1 = _hits(run.records, "top1")
+            shifted = [c for c in top1.columns if c != CLEAN]
+            if CLEAN in top1 and shifted:
+                put(run, f"shift_drop:{run.protocol}", top1[CLEAN] - top1[shifted].mean(axis=1))
         elif run.protocol == "pgd":
             top1, success = _hits(run.records, "top1"), _hits(run.records, "success")
             for setting in (c for c in top1.columns if c != CLEAN):
@@ -101,8 +111,8 @@ def _measure_order(key: str) -> tuple:
     kind, _, setting = key.partition(":")
     if kind == "rotation_drop":
         return (0,)
-    if kind == "attack_drop":
-        return (3, setting)
+    if kind in ("attack_drop", "shift_drop"):
+        return (3 if kind == "attack_drop" else 4, setting)
     return (1 if kind == "pgd_drop" else 2, *_setting_order(key))
 
 
