@@ -1,0 +1,151 @@
+"""One spec string for a model's source (issue #15): the CLI's ``--model``, the Python API and configs.
+
+    >>> from robust_attn.data import dataset_info
+    >>> from robust_attn.sources import load_model_spec
+    >>> loaded = load_model_spec("torchvision:resnet18:none", dataset_info=dataset_info("imagenet"))
+    >>> loaded.model            # NormalizedModel in eval mode: images in [0, 1]
+    >>> loaded.preprocessing    # Preprocessing(mean, std, input_size=224, resize_size=256, ...)
+    >>> loaded.description      # {"source": "torchvision", "spec": ..., "weights_sha256": ..., ...}
+
+==============================  =================================================================
+spec                            model
+==============================  =================================================================
+``NAME``                        the registry (``robust-attn zoo list``): random weights (``seed``)
+                                or ``checkpoint`` (a robust-attn .safetensors with its sidecar)
+``zoo:NAME``                    the zoo's trained ``NAME`` for the dataset (sha256-checked)
+``timm:NAME``                   timm (optional: ``pip install timm``): pretrained weights where the
+                                network allows, else ``checkpoint`` = a local state dict file;
+                                model-arg ``pretrained=False`` for random weights
+``torchvision:NAME[:WEIGHTS]``  torchvision's weights API; WEIGHTS an enum member
+                                (default ``DEFAULT``) or ``none`` (random init, the head sized to
+                                the dataset); ``checkpoint`` = a local state dict file
+``san-official:PATH[:ARCH]``    the SAN authors' .pth (hszhao/SAN), converted by name
+``FILE.py:FUNCTION``            any user's ``nn.Module``: ``FUNCTION(**model_args)`` (plus
+``package.module:FUNCTION``     ``num_classes=`` when it takes it) from a file or an importable module
+==============================  =================================================================
+
+A prefix registered here wins over a module of the same name (``timm:x`` is the timm source,
+never a function ``x`` of a module ``timm``). Each source gives the model wrapped for [0, 1]
+images and its :class:`Preprocessing` (mean/std, sizes, interpolation) from timm's pretrained
+config or torchvision's weights transforms; ``None`` for sources whose weights take the
+dataset's images as they are (the registry, the zoo's checkpoints, a user's function). The
+run description records ``source``, ``spec`` and ``weights_sha256``. Every model is checked
+to output the dataset's number of classes (:func:`robust_attn.checkpoint.check_num_classes`).
+
+A new source is one new module in this package with a function decorated by
+``@register_source("prefix")`` taking a :class:`SourceRequest` and returning a
+:class:`LoadedModel`; the modules are imported when a spec is first resolved.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import pkgutil
+import re
+from typing import Callable
+
+from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file,
+                                      state_dict_sha256)
+
+__all__ = ["Preprocessing", "LoadedModel", "SourceError", "SourceRequest", "register_source", "list_sources",
+           "parse_spec", "load_model_spec", "state_dict_sha256", "load_weights_file", "SPEC_HELP"]
+
+SPEC_HELP = ("NAME (registry; with --checkpoint), zoo:NAME, timm:NAME, torchvision:NAME[:WEIGHTS|none], "
+             "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION")
+
+_SOURCES: dict[str, Callable[[SourceRequest], LoadedModel]] = {}
+#: the sources chosen by a spec's form rather than a prefix
+REGISTRY, CALLABLE = "registry", "callable"
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+
+
+def register_source(prefix: str):
+    """Decorator registering ``fn(request) -> LoadedModel`` as the source of ``prefix:...`` specs."""
+
+    def wrap(fn):
+        if prefix in _SOURCES:
+            raise ValueError(f"model source {prefix!r} is registered twice")
+        _SOURCES[prefix] = fn
+        return fn
+
+    return wrap
+
+
+def _ensure_sources_imported() -> None:
+    for info in pkgutil.iter_modules(__path__):
+        if info.name != "base":
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+def list_sources() -> list[str]:
+    _ensure_sources_imported()
+    return sorted(_SOURCES)
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``(source, target)`` of a spec: a registered prefix first, then ``FILE.py:FUNCTION`` /
+    ``package.module:FUNCTION``, then a bare registry ``NAME``."""
+    _ensure_sources_imported()
+    if not isinstance(spec, str) or not spec.strip():
+        raise SourceError(f"empty model spec; give one of: {SPEC_HELP}")
+    spec = spec.strip()
+    prefix, sep, rest = spec.partition(":")
+    if sep and prefix in _SOURCES:
+        if not rest:
+            raise SourceError(f"model spec {spec!r} names no model after {prefix + ':'!r}; e.g. {prefix}:NAME")
+        return prefix, rest
+    if sep:
+        left, _, function = spec.rpartition(":")
+        if re.fullmatch(_IDENT, function) and (left.endswith(".py") or re.fullmatch(rf"{_IDENT}(\.{_IDENT})*", left)):
+            return CALLABLE, spec
+        raise SourceError(f"unknown model source {prefix!r} in {spec!r}.{_suggest(prefix)} A spec is one of: "
+                          f"{SPEC_HELP}")
+    if spec.endswith(".py"):
+        raise SourceError(f"{spec!r} is a Python file: name the function that builds the model, {spec}:FUNCTION")
+    if spec.endswith((".safetensors", ".pth", ".pt")):
+        raise SourceError(f"{spec!r} is a weights file, not a model spec: pass it as --checkpoint (with --model "
+                          f"NAME for the registry), or san-official:{spec} for the SAN authors' checkpoints")
+    return REGISTRY, spec
+
+
+def _suggest(prefix: str) -> str:
+    close = difflib.get_close_matches(prefix, [p for p in _SOURCES if p not in (REGISTRY, CALLABLE)], n=1)
+    return f" Did you mean {close[0] + ':'!r}?" if close else ""
+
+
+def unknown_module_hint(module: str) -> str:
+    """For a ``module:FUNCTION`` spec whose module does not exist: the source it may have meant."""
+    return _suggest(module.split(".")[0])
+
+
+def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = None, model_args: dict | None = None,
+                    seed: int = 0, device: str = "cpu", check: bool = True) -> LoadedModel:
+    """The model of ``spec`` for ``dataset_info`` (a :class:`robust_attn.data.DatasetInfo`).
+
+    ``checkpoint``: weights for the registry, timm, torchvision or a user's function (refused
+    by the zoo and san-official, whose weights the spec names). ``model_args``: keyword
+    arguments of the constructor. ``seed``: torch's seed before random weights are drawn.
+    ``check``: one dummy forward refusing a model whose output is not the dataset's classes.
+    ``spec`` may be None with a ``checkpoint``: the architecture its sidecar names."""
+    from robust_attn.checkpoint import check_num_classes
+
+    if spec is None:
+        if not checkpoint:
+            raise SourceError(f"give a model spec ({SPEC_HELP}) or a checkpoint")
+        source, target = REGISTRY, ""
+    else:
+        source, target = parse_spec(spec)
+    request = SourceRequest(spec=spec if spec is not None else "", target=target, dataset_info=dataset_info,
+                            checkpoint=str(checkpoint) if checkpoint else None, model_args=dict(model_args or {}),
+                            seed=seed, device=str(device))
+    loaded = _SOURCES[source](request)
+    loaded.model = loaded.model.to(device).eval()
+    desc = loaded.description
+    desc.setdefault("source", source)
+    desc["spec"] = spec if spec is not None else desc.get("model", "")
+    desc.setdefault("weights_sha256", None)
+    desc["preprocessing"] = loaded.preprocessing.as_dict() if loaded.preprocessing is not None else None
+    if check:
+        size = loaded.preprocessing.input_size if loaded.preprocessing is not None else dataset_info.image_size
+        check_num_classes(loaded.model, dataset_info.num_classes, f"model {desc['spec']}", image_size=size)
+    return loaded
