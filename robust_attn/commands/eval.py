@@ -54,12 +54,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "match), zoo:NAME, timm:NAME (pip install timm), torchvision:NAME[:WEIGHTS|none], "
                         "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION (a function "
                         "returning an nn.Module that takes input normalized with the dataset's mean/std)")
-    p.add_argument("--checkpoint", help="trained weights (.safetensors with its .json sidecar); without it "
-                                        "the model has RANDOM weights")
+    p.add_argument("--checkpoint", help="trained weights: a robust-attn .safetensors with its .json sidecar "
+                                        "(registry NAME), or a state dict file (.pth/.safetensors) for timm:, "
+                                        "torchvision:NAME:none and FILE.py:FUNCTION; without one, NAME has RANDOM "
+                                        "weights")
     p.add_argument("--zoo", action="store_true",
                    help="load --model's trained checkpoint for --dataset from the zoo manifest (sha256-checked)")
     p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="architecture overrides for --model without --checkpoint, e.g. width=0.25")
+                   help="keyword arguments of the model's constructor, e.g. width=0.25 (registry, without "
+                        "--checkpoint), pretrained=False (timm) or those of your FUNCTION")
     p.add_argument("--dataset", default="imagenet", help="dataset name (default: imagenet)")
     p.add_argument("--root", help="data folder (default: $ROBUST_ATTN_DATA or ./data)")
     p.add_argument("--split", default="test", choices=["test", "val", "train"],
@@ -133,8 +136,9 @@ def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
 
 
 def _setup(args, protocol: str):
-    from robust_attn.data import build_dataset, dataset_info, takes_transform
+    from robust_attn.data import dataset_info
     from robust_attn.distributed import init_distributed
+    from robust_attn.sources.inputs import model_dataset, record_preprocessing
 
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be positive, got {args.batch_size}")
@@ -142,19 +146,11 @@ def _setup(args, protocol: str):
         raise UserError(f"--limit must be positive, got {args.limit}")
     info = dataset_info(args.dataset, root=args.root)  # imagefolder: the class count of --root's folders
     rank, world_size, device = init_distributed(args.device)
-    model, model_desc = load_eval_model(args, info)
-    # issue #15: the weights' own preprocessing (resize/crop) where the dataset decodes image files;
-    # tensor datasets (CIFAR, Fashion-MNIST) keep their images as they are
-    preprocessing = model_desc.get("preprocessing")
-    transform = None
-    if preprocessing and takes_transform(args.dataset):
-        from robust_attn.sources.base import Preprocessing
-
-        transform = Preprocessing(**preprocessing).eval_transform()
-    size = preprocessing["input_size"] if transform is not None else info.image_size
-    from robust_attn.checkpoint import check_num_classes  # issue #18: every model source, one dummy forward
-    check_num_classes(model, info.num_classes, f"model {model_desc['model']}", image_size=size)
-    dataset = build_dataset(args.dataset, root=args.root, split=args.split, limit=args.limit, transform=transform)
+    model, model_desc = load_eval_model(args, info)   # checked to output the dataset's classes (issue #18)
+    # issue #15: the weights' own preprocessing (resize/crop) where the dataset decodes image files
+    dataset, applied = model_dataset(args.dataset, model_desc.get("preprocessing"), root=args.root,
+                                     split=args.split, limit=args.limit)
+    model_desc = record_preprocessing(model_desc, applied)
     out = Path(args.out or f"runs/{protocol}-{model_desc['model']}-{args.dataset}-{args.split}")
     _repair(args, out, rank)
     run_info = dict(model_desc, dataset={"name": args.dataset, "split": args.split, "limit": args.limit},

@@ -27,9 +27,11 @@ spec                            model
 A prefix registered here wins over a module of the same name (``timm:x`` is the timm source,
 never a function ``x`` of a module ``timm``). Each source gives the model wrapped for [0, 1]
 images and its :class:`Preprocessing` (mean/std, sizes, interpolation) from timm's pretrained
-config or torchvision's weights transforms; ``None`` for sources whose weights take the
-dataset's images as they are (the registry, the zoo's checkpoints, a user's function). The
-run description records ``source``, ``spec`` and ``weights_sha256``. Every model is checked
+config or torchvision's weights transforms, or a user's function's ``preprocessing``
+attribute; ``None`` for sources whose weights take the dataset's images as they are (the
+registry, the zoo's checkpoints, a user's function without one). The run description records
+where the model came from: ``source``, ``spec``, ``weights_origin``, ``weights_sha256``,
+``params`` and ``preprocessing`` (:mod:`robust_attn.sources.provenance`). Every model is checked
 to output the dataset's number of classes (:func:`robust_attn.checkpoint.check_num_classes`).
 
 A new source is one new module in this package with a function decorated by
@@ -42,13 +44,14 @@ import difflib
 import importlib
 import pkgutil
 import re
+from pathlib import PurePath
 from typing import Callable
 
 from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file,
                                       state_dict_sha256)
 
 __all__ = ["Preprocessing", "LoadedModel", "SourceError", "SourceRequest", "register_source", "list_sources",
-           "parse_spec", "load_model_spec", "state_dict_sha256", "load_weights_file", "SPEC_HELP"]
+           "parse_spec", "spec_label", "load_model_spec", "state_dict_sha256", "load_weights_file", "SPEC_HELP"]
 
 SPEC_HELP = ("NAME (registry; with --checkpoint), zoo:NAME, timm:NAME, torchvision:NAME[:WEIGHTS|none], "
              "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION")
@@ -73,7 +76,7 @@ def register_source(prefix: str):
 
 def _ensure_sources_imported() -> None:
     for info in pkgutil.iter_modules(__path__):
-        if info.name != "base":
+        if info.name not in ("base", "provenance", "inputs"):
             importlib.import_module(f"{__name__}.{info.name}")
 
 
@@ -118,16 +121,44 @@ def unknown_module_hint(module: str) -> str:
     return _suggest(module.split(".")[0])
 
 
+def spec_label(spec: str) -> str:
+    """A short name for the model of ``spec`` (run folders, report rows, the study's ``label``
+    default): ``NAME`` for the registry and ``zoo:NAME``; ``timm-NAME``, ``torchvision-NAME``;
+    the architecture (or the file's stem) for ``san-official:PATH[:ARCH]``; ``STEM-FUNCTION`` or
+    ``MODULE-FUNCTION`` for a user's function. Only letters, digits, ``_``, ``+`` and ``-``
+    (other characters become ``_``), so it can name a folder and a transfer condition."""
+    source, target = parse_spec(spec)
+    if source in (REGISTRY, "zoo"):
+        name = target
+    elif source == CALLABLE:
+        left, _, function = target.rpartition(":")
+        name = f"{PurePath(left).stem if left.endswith('.py') else left.rsplit('.', 1)[-1]}-{function}"
+    elif source == "san-official":
+        from robust_attn.importers.san_official import SAN_ARCHS
+
+        head, sep, tail = target.rpartition(":")
+        name = tail if sep and tail in SAN_ARCHS else PurePath(target).stem
+    else:
+        name = f"{source}-{target.split(':')[0]}"
+    return re.sub(r"[^A-Za-z0-9_+-]+", "_", name).strip("_") or source
+
+
 def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = None, model_args: dict | None = None,
-                    seed: int = 0, device: str = "cpu", check: bool = True) -> LoadedModel:
+                    seed: int = 0, device: str = "cpu", check: bool = True, manifest: str | None = None) -> LoadedModel:
     """The model of ``spec`` for ``dataset_info`` (a :class:`robust_attn.data.DatasetInfo`).
 
     ``checkpoint``: weights for the registry, timm, torchvision or a user's function (refused
     by the zoo and san-official, whose weights the spec names). ``model_args``: keyword
     arguments of the constructor. ``seed``: torch's seed before random weights are drawn.
-    ``check``: one dummy forward refusing a model whose output is not the dataset's classes.
-    ``spec`` may be None with a ``checkpoint``: the architecture its sidecar names."""
+    ``check``: one dummy forward (at the preprocessing's input size, else the dataset's image
+    size) refusing a model whose output is not the dataset's classes. ``manifest``: the zoo
+    manifest of ``zoo:NAME`` (default ``zoo/manifest.json`` or ``$ROBUST_ATTN_ZOO_MANIFEST``).
+    ``spec`` may be None with a ``checkpoint``: the architecture its sidecar names.
+
+    The description records where the model came from (:mod:`robust_attn.sources.provenance`):
+    ``source``, ``spec``, ``weights_origin``, ``weights_sha256``, ``params`` and ``preprocessing``."""
     from robust_attn.checkpoint import check_num_classes
+    from robust_attn.sources.provenance import count_parameters
 
     if spec is None:
         if not checkpoint:
@@ -137,13 +168,15 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
         source, target = parse_spec(spec)
     request = SourceRequest(spec=spec if spec is not None else "", target=target, dataset_info=dataset_info,
                             checkpoint=str(checkpoint) if checkpoint else None, model_args=dict(model_args or {}),
-                            seed=seed, device=str(device))
+                            seed=seed, device=str(device), manifest=str(manifest) if manifest else None)
     loaded = _SOURCES[source](request)
     loaded.model = loaded.model.to(device).eval()
     desc = loaded.description
     desc.setdefault("source", source)
     desc["spec"] = spec if spec is not None else desc.get("model", "")
-    desc.setdefault("weights_sha256", None)
+    if not desc.get("weights_sha256") or desc.get("weights_origin") is None:
+        raise RuntimeError(f"model source {source!r} did not record weights_sha256 and weights_origin")
+    desc["params"] = count_parameters(loaded.model)
     desc["preprocessing"] = loaded.preprocessing.as_dict() if loaded.preprocessing is not None else None
     if check:
         size = loaded.preprocessing.input_size if loaded.preprocessing is not None else dataset_info.image_size

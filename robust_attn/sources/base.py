@@ -86,12 +86,18 @@ class Preprocessing:
         out["mean"], out["std"] = list(self.mean), list(self.std)
         return out
 
+    @classmethod
+    def from_dict(cls, values: dict) -> "Preprocessing":
+        """The inverse of :meth:`as_dict` (``run.json``'s ``preprocessing``)."""
+        return cls(**{k: tuple(float(x) for x in v) if k in ("mean", "std") else v for k, v in values.items()})
+
 
 @dataclass
 class LoadedModel:
     """A model from a spec: ``model`` takes [0, 1] images; ``preprocessing`` is None when the
     dataset's images are used as they are; ``description`` goes into the run's ``run.json``
-    (always ``source``, ``spec``, ``weights_sha256``, ``model``)."""
+    (always ``source``, ``spec``, ``model``, ``weights_origin`` and ``weights_sha256``; see
+    :mod:`robust_attn.sources.provenance`)."""
 
     model: NormalizedModel
     preprocessing: Preprocessing | None
@@ -109,6 +115,7 @@ class SourceRequest:
     model_args: dict = field(default_factory=dict)
     seed: int = 0
     device: str = "cpu"
+    manifest: str | None = None     # zoo: the manifest file (None: the default one)
 
 
 def state_dict_sha256(module: nn.Module) -> str:

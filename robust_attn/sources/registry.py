@@ -16,6 +16,7 @@ import torch
 
 from robust_attn.sources import REGISTRY, register_source
 from robust_attn.sources.base import LoadedModel, SourceError, SourceRequest, state_dict_sha256
+from robust_attn.sources.provenance import RANDOM
 
 
 @register_source(REGISTRY)
@@ -44,11 +45,13 @@ def load_registry(request: SourceRequest) -> LoadedModel:
             raise SourceError(f"checkpoint {path} has {arch['num_classes']} classes but dataset {info.name} has "
                               f"{info.num_classes}; evaluate it on the dataset it was trained on")
         return LoadedModel(model, None, {"source": REGISTRY, "model": arch["name"], "arch": arch,
-                                         "checkpoint": {"path": str(path), "sha256": sha}, "weights_sha256": sha})
+                                         "checkpoint": {"path": str(path), "sha256": sha},
+                                         "weights_origin": "checkpoint", "weights_sha256": sha})
     torch.manual_seed(request.seed)
     net = create_model(name, num_classes=info.num_classes, resolution=info.resolution, **request.model_args)
     print(f"WARNING: no --checkpoint: evaluating {name} with RANDOM weights (seed {request.seed}); its numbers "
           f"mean nothing about the architecture", file=sys.stderr)
     model = NormalizedModel(net, info.mean, info.std).eval()
     return LoadedModel(model, None, {"source": REGISTRY, "model": name, "arch": net.arch_args, "checkpoint": None,
-                                     "init_seed": request.seed, "weights_sha256": state_dict_sha256(model)})
+                                     "init_seed": request.seed, "weights_origin": RANDOM,
+                                     "weights_sha256": state_dict_sha256(model)})

@@ -51,4 +51,4 @@ def load_san_official(request: SourceRequest) -> LoadedModel:
     preprocessing = Preprocessing(mean=tuple(IMAGENET_MEAN), std=tuple(IMAGENET_STD), **PREPROCESSING_KW)
     return LoadedModel(model, preprocessing, {
         "source": "san-official", "model": arch, "arch": net.arch_args,
-        "checkpoint": {"path": str(path), "sha256": sha}, "weights_sha256": sha})
+        "checkpoint": {"path": str(path), "sha256": sha}, "weights_origin": "checkpoint", "weights_sha256": sha})

@@ -18,6 +18,7 @@ import torch
 from robust_attn.sources import register_source
 from robust_attn.sources.base import LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file, \
     state_dict_sha256
+from robust_attn.sources.provenance import RANDOM
 from robust_attn.wrapper import NormalizedModel
 
 
@@ -77,6 +78,13 @@ def load_torchvision(request: SourceRequest) -> LoadedModel:
                               f"names others: use torchvision:{name}:none with --checkpoint")
     preprocessing = preprocessing_of(weights if weights is not None else enum.DEFAULT)
     kwargs = dict(request.model_args)
+    classes = len((weights.meta.get("categories") or []) if weights is not None else [])
+    wanted = request.dataset_info.num_classes
+    if classes and classes != wanted and "num_classes" not in kwargs:   # refused before any download
+        raise SourceError(f"{request.spec!r}: torchvision's {weights_name} weights classify {classes} classes but "
+                          f"dataset {request.dataset_info.name} has {wanted}: evaluate them on a dataset of those "
+                          f"classes (e.g. --dataset imagenet), or give weights trained on this one: "
+                          f"torchvision:{name}:none with --checkpoint STATE_DICT")
     if weights is None:
         kwargs.setdefault("num_classes", request.dataset_info.num_classes)
     torch.manual_seed(request.seed)
@@ -92,10 +100,13 @@ def load_torchvision(request: SourceRequest) -> LoadedModel:
     desc = {"source": "torchvision", "model": f"torchvision-{name}",
             "arch": {"name": name, "torchvision_weights": weights.name if weights is not None else None, **kwargs},
             "checkpoint": None}
+    net.arch_args = desc["arch"]
     if request.checkpoint:
         sha = load_weights_file(net, request.checkpoint, request.spec)
-        desc.update(checkpoint={"path": request.checkpoint, "sha256": sha}, weights_sha256=sha)
+        desc.update(checkpoint={"path": request.checkpoint, "sha256": sha}, weights_sha256=sha,
+                    weights_origin="checkpoint")
     model = NormalizedModel(net, preprocessing.mean, preprocessing.std)
     if not request.checkpoint:
-        desc.update(weights_sha256=state_dict_sha256(model), init_seed=request.seed if weights is None else None)
+        desc.update(weights_sha256=state_dict_sha256(model), weights_origin=RANDOM if weights is None else "pretrained",
+                    init_seed=request.seed if weights is None else None)
     return LoadedModel(model, preprocessing, desc)

@@ -5,14 +5,23 @@
 ``**kwargs``) and model-args do not set it. It must return an ``nn.Module``. A file is
 imported by path (its folder need not be on ``sys.path``); a module is imported by name.
 
-Normalization: the returned module is assumed to take input normalized with the dataset's
-mean/std and is wrapped in a :class:`NormalizedModel` with them; a function that returns a
-:class:`NormalizedModel` (its own mean/std inside) is taken as it is. Either way the model sees
-[0, 1] images from the attacks. ``checkpoint``: a local state dict loaded (strictly) into the
-module the function returned. Preprocessing ``None``: the dataset's images as they are.
+Preprocessing: ``None`` (the dataset's images as they are), unless the returned module has a
+``preprocessing`` attribute: a :class:`~robust_attn.sources.base.Preprocessing` or a dict of its
+fields (mean, std, input_size, resize_size, crop_size, interpolation), applied to the images of
+datasets read from files (imagenet, imagefolder) like a timm model's.
+
+Normalization: the returned module is assumed to take input normalized with its
+``preprocessing`` mean/std, else the dataset's, and is wrapped in a :class:`NormalizedModel`
+with them; a function that returns a :class:`NormalizedModel` (its own mean/std inside) is
+taken as it is. Either way the model sees [0, 1] images from the attacks. ``checkpoint``: a
+local state dict loaded (strictly) into the module the function returned.
+
+Weights: ``weights_origin`` is ``checkpoint`` with one, else ``user``: the function may have
+drawn them at random or loaded its own; robust-attn does not claim either.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -24,8 +33,12 @@ import torch
 import torch.nn as nn
 
 from robust_attn.sources import CALLABLE, register_source, unknown_module_hint
-from robust_attn.sources.base import LoadedModel, SourceError, SourceRequest, load_weights_file, state_dict_sha256
+from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file,
+                                      state_dict_sha256)
+from robust_attn.sources.provenance import USER
 from robust_attn.wrapper import NormalizedModel
+
+PREPROCESSING_FIELDS = tuple(f.name for f in dataclasses.fields(Preprocessing))
 
 
 def _import_file(path: Path, spec: str):
@@ -90,15 +103,37 @@ def load_user_function(request: SourceRequest) -> LoadedModel:
         raise SourceError(f"{left}:{function} returned a {type(net).__name__}, not a torch.nn.Module: make it "
                           f"return the model (e.g. `return MyNet(num_classes)`)")
     info = request.dataset_info
+    preprocessing = _preprocessing_attribute(net, f"{left}:{function}")
     wrapped = isinstance(net, NormalizedModel)
+    mean, std = (preprocessing.mean, preprocessing.std) if preprocessing is not None else (info.mean, info.std)
     desc = {"source": CALLABLE, "model": model_name, "function": function, **origin, "checkpoint": None,
             "arch": {"name": model_name, "class": type(net).__qualname__, **request.model_args},
             "normalization": "the function's own NormalizedModel" if wrapped else
-                             f"dataset {info.name} mean/std (the wrapper)", "init_seed": request.seed}
+                             "the model's preprocessing mean/std (the wrapper)" if preprocessing is not None else
+                             f"dataset {info.name} mean/std (the wrapper)"}
     if request.checkpoint:
         sha = load_weights_file(net, request.checkpoint, request.spec)
-        desc.update(checkpoint={"path": request.checkpoint, "sha256": sha}, weights_sha256=sha)
-    model = net if wrapped else NormalizedModel(net, info.mean, info.std)
-    if not request.checkpoint:
-        desc["weights_sha256"] = state_dict_sha256(model)
-    return LoadedModel(model, None, desc)
+        desc.update(checkpoint={"path": request.checkpoint, "sha256": sha}, weights_sha256=sha,
+                    weights_origin="checkpoint")
+    model = net if wrapped else NormalizedModel(net, mean, std)
+    if not request.checkpoint:   # the function's own weights: random or loaded by it, it alone knows
+        desc.update(weights_sha256=state_dict_sha256(model), weights_origin=USER, init_seed=request.seed)
+    return LoadedModel(model, preprocessing, desc)
+
+
+def _preprocessing_attribute(net: nn.Module, where: str) -> Preprocessing | None:
+    """The returned module's ``preprocessing`` attribute: a :class:`Preprocessing` or a dict of
+    its fields (e.g. ``{"input_size": 224, "resize_size": 240, "crop_size": 224, "interpolation":
+    "bicubic", "mean": (0.5,) * 3, "std": (0.5,) * 3}``); None when it has none."""
+    value = getattr(net, "preprocessing", None)
+    if value is None or isinstance(value, Preprocessing):
+        return value
+    if not isinstance(value, dict):
+        raise SourceError(f"{where}: the model's preprocessing attribute must be a dict of {PREPROCESSING_FIELDS} "
+                          f"or a robust_attn.sources.Preprocessing, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(PREPROCESSING_FIELDS))
+    missing = [k for k in PREPROCESSING_FIELDS if k not in value and k != "interpolation"]
+    if unknown or missing:
+        raise SourceError(f"{where}: the model's preprocessing attribute has unknown keys {unknown} and lacks "
+                          f"{missing}; give {', '.join(PREPROCESSING_FIELDS)}")
+    return Preprocessing.from_dict(value)
