@@ -1,14 +1,25 @@
-"""The complete SAN-style study over a zoo: SAN section 5.4 in one call.
+"""The complete SAN-style study over a zoo, or over any models: SAN section 5.4 in one call.
 
-For every zoo model trained on ``config.dataset`` this runs the rotation protocol (Table 9 plus
+For every zoo model trained on ``config.dataset`` (or the models ``config.models`` names: zoo
+entries, or any model spec of :mod:`robust_attn.sources` as :class:`StudyModel`, e.g. from a
+study config file, :mod:`robust_attn.study_config`) this runs the rotation protocol (Table 9 plus
 the left-right flip and an angle sweep) and targeted PGD (Table 10's two settings plus an eps
 sweep) on the same images with the same attack targets (drawn from the labels with one seed,
 so every model and every resumed or parallel call gets the same ones), then writes the report: Tables 9 and
 10, the plots, bootstrap intervals and the findings (which model loses least, paired bootstrap;
 :mod:`robust_attn.reports.comparison`).
 
-    >>> from robust_attn.study import StudyConfig, run_study
+    >>> from robust_attn.study import StudyConfig, StudyModel, run_study
     >>> run_study(StudyConfig(dataset="fashion_mnist"), runs_dir="runs/study", report_dir="reports/study")
+    >>> run_study(StudyConfig(dataset="imagenet", limit=1000, baseline="torchvision-resnet50",
+    ...                       models=(StudyModel("timm:resnet26t"), StudyModel("torchvision:resnet50:IMAGENET1K_V1"))),
+    ...           runs_dir="runs/study-imagenet", report_dir="reports/study-imagenet", root="data")
+
+Every model is loaded through its spec (zoo entries as ``zoo:NAME``) and evaluated on the
+dataset's images through its own preprocessing (:mod:`robust_attn.sources.inputs`): the same
+images for every model (the same fixed-seed subset), resized and cropped as each model's weights
+expect. The steps that compare models on the same images (``per_model=False``: transfer,
+masking) need every model to take the same preprocessing and are refused otherwise.
 
 Every run directory is resumable (:mod:`robust_attn.results`): calling again after an
 interruption computes only what is missing, and a finished model costs nothing. The report
@@ -37,9 +48,10 @@ from robust_attn.distributed import init_distributed, world_size as process_coun
 from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
 from robust_attn.protocols.registry import STUDY_PROTOCOLS, StudyContext, list_study_protocols
 from robust_attn.results import RunStore, library_versions
+from robust_attn.study_config import StudyModel
 from robust_attn.utils.io import atomic_path
 
-__all__ = ["StudyConfig", "run_study", "study_models", "TIMINGS_FILE"]
+__all__ = ["StudyConfig", "StudyModel", "StudyEntry", "run_study", "study_models", "TIMINGS_FILE"]
 
 TIMINGS_FILE = "timings.csv"
 BACKENDS = ("native", "torchattacks", "foolbox")
@@ -53,7 +65,8 @@ class StudyConfig:
     dataset: str = "fashion_mnist"
     split: str = "test"
     limit: int | None = None           # None: the whole split
-    models: tuple[str, ...] = ()       # zoo entry names; empty: every entry for ``dataset``
+    models: tuple[str | StudyModel, ...] = ()   # zoo entry names or StudyModels; empty: every zoo entry for ``dataset``
+    root: str | None = None            # data root (None: run_study's root, $ROBUST_ATTN_DATA or ./data)
     angle_step: float = 30.0           # angle sweep (bilinear, zero fill) besides the exact 90s
     sweep_eps: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)
     sweep_steps: int = 4               # with step = eps / steps, the rule of both paper settings
@@ -95,6 +108,12 @@ class StudyConfig:
             raise ValueError("square_queries, transfer_steps and attack_batch_size must be positive")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if any(not isinstance(m, (str, StudyModel)) for m in self.models):
+            raise ValueError("models must be zoo entry names or StudyModel(spec, ...) entries")
+        names = [m if isinstance(m, str) else m.name for m in self.models]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"two models are named {', '.join(twice)}: give each a distinct label")
 
     def attack_settings(self) -> list[AttackSetting]:
         """Table 10's two settings, then the sweep (without repeating a paper setting)."""
@@ -107,20 +126,76 @@ class StudyConfig:
         return asdict(self)
 
 
-def study_models(config: StudyConfig, manifest) -> list:
-    """The zoo entries the study covers, in manifest order; a named model the zoo lacks is an
-    error that lists what it has."""
+@dataclass
+class StudyEntry:
+    """A loaded model of the study, as the protocol steps get it (``entry``): ``name`` labels its
+    run folders and report rows; ``description`` says where it came from (run.json)."""
+
+    name: str
+    description: dict
+
+
+def study_models(config: StudyConfig, manifest) -> list[StudyModel]:
+    """The models the study covers: ``config.models`` (a zoo entry name becomes ``zoo:NAME``), or
+    every zoo entry for the dataset in manifest order; a named zoo model the zoo lacks is an error
+    that lists what it has."""
+    zoo_names = [m for m in config.models if isinstance(m, str)]
+    if config.models and not zoo_names:
+        return list(config.models)
     have = [e for e in manifest.entries.values() if e.dataset == config.dataset]
     if not have:
         raise ValueError(f"the zoo at {manifest.path} has no model trained on {config.dataset!r}; train one "
                          f"(zoo/recipes) and register it with `robust-attn zoo add`")
-    if not config.models:
-        return have
     by_name = {e.name: e for e in have}
-    unknown = [m for m in config.models if m not in by_name]
+    unknown = [m for m in zoo_names if m not in by_name]
     if unknown:
         raise ValueError(f"no zoo model {unknown} for {config.dataset!r}; the zoo has {sorted(by_name)}")
-    return [by_name[m] for m in config.models]
+    chosen = config.models or tuple(by_name)
+    return [StudyModel(f"zoo:{m}", label=m) if isinstance(m, str) else m for m in chosen]
+
+
+def _load_models(chosen: list[StudyModel], info, device, manifest, seed: int, log) -> dict:
+    """name -> LoadedModel of every study model (errors name the model and the fix)."""
+    from robust_attn.sources import load_model_spec
+
+    loaded = {}
+    for i, m in enumerate(chosen, start=1):
+        log(f"[{i}/{len(chosen)}] {m.name}: loading {m.spec}")
+        try:
+            loaded[m.name] = load_model_spec(m.spec, dataset_info=info, checkpoint=m.checkpoint,
+                                             model_args=m.model_args, seed=seed, device=str(device),
+                                             manifest=str(manifest.path))
+        except ValueError as err:
+            raise ValueError(f"study model {m.name} ({m.spec}): {err}") from None
+    return loaded
+
+
+def _model_inputs(config: StudyConfig, root, loaded: dict, across: list) -> dict:
+    """name -> (dataset, attack_dataset, applied preprocessing): the study's images through each
+    model's preprocessing, built once per distinct preprocessing. ``across`` (steps comparing
+    models on the same images) is refused when the models' preprocessing differ."""
+    from robust_attn.sources.inputs import model_dataset
+
+    built, out = {}, {}
+    for name, model in loaded.items():
+        key = json.dumps(model.preprocessing.as_dict() if model.preprocessing else None, sort_keys=True)
+        if key not in built:
+            dataset, applied = model_dataset(config.dataset, model.preprocessing, root=root, split=config.split,
+                                             limit=config.limit)
+            attack_limit = min(x for x in (config.limit, config.attack_limit, len(dataset)) if x is not None)
+            attack_dataset = dataset if attack_limit >= len(dataset) else model_dataset(
+                config.dataset, model.preprocessing, root=root, split=config.split, limit=attack_limit)[0]
+            built[key] = (dataset, attack_dataset, applied)
+        out[name] = built[key]
+    kinds = {json.dumps(applied.as_dict() if applied else None, sort_keys=True) for _, _, applied in out.values()}
+    if across and len(kinds) > 1:
+        from robust_attn.reports.models import describe_preprocessing
+
+        which = "; ".join(f"{n}: {describe_preprocessing(a.as_dict() if a else None)}" for n, (_, _, a) in out.items())
+        raise ValueError(f"protocols {', '.join(s.name for s in across)} compare the models on the same images, but "
+                         f"these models take different preprocessing ({which}); leave them out of protocols, or "
+                         f"study the models of one preprocessing together")
+    return out
 
 
 def _append_timing(runs_dir: Path, row: dict) -> None:
@@ -176,18 +251,21 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     (:mod:`robust_attn.results`), so they share each run's chunks and finish it together before
     the next. Only this process runs the steps that are not chunked (the masking checks), logs
     the timings and writes the report."""
-    from robust_attn.data import build_dataset, dataset_info
+    from robust_attn.data import dataset_info
+    from robust_attn.protocols.registry import replace
     from robust_attn.reports import make_report
-    from robust_attn.zoo import Manifest, load_entry
+    from robust_attn.sources.inputs import record_preprocessing
+    from robust_attn.zoo import Manifest
 
     manifest = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
-    entries = study_models(config, manifest)
-    info = dataset_info(config.dataset)
-    dataset = build_dataset(config.dataset, root=root, split=config.split, limit=config.limit)
-    attack_limit = min(x for x in (config.limit, config.attack_limit, len(dataset)) if x is not None)
-    attack_dataset = dataset if attack_limit >= len(dataset) else build_dataset(
-        config.dataset, root=root, split=config.split, limit=attack_limit)
+    chosen = study_models(config, manifest)
+    root = root if root is not None else config.root
+    info = dataset_info(config.dataset, root=root)
+    steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
     rank, world_size, device = init_distributed(device)   # under torchrun: each rank a shard of the images
+    loaded = _load_models(chosen, info, device, manifest, config.seed, log)
+    inputs = _model_inputs(config, root, loaded, [s for s in steps if not s.per_model])
+    dataset, attack_dataset, _ = next(iter(inputs.values()))
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     helpers = []
@@ -207,16 +285,16 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     ctx = StudyContext(config=config, info=info, dataset=dataset, attack_dataset=attack_dataset, runs_dir=runs_dir,
                        device=device, rank=rank, world_size=world_size, progress=progress, base_info=base_info,
                        log=log)
-    steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
     run_dirs: list[Path] = []
-    models = {}
+    entries = [StudyEntry(m.name, record_preprocessing(loaded[m.name].description, inputs[m.name][2]))
+               for m in chosen]
+    models = {e.name: loaded[e.name].model for e in entries}
     for i, entry in enumerate(entries, start=1):
-        log(f"[{i}/{len(entries)}] {entry.name}: loading {entry.weights or entry.torchvision}")
-        model = models[entry.name] = load_entry(entry, manifest, device=str(device))
+        model_ctx = replace(ctx, dataset=inputs[entry.name][0], attack_dataset=inputs[entry.name][1])
         for step in (s for s in steps if s.per_model):
             out = ctx.run_dir(step.name, entry.name)
             _timed(runs_dir, entry.name, step.name, out, device, 1 if _worker else rank,
-                   lambda: step.step(ctx, entry, model), workers)
+                   lambda: step.step(model_ctx, entry, models[entry.name]), workers)
             run_dirs.append(out)
         log(f"[{i}/{len(entries)}] {entry.name}: done")
     for step in (s for s in steps if not s.per_model and (s.chunked or not _worker)):
@@ -240,7 +318,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     report_dir = Path(report_dir)
     packed = [RunStore(d).pack(report_dir / "runs" / d.name).root for d in run_dirs]
     files = make_report(packed, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,
-                        preamble=_preamble(config, runs_dir, len(dataset), len(attack_dataset)))
+                        preamble=_preamble(config, runs_dir, len(dataset), len(attack_dataset), chosen))
     with atomic_path(report_dir / TIMINGS_FILE) as tmp:
         tmp.write_bytes((runs_dir / TIMINGS_FILE).read_bytes())
     study_file = report_dir / "study.json"
@@ -251,9 +329,13 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     return files + [report_dir / TIMINGS_FILE, study_file]
 
 
-def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_images: int) -> list[str]:
+def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_images: int,
+              models: list[StudyModel]) -> list[str]:
     eps = ", ".join(f"{e:g}" for e in config.sweep_eps)
-    lines = [f"Study: every zoo model trained on `{config.dataset}`, evaluated on {num_images} images of its "
+    who = f"every zoo model trained on `{config.dataset}`" if not config.models else \
+        f"{len(models)} models on `{config.dataset}` ({', '.join(m.name for m in models)}; where each came from: " \
+        f"Models, below)"
+    lines = [f"Study: {who}, evaluated on {num_images} images of its "
              f"'{config.split}' split. Rotation: SAN Table 9's conditions, the left-right flip and a sweep every "
              f"{config.angle_step:g}° (bilinear, zero fill). PGD: targeted L-inf, Table 10's {{8, 4, 2}} and "
              f"{{8, 2, 4}} plus eps {{{eps}}}/255 with {config.sweep_steps} steps of eps/{config.sweep_steps}, "
