@@ -98,10 +98,11 @@ VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_w
 # the PGD targets may be drawn from a seed or read from another run's targets.csv; the targets
 # themselves are compared by content (the run's targets.csv) when a run is resumed.
 PROVENANCE_PARAMETERS = frozenset({"targets"})
-# Keys run.json gained with issue #15 (where the model came from: robust_attn.sources.provenance):
-# a run written before them lacks them and still resumes; once stored they are compared.
+# Keys run.json gained with issue #15 (where the model came from: robust_attn.sources.provenance;
+# the dataset of a Python-API run that named none): a run written before them lacks them and
+# still resumes; once stored they are compared.
 LATER_KEYS = frozenset({"source", "spec", "weights_origin", "weights_sha256", "params", "preprocessing",
-                        "weights_preprocessing"})
+                        "weights_preprocessing", "dataset"})
 _CONDITION_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _CHUNK_RE = re.compile(r"^(\d+)-(\d+)\.csv$")
 _SHOWN = 5  # damaged files named in one error message

@@ -130,7 +130,7 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
     if any(c.targeted for c in configs):
         targets, source = prepare_targets(labels, num_classes, seed, targets_file, targets=given)
     conditions = [{"name": CLEAN, "attack": "none", "eps": 0.0}] + [c.as_dict() for c in configs]
-    store = open_run(out_dir, with_provenance(model, run_info, model_info), protocol=PROTOCOL,
+    store = open_run(out_dir, with_provenance(model, run_info, model_info, dataset), protocol=PROTOCOL,
                      parameters={"units": "[0, 1] image units", "seed": int(seed), "targets": source,
                                  "chunk_seed": "config.seed * 2**32 + chunk start"},
                      conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank)

@@ -283,7 +283,7 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
     labels = dataset_labels(dataset)
     targets, source = prepare_targets(labels, num_classes, seed, targets_file, targets=targets)
     conditions = [{"name": CLEAN, "eps": 0.0, "step": 0.0, "steps": 0}] + [s.as_dict() for s in settings]
-    store = open_run(out_dir, with_provenance(model, run_info, model_info), protocol=PROTOCOL,
+    store = open_run(out_dir, with_provenance(model, run_info, model_info, dataset), protocol=PROTOCOL,
                      parameters={"norm": "Linf", "units": "1/255", "targeted": True, "random_start": False,
                                  "backend": backend, "exact": exact, "seed": int(seed), "targets": source},
                      conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank)

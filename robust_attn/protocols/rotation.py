@@ -184,7 +184,7 @@ def run_rotation(model: nn.Module, dataset, out_dir, *, conditions: list[Rotatio
     conditions = list(conditions) if conditions is not None else rotation_conditions()
     device = torch.device(device)
     model = model.to(device).eval()
-    store = open_run(out_dir, with_provenance(model, run_info, model_info), protocol=PROTOCOL,
+    store = open_run(out_dir, with_provenance(model, run_info, model_info, dataset), protocol=PROTOCOL,
                      parameters={"angle_interpolation": "bilinear", "angle_fill": "zeros",
                                  "direction": "clockwise"},
                      conditions=[c.as_dict() for c in conditions], num_images=len(dataset),

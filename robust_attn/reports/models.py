@@ -74,10 +74,10 @@ def model_table(runs: list[Run]) -> pd.DataFrame:
 
 def format_model_table(table: pd.DataFrame) -> pd.DataFrame:
     """The table as the report prints it: the weights' origin with their short hash, parameters
-    in millions."""
+    in millions (as they are below 100,000)."""
     return pd.DataFrame({
         "Model": table["label"], "Source": table["source"], "Spec": table["spec"].map(lambda s: f"`{s}`" if s else "-"),
         "Weights": [f"{o} {s[:12]}".strip() for o, s in zip(table["weights_origin"], table["weights_sha256"])],
         "Preprocessing": table["preprocessing"],
-        "Params": table["params"].map(lambda p: "-" if pd.isna(p) else f"{p / 1e6:.2f}M"),
+        "Params": table["params"].map(lambda p: "-" if pd.isna(p) else f"{p / 1e6:.2f}M" if p >= 1e5 else f"{int(p):,}"),
         "Protocols": table["protocols"]})

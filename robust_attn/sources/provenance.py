@@ -39,8 +39,9 @@ def _module_name(model: nn.Module) -> str:
     return type(inner).__name__
 
 
-def with_provenance(model: nn.Module, run_info: dict | None = None, model_info=None) -> dict:
-    """``run_info`` with the model's provenance keys (module docstring) filled in.
+def with_provenance(model: nn.Module, run_info: dict | None = None, model_info=None, dataset=None) -> dict:
+    """``run_info`` with the model's provenance keys (module docstring) filled in, and the
+    ``dataset`` it names when the caller named none (its ``variant``, else its class name).
 
     ``model_info`` is what the caller knows about the model: a :class:`LoadedModel` (its
     description), a dict (e.g. ``{"name": "my_vit", "weights_origin": "pretrained", "weights":
@@ -74,6 +75,9 @@ def with_provenance(model: nn.Module, run_info: dict | None = None, model_info=N
         info["weights_sha256"] = state_dict_sha256(model)
     info.setdefault("params", count_parameters(model))
     info.setdefault("preprocessing", None)
+    if dataset is not None and "dataset" not in info:
+        info["dataset"] = {"name": getattr(dataset, "variant", None) or type(dataset).__name__, "split": None,
+                           "limit": None}
     return info
 
 
