@@ -64,11 +64,11 @@ class StudyModel:
     label: str | None = None
 
     def __post_init__(self):
-        from robust_attn.sources import parse_spec
+        from robust_attn.sources import check_spec
 
         if not isinstance(self.spec, str) or not self.spec.strip():
             raise ValueError(f"a study model needs a spec string, got {self.spec!r}")
-        parse_spec(self.spec)   # SourceError (a ValueError): unknown source, a .py without :FUNCTION ...
+        check_spec(self.spec)   # SourceError (a ValueError): unknown source, a missing file ...
         if self.checkpoint is not None and not isinstance(self.checkpoint, str):
             raise ValueError(f"model {self.spec!r}: checkpoint must be a path string, got {self.checkpoint!r}")
         if not isinstance(self.model_args, dict):

@@ -15,7 +15,7 @@ import torch.nn as nn
 from robust_attn.checkpoint import CheckpointError, load_checkpoint
 from robust_attn.cli import main
 from robust_attn.data import dataset_info
-from robust_attn.sources import (LoadedModel, Preprocessing, SourceError, load_model_spec, parse_spec,
+from robust_attn.sources import (LoadedModel, Preprocessing, SourceError, load_model_spec, parse_spec, spec_label,
                                  state_dict_sha256)
 from robust_attn.wrapper import NormalizedModel
 
@@ -36,6 +36,17 @@ def five():
 
 def not_a_module(num_classes=10):
     return {"num_classes": num_classes}
+
+def with_preprocessing(num_classes=10):
+    net = make(num_classes)
+    net.preprocessing = {"mean": (0.2, 0.3, 0.4), "std": (0.5, 0.5, 0.5), "input_size": 64, "resize_size": 72,
+                         "crop_size": 64, "interpolation": "bicubic"}
+    return net
+
+def bad_preprocessing(num_classes=10):
+    net = make(num_classes)
+    net.preprocessing = {"size": 64}
+    return net
 """
 
 
@@ -62,6 +73,17 @@ def _sha256(path) -> str:
 ])
 def test_spec_forms_pick_their_source(spec, source, target):
     assert parse_spec(spec) == (source, target)
+
+
+@pytest.mark.parametrize("spec, label", [
+    ("resnet26", "resnet26"), ("zoo:san10_pairwise", "san10_pairwise"), ("timm:halonet26t", "timm-halonet26t"),
+    ("timm:resnet50.a1_in1k", "timm-resnet50_a1_in1k"), ("torchvision:swin_t:IMAGENET1K_V1", "torchvision-swin_t"),
+    ("san-official:/ckpt/model_best.pth:san15_patchwise", "san15_patchwise"),
+    ("san-official:/ckpt/san19_pairwise.pth", "san19_pairwise"), ("/x/my net.py:build", "my_net-build"),
+    ("pkg.models:vit_tiny", "models-vit_tiny"),
+])
+def test_spec_labels_name_folders_and_report_rows(spec, label):
+    assert spec_label(spec) == label
 
 
 # --- torchvision -----------------------------------------------------------------------------
@@ -114,6 +136,27 @@ def test_torchvision_local_weights_file_and_bad_weights_names(tmp_path):
         load_model_spec("torchvision:resnet181:none", dataset_info=SYNTH)
 
 
+def test_torchvision_records_parameters_and_random_origin_on_imagenet():
+    tvm = pytest.importorskip("torchvision.models")
+    loaded = load_model_spec("torchvision:resnet18:none", dataset_info=dataset_info("imagenet"), check=False)
+    d = loaded.description
+    assert d["params"] == tvm.ResNet18_Weights.IMAGENET1K_V1.meta["num_params"]   # torchvision's own count
+    assert d["weights_origin"] == "random" and d["init_seed"] == 0
+
+
+def test_pretrained_torchvision_weights_of_other_classes_are_refused_before_any_download(monkeypatch):
+    pytest.importorskip("torchvision.models")
+    from torchvision.models._api import WeightsEnum
+
+    def download(self, *args, **kwargs):
+        raise AssertionError("no download should be tried")
+
+    monkeypatch.setattr(WeightsEnum, "get_state_dict", download)
+    with pytest.raises(SourceError, match="IMAGENET1K_V1 weights classify 1000 classes but dataset synthetic has "
+                                          "10.*torchvision:resnet18:none with --checkpoint"):
+        load_model_spec("torchvision:resnet18:IMAGENET1K_V1", dataset_info=SYNTH)
+
+
 # --- zoo, registry ---------------------------------------------------------------------------
 def test_zoo_spec_loads_the_manifest_entry_by_its_hash():
     from robust_attn.zoo import Manifest
@@ -148,7 +191,22 @@ def test_user_file_through_the_cli_records_its_source(tmp_path, user_file, capsy
     desc = json.loads((out / "run.json").read_text())
     assert desc["source"] == "callable" and desc["spec"] == spec and desc["file"] == str(user_file.resolve())
     assert desc["preprocessing"] is None and len(desc["weights_sha256"]) == 64
+    assert desc["weights_origin"] == "user" and desc["params"] == 3 * 4 * 9 + 4 + 4 * 10 + 10
     assert "rotation m-make on synthetic" in capsys.readouterr().out
+
+
+def test_user_function_may_carry_its_preprocessing(user_file):
+    loaded = load_model_spec(f"{user_file}:with_preprocessing", dataset_info=dataset_info("imagenet"),
+                             model_args={"num_classes": 1000})
+    p = loaded.preprocessing
+    assert (p.input_size, p.resize_size, p.crop_size, p.interpolation) == (64, 72, 64, "bicubic")
+    assert loaded.description["preprocessing"] == p.as_dict() and loaded.description["weights_origin"] == "user"
+    x = torch.rand(2, 3, 64, 64)
+    with torch.no_grad():   # the wrapper normalizes with the model's own mean/std, not the dataset's
+        ref = loaded.model.model((x - torch.tensor([0.2, 0.3, 0.4]).view(1, 3, 1, 1)) / 0.5)
+        torch.testing.assert_close(loaded.model(x), ref)
+    with pytest.raises(SourceError, match="unknown keys \\['size'\\].*give mean, std, input_size"):
+        load_model_spec(f"{user_file}:bad_preprocessing", dataset_info=SYNTH)
 
 
 def test_user_function_is_wrapped_with_the_dataset_normalization(user_file):
@@ -285,10 +343,11 @@ def test_eval_transform_resizes_and_crops_without_normalizing():
     ("zo:resnet26", "Did you mean 'zoo:'"),
     ("{tmp}/missing.py:make", "does not exist"),
     ("{tmp}/m.py:not_a_module", "returned a dict, not a torch.nn.Module"),
-    ("{tmp}/m.py:nothing", "has no function 'nothing'; it defines: five, make, not_a_module"),
+    ("{tmp}/m.py:nothing", "has no function 'nothing'; it defines: bad_preprocessing, five, make, not_a_module, with_"),
     ("{tmp}/m.py:five", "outputs 5 classes but the dataset has 10"),
     ("{tmp}/m.py", "name the function"),
     ("bad-source:x", "unknown model source 'bad-source'"),
+    ("nosuchpkg_issue15.models:make", "no importable module 'nosuchpkg_issue15.models'"),
 ])
 def test_bad_specs_are_clear_errors(spec, message, tmp_path, user_file, capsys):
     spec = spec.format(tmp=user_file.parent)

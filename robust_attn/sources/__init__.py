@@ -42,16 +42,17 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import pkgutil
 import re
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Callable
 
 from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file,
                                       state_dict_sha256)
 
 __all__ = ["Preprocessing", "LoadedModel", "SourceError", "SourceRequest", "register_source", "list_sources",
-           "parse_spec", "spec_label", "load_model_spec", "state_dict_sha256", "load_weights_file", "SPEC_HELP"]
+           "parse_spec", "check_spec", "spec_label", "load_model_spec", "state_dict_sha256", "load_weights_file", "SPEC_HELP"]
 
 SPEC_HELP = ("NAME (registry; with --checkpoint), zoo:NAME, timm:NAME, torchvision:NAME[:WEIGHTS|none], "
              "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION")
@@ -109,6 +110,22 @@ def parse_spec(spec: str) -> tuple[str, str]:
         raise SourceError(f"{spec!r} is a weights file, not a model spec: pass it as --checkpoint (with --model "
                           f"NAME for the registry), or san-official:{spec} for the SAN authors' checkpoints")
     return REGISTRY, spec
+
+
+def check_spec(spec: str) -> tuple[str, str]:
+    """:func:`parse_spec`, plus what can be checked without building the model: a user's
+    ``FILE.py`` exists, a ``package.module``'s top-level package can be found (``tim:x`` is
+    then an unknown source, with the hint ``timm:``)."""
+    source, target = parse_spec(spec)
+    if source == CALLABLE:
+        left = target.rpartition(":")[0]
+        if left.endswith(".py") and not Path(left).expanduser().is_file():
+            raise SourceError(f"model file {left} does not exist (from {spec!r}); give the path of a .py file that "
+                              f"defines the function, FILE.py:FUNCTION")
+        if not left.endswith(".py") and importlib.util.find_spec(left.split(".")[0]) is None:
+            raise SourceError(f"{spec!r}: no model source {left.split('.')[0] + ':'!r} and no importable module "
+                              f"{left.split('.')[0]!r}.{_suggest(left.split('.')[0])} A spec is one of: {SPEC_HELP}")
+    return source, target
 
 
 def _suggest(prefix: str) -> str:
