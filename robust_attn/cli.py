@@ -37,4 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m robust_attn.cli`` (torchrun): run the importable module's main, whose UserError is
+    # the class the commands raise (this file as __main__ defines a second one)
+    from robust_attn.cli import main as _main
+
+    sys.exit(_main())
