@@ -174,7 +174,7 @@ def _model_inputs(config: StudyConfig, root, loaded: dict, across: list) -> dict
     """name -> (dataset, attack_dataset, applied preprocessing): the study's images through each
     model's preprocessing, built once per distinct preprocessing. ``across`` (steps comparing
     models on the same images) is refused when the models' preprocessing differ."""
-    from robust_attn.sources.inputs import model_dataset
+    from robust_attn.sources.inputs import model_dataset, same_preprocessing
 
     built, out = {}, {}
     for name, model in loaded.items():
@@ -187,14 +187,10 @@ def _model_inputs(config: StudyConfig, root, loaded: dict, across: list) -> dict
                 config.dataset, model.preprocessing, root=root, split=config.split, limit=attack_limit)[0]
             built[key] = (dataset, attack_dataset, applied)
         out[name] = built[key]
-    kinds = {json.dumps(applied.as_dict() if applied else None, sort_keys=True) for _, _, applied in out.values()}
-    if across and len(kinds) > 1:
-        from robust_attn.reports.models import describe_preprocessing
-
-        which = "; ".join(f"{n}: {describe_preprocessing(a.as_dict() if a else None)}" for n, (_, _, a) in out.items())
-        raise ValueError(f"protocols {', '.join(s.name for s in across)} compare the models on the same images, but "
-                         f"these models take different preprocessing ({which}); leave them out of protocols, or "
-                         f"study the models of one preprocessing together")
+    if across:
+        same_preprocessing({name: applied for name, (_, _, applied) in out.items()},
+                           f"protocols {', '.join(s.name for s in across)} compare the models on the same images",
+                           "leave them out of protocols, or study the models of one preprocessing together")
     return out
 
 
@@ -251,7 +247,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     (:mod:`robust_attn.results`), so they share each run's chunks and finish it together before
     the next. Only this process runs the steps that are not chunked (the masking checks), logs
     the timings and writes the report."""
-    from robust_attn.data import dataset_info
+    from robust_attn.data import dataset_info, locate_dataset
     from robust_attn.protocols.registry import replace
     from robust_attn.reports import make_report
     from robust_attn.sources.inputs import record_preprocessing
@@ -261,6 +257,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     chosen = study_models(config, manifest)
     root = root if root is not None else config.root
     info = dataset_info(config.dataset, root=root)
+    locate_dataset(config.dataset, root, config.split)   # the data is there before any model is loaded
     steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
     rank, world_size, device = init_distributed(device)   # under torchrun: each rank a shard of the images
     loaded = _load_models(chosen, info, device, manifest, config.seed, log)
@@ -335,10 +332,11 @@ def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_i
     who = f"every zoo model trained on `{config.dataset}`" if not config.models else \
         f"{len(models)} models on `{config.dataset}` ({', '.join(m.name for m in models)}; where each came from: " \
         f"Models, below)"
+    sweep = f" and a sweep every {config.angle_step:g}° (bilinear, zero fill)" if config.angle_step else ""
+    eps_sweep = f" plus eps {{{eps}}}/255 with {config.sweep_steps} steps of eps/{config.sweep_steps}" if eps else ""
     lines = [f"Study: {who}, evaluated on {num_images} images of its "
-             f"'{config.split}' split. Rotation: SAN Table 9's conditions, the left-right flip and a sweep every "
-             f"{config.angle_step:g}° (bilinear, zero fill). PGD: targeted L-inf, Table 10's {{8, 4, 2}} and "
-             f"{{8, 2, 4}} plus eps {{{eps}}}/255 with {config.sweep_steps} steps of eps/{config.sweep_steps}, "
+             f"'{config.split}' split. Rotation: SAN Table 9's conditions, the left-right flip{sweep}. PGD: targeted "
+             f"L-inf, Table 10's {{8, 4, 2}} and {{8, 2, 4}}{eps_sweep}, "
              f"{config.backend} backend; every model attacked towards the same targets (seed {config.seed}).", ""]
     attacks = [p for p in config.protocols if p in ("autoattack", "square", "transfer", "masking")]
     if attacks:

@@ -41,6 +41,16 @@ class Probe(nn.Module):
 
 def probe(num_classes=1000, record_to=""):
     return Probe(num_classes, record_to)
+
+
+def probe_b(num_classes=1000):
+    return Probe(num_classes, "")
+
+
+def plain(num_classes=1000):
+    net = Probe(num_classes, "")
+    del net.preprocessing     # the dataset's own evaluation images (resize 256, crop 224)
+    return net
 '''
 
 
@@ -98,3 +108,25 @@ def test_protocol_on_a_tiny_imagenet_folder(tmp_path, layout, protocol):
     if protocol != "rotation":
         targets = records[records["condition"] != "clean"]["target"]
         assert ((targets >= 0) & (targets < 1000)).all() and (targets.to_numpy() != clean["label"].to_numpy()).all()
+
+
+def test_transfer_between_model_specs_on_a_tiny_imagenet_folder(tmp_path, capsys):
+    tiny_imagenet(tmp_path / "data", "folders")
+    (tmp_path / "probe.py").write_text(PROBE)
+    net = tmp_path / "probe.py"
+    common = ["--dataset", "imagenet", "--root", str(tmp_path / "data"), "--limit", "2", "--batch-size", "2",
+              "--eps", "8/255", "--steps", "1", "--device", "cpu", "--no-progress"]
+    out = tmp_path / "transfer"
+    assert main(["eval", "transfer", "--source", f"{net}:probe", "--target", f"{net}:probe_b", *common,
+                 "--out", str(out)]) == 0
+    desc = json.loads((out / "run.json").read_text())
+    assert desc["model"] == "probe-probe" and list(desc["target_models"]) == ["probe-probe_b"]
+    assert desc["sources"][0]["preprocessing"]["resize_size"] == 240
+    records = load_records(out)
+    assert set(records["target_model"]) == {"probe-probe_b"} and (records.groupby("condition").size() == 2).all()
+    # a transferred image is one tensor for every model: other preprocessing is refused, before any run
+    assert main(["eval", "transfer", "--source", f"{net}:probe", "--target", f"{net}:plain", *common,
+                 "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert "probe-probe: resize 240 (bicubic), crop 224" in err and "probe-plain: the dataset's images" in err
+    assert not (tmp_path / "refused").exists()

@@ -347,7 +347,7 @@ def test_eval_transform_resizes_and_crops_without_normalizing():
     ("{tmp}/m.py:five", "outputs 5 classes but the dataset has 10"),
     ("{tmp}/m.py", "name the function"),
     ("bad-source:x", "unknown model source 'bad-source'"),
-    ("nosuchpkg_issue15.models:make", "no importable module 'nosuchpkg_issue15.models'"),
+    ("nosuchpkg_issue15.models:make", "no importable module 'nosuchpkg_issue15'"),
 ])
 def test_bad_specs_are_clear_errors(spec, message, tmp_path, user_file, capsys):
     spec = spec.format(tmp=user_file.parent)

@@ -85,7 +85,12 @@ def test_bad_study_configs_name_the_key_and_the_fix(tmp_path, text, message):
     assert message in str(caught.value) and str(tmp_path / "study.toml") in str(caught.value)
 
 
-def test_the_imagenet_study_of_the_readme_names_the_issue_models():
+def test_the_imagenet_study_of_the_readme_names_the_issue_models(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # the SAN authors' files, where the config expects them (existence is checked)
+    for arch in ("san10_pairwise", "san10_patchwise", "san15_pairwise", "san15_patchwise", "san19_pairwise",
+                 "san19_patchwise"):
+        (tmp_path / "exp" / "imagenet" / arch / "model").mkdir(parents=True)
+        (tmp_path / "exp" / "imagenet" / arch / "model" / "model_best.pth").touch()
     config = load_study_config(REPO / "zoo" / "studies" / "imagenet.toml")
     specs = {m.spec.rsplit(":", 1)[-1] if m.spec.startswith("san-official:") else m.spec for m in config.models}
     assert specs == {"san10_pairwise", "san10_patchwise", "san15_pairwise", "san15_patchwise", "san19_pairwise",
@@ -93,6 +98,9 @@ def test_the_imagenet_study_of_the_readme_names_the_issue_models():
                      "timm:resnet26t", "torchvision:resnet50:IMAGENET1K_V1", "torchvision:swin_t:IMAGENET1K_V1"}
     assert config.dataset == "imagenet" and config.split == "test" and "san10_pairwise" in [m.name for m in config.models]
     assert not {"transfer", "masking"} & set(config.protocols)   # their models' preprocessing differ
+    (tmp_path / "exp" / "imagenet" / "san19_patchwise" / "model" / "model_best.pth").unlink()
+    with pytest.raises(StudyConfigError, match="models\\[5\\]: SAN authors' checkpoint .*san19_patchwise.* does not exist"):
+        load_study_config(REPO / "zoo" / "studies" / "imagenet.toml")
 
 
 # --- the command end to end --------------------------------------------------------------------------
@@ -154,3 +162,17 @@ def test_study_command_options_with_a_config(tmp_path, imagenet_study, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["study", str(imagenet_study), "--models", "plain", "--protocols", "rotation", *common]) == 0
     assert sorted(p.name for p in (tmp_path / "r").iterdir() if p.is_dir()) == ["rotation-plain"]
+
+
+def test_python_m_cli_prints_user_errors_without_a_traceback(tmp_path):
+    """``python -m robust_attn.cli`` (as under torchrun) catches the commands' UserError like the
+    console script: this file run as __main__ must not define a second UserError class."""
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+
+    result = subprocess.run([sys.executable, "-m", "robust_attn.cli", "study", str(tmp_path / "missing.toml")],
+                            env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("robust-attn study: error: study config") and "does not exist" in result.stderr

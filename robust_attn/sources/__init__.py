@@ -35,17 +35,18 @@ where the model came from: ``source``, ``spec``, ``weights_origin``, ``weights_s
 to output the dataset's number of classes (:func:`robust_attn.checkpoint.check_num_classes`).
 
 A new source is one new module in this package with a function decorated by
-``@register_source("prefix")`` taking a :class:`SourceRequest` and returning a
-:class:`LoadedModel`; the modules are imported when a spec is first resolved.
+``@register_source("prefix")`` (optionally ``check=``: what is wrong with a spec before anything
+is built, :func:`check_spec`) taking a :class:`SourceRequest` and returning a
+:class:`LoadedModel` whose description names ``weights_origin`` and ``weights_sha256``; the
+modules are imported when a spec is first resolved.
 """
 from __future__ import annotations
 
 import difflib
 import importlib
-import importlib.util
 import pkgutil
 import re
-from pathlib import Path, PurePath
+from pathlib import PurePath
 from typing import Callable
 
 from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file,
@@ -58,18 +59,23 @@ SPEC_HELP = ("NAME (registry; with --checkpoint), zoo:NAME, timm:NAME, torchvisi
              "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION")
 
 _SOURCES: dict[str, Callable[[SourceRequest], LoadedModel]] = {}
+_CHECKS: dict[str, Callable[[str, str], None]] = {}
 #: the sources chosen by a spec's form rather than a prefix
 REGISTRY, CALLABLE = "registry", "callable"
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
-def register_source(prefix: str):
-    """Decorator registering ``fn(request) -> LoadedModel`` as the source of ``prefix:...`` specs."""
+def register_source(prefix: str, *, check: Callable[[str, str], None] | None = None):
+    """Decorator registering ``fn(request) -> LoadedModel`` as the source of ``prefix:...`` specs;
+    ``check(target, spec)`` (optional) raises :class:`SourceError` for what is wrong with a spec
+    before anything is built (:func:`check_spec`)."""
 
     def wrap(fn):
         if prefix in _SOURCES:
             raise ValueError(f"model source {prefix!r} is registered twice")
         _SOURCES[prefix] = fn
+        if check is not None:
+            _CHECKS[prefix] = check
         return fn
 
     return wrap
@@ -113,18 +119,12 @@ def parse_spec(spec: str) -> tuple[str, str]:
 
 
 def check_spec(spec: str) -> tuple[str, str]:
-    """:func:`parse_spec`, plus what can be checked without building the model: a user's
-    ``FILE.py`` exists, a ``package.module``'s top-level package can be found (``tim:x`` is
-    then an unknown source, with the hint ``timm:``)."""
+    """:func:`parse_spec`, plus what the source can check without building the model (its
+    ``check``: e.g. a user's ``FILE.py`` or a ``san-official:`` file exists, a module's package can
+    be found, so ``tim:x`` is an unknown source with the hint ``timm:``)."""
     source, target = parse_spec(spec)
-    if source == CALLABLE:
-        left = target.rpartition(":")[0]
-        if left.endswith(".py") and not Path(left).expanduser().is_file():
-            raise SourceError(f"model file {left} does not exist (from {spec!r}); give the path of a .py file that "
-                              f"defines the function, FILE.py:FUNCTION")
-        if not left.endswith(".py") and importlib.util.find_spec(left.split(".")[0]) is None:
-            raise SourceError(f"{spec!r}: no model source {left.split('.')[0] + ':'!r} and no importable module "
-                              f"{left.split('.')[0]!r}.{_suggest(left.split('.')[0])} A spec is one of: {SPEC_HELP}")
+    if source in _CHECKS:
+        _CHECKS[source](target, spec)
     return source, target
 
 
@@ -151,10 +151,10 @@ def spec_label(spec: str) -> str:
         left, _, function = target.rpartition(":")
         name = f"{PurePath(left).stem if left.endswith('.py') else left.rsplit('.', 1)[-1]}-{function}"
     elif source == "san-official":
-        from robust_attn.importers.san_official import SAN_ARCHS
+        from robust_attn.sources.san_official import split_target
 
-        head, sep, tail = target.rpartition(":")
-        name = tail if sep and tail in SAN_ARCHS else PurePath(target).stem
+        path, arch = split_target(target)
+        name = arch or path.stem
     else:
         name = f"{source}-{target.split(':')[0]}"
     return re.sub(r"[^A-Za-z0-9_+-]+", "_", name).strip("_") or source

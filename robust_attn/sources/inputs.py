@@ -16,7 +16,7 @@ import sys
 
 from robust_attn.sources.base import Preprocessing
 
-__all__ = ["model_dataset", "record_preprocessing"]
+__all__ = ["model_dataset", "record_preprocessing", "same_preprocessing"]
 
 
 def model_dataset(name: str, preprocessing, *, root=None, split: str = "test", limit: int | None = None):
@@ -31,6 +31,19 @@ def model_dataset(name: str, preprocessing, *, root=None, split: str = "test", l
     dataset = build_dataset(name, root=root, split=split, limit=limit,
                             transform=applied.eval_transform() if applied is not None else None)
     return dataset, applied
+
+
+def same_preprocessing(by_model: dict, why: str, fix: str) -> dict | None:
+    """The one preprocessing (``as_dict()`` or None) of every model of ``by_model`` (name ->
+    preprocessing); a ValueError naming each model's when they differ: ``why`` they must agree,
+    and the ``fix``."""
+    from robust_attn.reports.models import describe_preprocessing
+
+    kinds = {name: (p.as_dict() if isinstance(p, Preprocessing) else p) or None for name, p in by_model.items()}
+    if len({repr(sorted(p.items())) if p else None for p in kinds.values()}) > 1:
+        raise ValueError(f"{why}, but these models take different preprocessing ("
+                         + "; ".join(f"{n}: {describe_preprocessing(p)}" for n, p in kinds.items()) + f"); {fix}")
+    return next(iter(kinds.values()), None)
 
 
 def record_preprocessing(description: dict, applied: Preprocessing | None) -> dict:

@@ -16,7 +16,22 @@ from robust_attn.sources.base import LoadedModel, Preprocessing, SourceError, So
 PREPROCESSING_KW = dict(input_size=224, resize_size=256, crop_size=224, interpolation="bilinear")
 
 
-@register_source("san-official")
+def split_target(target: str) -> tuple[Path, str | None]:
+    """``PATH[:ARCH]`` -> (PATH, ARCH or None)."""
+    from robust_attn.importers.san_official import SAN_ARCHS
+
+    head, sep, tail = target.rpartition(":")
+    return (Path(head), tail) if sep and tail in SAN_ARCHS else (Path(target), None)
+
+
+def check_san_official(target: str, spec: str) -> None:
+    path = split_target(target)[0]
+    if not path.is_file():
+        raise SourceError(f"SAN authors' checkpoint {path} does not exist; give the path of their .pth file "
+                          f"(san-official:PATH.pth[:ARCH])")
+
+
+@register_source("san-official", check=check_san_official)
 def load_san_official(request: SourceRequest) -> LoadedModel:
     from robust_attn.importers import IMAGENET_MEAN, IMAGENET_STD, ConversionError, read_state_dict
     from robust_attn.importers.san_official import SAN_ARCHS, _num_classes, convert_san_official, guess_san_arch
@@ -26,14 +41,8 @@ def load_san_official(request: SourceRequest) -> LoadedModel:
 
     if request.checkpoint or request.model_args:
         raise SourceError(f"{request.spec!r} names its weights file: drop --checkpoint and --model-args")
-    target, arch = request.target, None
-    head, sep, tail = target.rpartition(":")
-    if sep and tail in SAN_ARCHS:
-        target, arch = head, tail
-    path = Path(target)
-    if not path.is_file():
-        raise SourceError(f"SAN authors' checkpoint {path} does not exist; give the path of their .pth file "
-                          f"(san-official:PATH.pth[:ARCH])")
+    check_san_official(request.target, request.spec)
+    path, arch = split_target(request.target)
     try:
         state = read_state_dict(path)
         if arch is None:

@@ -41,10 +41,24 @@ from robust_attn.wrapper import NormalizedModel
 PREPROCESSING_FIELDS = tuple(f.name for f in dataclasses.fields(Preprocessing))
 
 
+def _missing_module(name: str, spec: str) -> SourceError:
+    return SourceError(f"{spec!r}: no model source {name.split('.')[0] + ':'!r} and no importable module "
+                       f"{name!r}.{unknown_module_hint(name)} For a user's function, install the package or put "
+                       f"its folder on PYTHONPATH, or give the file: PATH.py:FUNCTION")
+
+
+def check_user_function(target: str, spec: str) -> None:
+    """Before anything is built: the file exists, or the module's top-level package can be found."""
+    left = target.rpartition(":")[0]
+    if left.endswith(".py"):
+        if not Path(left).expanduser().is_file():
+            raise SourceError(f"model file {left} does not exist (from {spec!r}); give the path of a .py file "
+                              f"that defines the function, FILE.py:FUNCTION")
+    elif importlib.util.find_spec(left.split(".")[0]) is None:
+        raise _missing_module(left.split(".")[0], spec)
+
+
 def _import_file(path: Path, spec: str):
-    if not path.is_file():
-        raise SourceError(f"model file {path} does not exist (from {spec!r}); give the path of a .py file that "
-                          f"defines the function, FILE.py:FUNCTION")
     path = path.resolve()
     name = f"_robust_attn_user_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
     module_spec = importlib.util.spec_from_file_location(name, path)
@@ -64,9 +78,7 @@ def _import_module(name: str, spec: str):
     except ModuleNotFoundError as err:
         if err.name and not (name == err.name or name.startswith(err.name + ".")):  # a dependency is missing
             raise SourceError(f"importing module {name} failed: {err}") from err
-        raise SourceError(f"{spec!r}: no model source {name.split('.')[0] + ':'!r} and no importable module "
-                          f"{name!r}.{unknown_module_hint(name)} For a user's function, install the package or put "
-                          f"its folder on PYTHONPATH, or give the file: PATH.py:FUNCTION") from None
+        raise _missing_module(name, spec) from None
 
 
 def _call(fn, kwargs: dict, num_classes: int, where: str):
@@ -83,8 +95,9 @@ def _call(fn, kwargs: dict, num_classes: int, where: str):
         raise SourceError(f"calling {where}(**{kwargs}) failed: {err}; check --model-args") from err
 
 
-@register_source(CALLABLE)
+@register_source(CALLABLE, check=check_user_function)
 def load_user_function(request: SourceRequest) -> LoadedModel:
+    check_user_function(request.target, request.spec)
     left, _, function = request.target.rpartition(":")
     if left.endswith(".py"):
         module, origin = _import_file(Path(left).expanduser(), request.spec), {"file": str(Path(left).resolve())}
