@@ -121,7 +121,7 @@ def test_transfer_between_model_specs_on_a_tiny_imagenet_folder(tmp_path, capsys
                  "--out", str(out)]) == 0
     desc = json.loads((out / "run.json").read_text())
     assert desc["model"] == "probe-probe" and list(desc["target_models"]) == ["probe-probe_b"]
-    assert desc["sources"][0]["preprocessing"]["resize_size"] == 240
+    assert desc["sources"][0]["preprocessing"]["resize_size"] == 240 and desc["weights_origin"] == "user"
     records = load_records(out)
     assert set(records["target_model"]) == {"probe-probe_b"} and (records.groupby("condition").size() == 2).all()
     # a transferred image is one tensor for every model: other preprocessing is refused, before any run

@@ -163,9 +163,11 @@ def run_transfer_cmd(args) -> int:
     dataset = model_dataset(args.dataset, common, root=args.root, split=args.split, limit=args.limit)[0]
     out = Path(args.out or f"runs/transfer-{source_name}-{args.dataset}-{args.split}")
     _repair(args, out, rank)
+    origins = sorted({d.get("weights_origin", "zoo" if d.get("zoo_entry") else "checkpoint") for _, _, d in sources})
     run_info = {"model": source_name, "sources": [d for _, _, d in sources],
                 "checkpoint": [d["checkpoint"] for _, _, d in sources] if all(d.get("checkpoint") for _, _, d in
                                                                               sources) else None,
+                "weights_origin": "+".join(origins),   # "random" only when every source's weights are
                 "target_models": {n: d for n, _, d in targets},
                 "dataset": {"name": args.dataset, "split": args.split, "limit": args.limit},
                 "data_source": getattr(dataset, "source", None), "command": list(sys.argv),
