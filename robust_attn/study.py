@@ -15,11 +15,9 @@ so every model and every resumed or parallel call gets the same ones), then writ
     ...                       models=(StudyModel("timm:resnet26t"), StudyModel("torchvision:resnet50:IMAGENET1K_V1"))),
     ...           runs_dir="runs/study-imagenet", report_dir="reports/study-imagenet", root="data")
 
-Every model is loaded through its spec (zoo entries as ``zoo:NAME``) and evaluated on the
-dataset's images through its own preprocessing (:mod:`robust_attn.sources.inputs`): the same
-images for every model (the same fixed-seed subset), resized and cropped as each model's weights
-expect. The steps that compare models on the same images (``per_model=False``: transfer,
-masking) need every model to take the same preprocessing and are refused otherwise.
+Every model is loaded through its spec and evaluated on the same images through its own
+preprocessing (:mod:`robust_attn.study_models`); the steps that compare models on the same
+tensors (transfer, masking) are refused for models of different preprocessing.
 
 Every run directory is resumable (:mod:`robust_attn.results`): calling again after an
 interruption computes only what is missing, and a finished model costs nothing. The report
@@ -49,6 +47,7 @@ from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_setting
 from robust_attn.protocols.registry import STUDY_PROTOCOLS, StudyContext, list_study_protocols
 from robust_attn.results import RunStore, library_versions
 from robust_attn.study_config import StudyModel
+from robust_attn.study_models import StudyEntry, load_models, model_inputs, study_models
 from robust_attn.utils.io import atomic_path
 
 __all__ = ["StudyConfig", "StudyModel", "StudyEntry", "run_study", "study_models", "TIMINGS_FILE"]
@@ -126,74 +125,6 @@ class StudyConfig:
         return asdict(self)
 
 
-@dataclass
-class StudyEntry:
-    """A loaded model of the study, as the protocol steps get it (``entry``): ``name`` labels its
-    run folders and report rows; ``description`` says where it came from (run.json)."""
-
-    name: str
-    description: dict
-
-
-def study_models(config: StudyConfig, manifest) -> list[StudyModel]:
-    """The models the study covers: ``config.models`` (a zoo entry name becomes ``zoo:NAME``), or
-    every zoo entry for the dataset in manifest order; a named zoo model the zoo lacks is an error
-    that lists what it has."""
-    zoo_names = [m for m in config.models if isinstance(m, str)]
-    if config.models and not zoo_names:
-        return list(config.models)
-    have = [e for e in manifest.entries.values() if e.dataset == config.dataset]
-    if not have:
-        raise ValueError(f"the zoo at {manifest.path} has no model trained on {config.dataset!r}; train one "
-                         f"(zoo/recipes) and register it with `robust-attn zoo add`")
-    by_name = {e.name: e for e in have}
-    unknown = [m for m in zoo_names if m not in by_name]
-    if unknown:
-        raise ValueError(f"no zoo model {unknown} for {config.dataset!r}; the zoo has {sorted(by_name)}")
-    chosen = config.models or tuple(by_name)
-    return [StudyModel(f"zoo:{m}", label=m) if isinstance(m, str) else m for m in chosen]
-
-
-def _load_models(chosen: list[StudyModel], info, device, manifest, seed: int, log) -> dict:
-    """name -> LoadedModel of every study model (errors name the model and the fix)."""
-    from robust_attn.sources import load_model_spec
-
-    loaded = {}
-    for i, m in enumerate(chosen, start=1):
-        log(f"[{i}/{len(chosen)}] {m.name}: loading {m.spec}")
-        try:
-            loaded[m.name] = load_model_spec(m.spec, dataset_info=info, checkpoint=m.checkpoint,
-                                             model_args=m.model_args, seed=seed, device=str(device),
-                                             manifest=str(manifest.path))
-        except ValueError as err:
-            raise ValueError(f"study model {m.name} ({m.spec}): {err}") from None
-    return loaded
-
-
-def _model_inputs(config: StudyConfig, root, loaded: dict, across: list) -> dict:
-    """name -> (dataset, attack_dataset, applied preprocessing): the study's images through each
-    model's preprocessing, built once per distinct preprocessing. ``across`` (steps comparing
-    models on the same images) is refused when the models' preprocessing differ."""
-    from robust_attn.sources.inputs import model_dataset, same_preprocessing
-
-    built, out = {}, {}
-    for name, model in loaded.items():
-        key = json.dumps(model.preprocessing.as_dict() if model.preprocessing else None, sort_keys=True)
-        if key not in built:
-            dataset, applied = model_dataset(config.dataset, model.preprocessing, root=root, split=config.split,
-                                             limit=config.limit)
-            attack_limit = min(x for x in (config.limit, config.attack_limit, len(dataset)) if x is not None)
-            attack_dataset = dataset if attack_limit >= len(dataset) else model_dataset(
-                config.dataset, model.preprocessing, root=root, split=config.split, limit=attack_limit)[0]
-            built[key] = (dataset, attack_dataset, applied)
-        out[name] = built[key]
-    if across:
-        same_preprocessing({name: applied for name, (_, _, applied) in out.items()},
-                           f"protocols {', '.join(s.name for s in across)} compare the models on the same images",
-                           "leave them out of protocols, or study the models of one preprocessing together")
-    return out
-
-
 def _append_timing(runs_dir: Path, row: dict) -> None:
     """Add ``row`` to ``timings.csv``; under a file lock, so studies of different models may
     share ``runs_dir`` from parallel processes."""
@@ -260,8 +191,8 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     locate_dataset(config.dataset, root, config.split)   # the data is there before any model is loaded
     steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
     rank, world_size, device = init_distributed(device)   # under torchrun: each rank a shard of the images
-    loaded = _load_models(chosen, info, device, manifest, config.seed, log)
-    inputs = _model_inputs(config, root, loaded, [s for s in steps if not s.per_model])
+    loaded = load_models(chosen, info, device, manifest, config.seed, log)
+    inputs = model_inputs(config, root, loaded, [s for s in steps if not s.per_model])
     dataset, attack_dataset, _ = next(iter(inputs.values()))
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
