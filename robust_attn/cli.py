@@ -61,4 +61,8 @@ def _run(parser: argparse.ArgumentParser, args, extra: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m robust_attn.cli`` (torchrun): run the importable module's main, whose UserError is
+    # the class the commands raise (this file as __main__ defines a second one)
+    from robust_attn.cli import main as _main
+
+    sys.exit(_main())

@@ -98,6 +98,11 @@ VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_w
 # the PGD targets may be drawn from a seed or read from another run's targets.csv; the targets
 # themselves are compared by content (the run's targets.csv) when a run is resumed.
 PROVENANCE_PARAMETERS = frozenset({"targets"})
+# Keys run.json gained with issue #15 (where the model came from: robust_attn.sources.provenance;
+# the dataset of a Python-API run that named none): a run written before them lacks them and
+# still resumes; once stored they are compared.
+LATER_KEYS = frozenset({"source", "spec", "weights_origin", "weights_sha256", "params", "preprocessing",
+                        "weights_preprocessing", "dataset"})
 _CONDITION_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _CHUNK_RE = re.compile(r"^(\d+)-(\d+)\.csv$")
 _SHOWN = 5  # damaged files named in one error message
@@ -305,13 +310,13 @@ class RunStore:
         """Start or resume the run described by ``description``.
 
         A new directory gets ``run.json``; an existing one must describe the same run (all keys
-        but :data:`VOLATILE_KEYS` equal), otherwise :class:`RunMismatchError` names the keys that
-        differ. ``write=False`` (non-main ranks) only checks. Returns the stored description.
+        but :data:`VOLATILE_KEYS` equal, and :data:`LATER_KEYS` where it has them), otherwise
+        :class:`RunMismatchError` names the keys that differ. ``write=False`` (non-main ranks) only checks. Returns the stored description.
         """
         description = _jsonable(description)
         if self.exists():
             stored = self.description()
-            keys = (set(stored) | set(description)) - VOLATILE_KEYS
+            keys = (set(stored) | set(description)) - VOLATILE_KEYS - (LATER_KEYS - set(stored))
             differ = sorted(k for k in keys if _comparable(k, stored.get(k)) != _comparable(k, description.get(k)))
             if differ:
                 detail = "; ".join(f"{k}: stored {stored.get(k)!r}, now {description.get(k)!r}"

@@ -1,14 +1,23 @@
-"""The complete SAN-style study over a zoo: SAN section 5.4 in one call.
+"""The complete SAN-style study over a zoo, or over any models: SAN section 5.4 in one call.
 
-For every zoo model trained on ``config.dataset`` this runs the rotation protocol (Table 9 plus
+For every zoo model trained on ``config.dataset`` (or the models ``config.models`` names: zoo
+entries, or any model spec of :mod:`robust_attn.sources` as :class:`StudyModel`, e.g. from a
+study config file, :mod:`robust_attn.study_config`) this runs the rotation protocol (Table 9 plus
 the left-right flip and an angle sweep) and targeted PGD (Table 10's two settings plus an eps
 sweep) on the same images with the same attack targets (drawn from the labels with one seed,
 so every model and every resumed or parallel call gets the same ones), then writes the report: Tables 9 and
 10, the plots, bootstrap intervals and the findings (which model loses least, paired bootstrap;
 :mod:`robust_attn.reports.comparison`).
 
-    >>> from robust_attn.study import StudyConfig, run_study
+    >>> from robust_attn.study import StudyConfig, StudyModel, run_study
     >>> run_study(StudyConfig(dataset="fashion_mnist"), runs_dir="runs/study", report_dir="reports/study")
+    >>> run_study(StudyConfig(dataset="imagenet", limit=1000, baseline="torchvision-resnet50",
+    ...                       models=(StudyModel("timm:resnet26t"), StudyModel("torchvision:resnet50:IMAGENET1K_V1"))),
+    ...           runs_dir="runs/study-imagenet", report_dir="reports/study-imagenet", root="data")
+
+Every model is loaded through its spec and evaluated on the same images through its own
+preprocessing (:mod:`robust_attn.study_models`); the steps that compare models on the same
+tensors (transfer, masking) are refused for models of different preprocessing.
 
 Every run directory is resumable (:mod:`robust_attn.results`): calling again after an
 interruption computes only what is missing, and a finished model costs nothing. The report
@@ -37,9 +46,11 @@ from robust_attn.distributed import init_distributed, world_size as process_coun
 from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
 from robust_attn.protocols.registry import STUDY_PROTOCOLS, StudyContext, list_study_protocols
 from robust_attn.results import RunStore, library_versions
+from robust_attn.study_config import StudyModel
+from robust_attn.study_models import StudyEntry, load_models, model_inputs, study_models
 from robust_attn.utils.io import atomic_path
 
-__all__ = ["StudyConfig", "run_study", "study_models", "TIMINGS_FILE"]
+__all__ = ["StudyConfig", "StudyModel", "StudyEntry", "run_study", "study_models", "TIMINGS_FILE"]
 
 TIMINGS_FILE = "timings.csv"
 BACKENDS = ("native", "torchattacks", "foolbox")
@@ -53,7 +64,8 @@ class StudyConfig:
     dataset: str = "fashion_mnist"
     split: str = "test"
     limit: int | None = None           # None: the whole split
-    models: tuple[str, ...] = ()       # zoo entry names; empty: every entry for ``dataset``
+    models: tuple[str | StudyModel, ...] = ()   # zoo entry names or StudyModels; empty: every zoo entry for ``dataset``
+    root: str | None = None            # data root (None: run_study's root, $ROBUST_ATTN_DATA or ./data)
     angle_step: float = 30.0           # angle sweep (bilinear, zero fill) besides the exact 90s
     sweep_eps: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)
     sweep_steps: int = 4               # with step = eps / steps, the rule of both paper settings
@@ -100,16 +112,25 @@ class StudyConfig:
             raise ValueError("square_queries, transfer_steps and attack_batch_size must be positive")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if any(not isinstance(m, (str, StudyModel)) for m in self.models):
+            raise ValueError("models must be zoo entry names or StudyModel(spec, ...) entries")
+        names = [m if isinstance(m, str) else m.name for m in self.models]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"two models are named {', '.join(twice)}: give each a distinct label")
         from robust_attn.protocols.corruption import corruption_conditions
         from robust_attn.protocols.occlusion import occlusion_conditions
         from robust_attn.protocols.shuffle import shuffle_conditions
 
         from robust_attn.data import dataset_info
 
-        size = dataset_info(self.dataset).image_size
+        try:    # imagefolder's size comes from its root, known only when the study runs
+            size = (dataset_info(self.dataset).image_size,) * 2
+        except (KeyError, ValueError, FileNotFoundError):
+            size = None
         corruption_conditions(self.corruptions, self.severities)   # ValueError naming what is wrong
-        occlusion_conditions(self.occlusion_areas, image_size=(size, size))
-        shuffle_conditions(self.shuffle_grids, image_size=(size, size))
+        occlusion_conditions(self.occlusion_areas, image_size=size)
+        shuffle_conditions(self.shuffle_grids, image_size=size)
 
     def attack_settings(self) -> list[AttackSetting]:
         """Table 10's two settings, then the sweep (without repeating a paper setting)."""
@@ -120,22 +141,6 @@ class StudyConfig:
 
     def describe(self) -> dict:
         return asdict(self)
-
-
-def study_models(config: StudyConfig, manifest) -> list:
-    """The zoo entries the study covers, in manifest order; a named model the zoo lacks is an
-    error that lists what it has."""
-    have = [e for e in manifest.entries.values() if e.dataset == config.dataset]
-    if not have:
-        raise ValueError(f"the zoo at {manifest.path} has no model trained on {config.dataset!r}; train one "
-                         f"(zoo/recipes) and register it with `robust-attn zoo add`")
-    if not config.models:
-        return have
-    by_name = {e.name: e for e in have}
-    unknown = [m for m in config.models if m not in by_name]
-    if unknown:
-        raise ValueError(f"no zoo model {unknown} for {config.dataset!r}; the zoo has {sorted(by_name)}")
-    return [by_name[m] for m in config.models]
 
 
 def _append_timing(runs_dir: Path, row: dict) -> None:
@@ -191,18 +196,22 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     (:mod:`robust_attn.results`), so they share each run's chunks and finish it together before
     the next. Only this process runs the steps that are not chunked (the masking checks), logs
     the timings and writes the report."""
-    from robust_attn.data import build_dataset, dataset_info
+    from robust_attn.data import dataset_info, locate_dataset
+    from robust_attn.protocols.registry import replace
     from robust_attn.reports import make_report
-    from robust_attn.zoo import Manifest, load_entry
+    from robust_attn.sources.inputs import record_preprocessing
+    from robust_attn.zoo import Manifest
 
     manifest = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
-    entries = study_models(config, manifest)
-    info = dataset_info(config.dataset)
-    dataset = build_dataset(config.dataset, root=root, split=config.split, limit=config.limit)
-    attack_limit = min(x for x in (config.limit, config.attack_limit, len(dataset)) if x is not None)
-    attack_dataset = dataset if attack_limit >= len(dataset) else build_dataset(
-        config.dataset, root=root, split=config.split, limit=attack_limit)
+    chosen = study_models(config, manifest)
+    root = root if root is not None else config.root
+    info = dataset_info(config.dataset, root=root)
+    locate_dataset(config.dataset, root, config.split)   # the data is there before any model is loaded
+    steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
     rank, world_size, device = init_distributed(device)   # under torchrun: each rank a shard of the images
+    loaded = load_models(chosen, info, device, manifest, config.seed, log)
+    inputs = model_inputs(config, root, loaded, [s for s in steps if not s.per_model])
+    dataset, attack_dataset, _ = next(iter(inputs.values()))
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     helpers = []
@@ -222,16 +231,16 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     ctx = StudyContext(config=config, info=info, dataset=dataset, attack_dataset=attack_dataset, runs_dir=runs_dir,
                        device=device, rank=rank, world_size=world_size, progress=progress, base_info=base_info,
                        log=log)
-    steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
     run_dirs: list[Path] = []
-    models = {}
+    entries = [StudyEntry(m.name, record_preprocessing(loaded[m.name].description, inputs[m.name][2]))
+               for m in chosen]
+    models = {e.name: loaded[e.name].model for e in entries}
     for i, entry in enumerate(entries, start=1):
-        log(f"[{i}/{len(entries)}] {entry.name}: loading {entry.weights or entry.torchvision}")
-        model = models[entry.name] = load_entry(entry, manifest, device=str(device))
+        model_ctx = replace(ctx, dataset=inputs[entry.name][0], attack_dataset=inputs[entry.name][1])
         for step in (s for s in steps if s.per_model):
             out = ctx.run_dir(step.name, entry.name)
             _timed(runs_dir, entry.name, step.name, out, device, 1 if _worker else rank,
-                   lambda: step.step(ctx, entry, model), workers)
+                   lambda: step.step(model_ctx, entry, models[entry.name]), workers)
             run_dirs.append(out)
         log(f"[{i}/{len(entries)}] {entry.name}: done")
     for step in (s for s in steps if not s.per_model and (s.chunked or not _worker)):
@@ -255,7 +264,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     report_dir = Path(report_dir)
     packed = [RunStore(d).pack(report_dir / "runs" / d.name).root for d in run_dirs]
     files = make_report(packed, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,
-                        preamble=_preamble(config, runs_dir, len(dataset), len(attack_dataset)))
+                        preamble=_preamble(config, runs_dir, len(dataset), len(attack_dataset), chosen))
     with atomic_path(report_dir / TIMINGS_FILE) as tmp:
         tmp.write_bytes((runs_dir / TIMINGS_FILE).read_bytes())
     study_file = report_dir / "study.json"
@@ -266,17 +275,20 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     return files + [report_dir / TIMINGS_FILE, study_file]
 
 
-def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_images: int) -> list[str]:
+def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_images: int,
+              models: list[StudyModel]) -> list[str]:
     eps = ", ".join(f"{e:g}" for e in config.sweep_eps)
-    text = f"Study: every zoo model trained on `{config.dataset}`, evaluated on {num_images} images of its " \
-           f"'{config.split}' split."
+    who = f"every zoo model trained on `{config.dataset}`" if not config.models else \
+        f"{len(models)} models on `{config.dataset}` ({', '.join(m.name for m in models)}; where each came from: " \
+        f"Models, below)"
+    text = f"Study: {who}, evaluated on {num_images} images of its '{config.split}' split."
     if "rotation" in config.protocols:
-        text += f" Rotation: SAN Table 9's conditions, the left-right flip and a sweep every {config.angle_step:g}° " \
-                f"(bilinear, zero fill)."
+        sweep = f" and a sweep every {config.angle_step:g}° (bilinear, zero fill)" if config.angle_step else ""
+        text += f" Rotation: SAN Table 9's conditions, the left-right flip{sweep}."
     if "pgd" in config.protocols:
-        text += f" PGD: targeted L-inf, Table 10's {{8, 4, 2}} and {{8, 2, 4}} plus eps {{{eps}}}/255 with " \
-                f"{config.sweep_steps} steps of eps/{config.sweep_steps}, {config.backend} backend; every model " \
-                f"attacked towards the same targets (seed {config.seed})."
+        eps_sweep = f" plus eps {{{eps}}}/255 with {config.sweep_steps} steps of eps/{config.sweep_steps}" if eps else ""
+        text += f" PGD: targeted L-inf, Table 10's {{8, 4, 2}} and {{8, 2, 4}}{eps_sweep}, {config.backend} backend; " \
+                f"every model attacked towards the same targets (seed {config.seed})."
     shifts = [p for p in config.protocols if p in ("corruption", "occlusion", "shuffle")]
     if shifts:
         text += f" Shifts ({', '.join(shifts)}; seed {config.shift_seed}): corruptions `{config.corruptions}` at " \

@@ -113,27 +113,19 @@ class Manifest:
         atomic_write_json(self.path, {"models": models})
 
 
-def _load_torchvision(entry: ZooEntry) -> NormalizedModel:
-    import torchvision
+def _load_torchvision(entry: ZooEntry, device: str) -> NormalizedModel:
+    """A torchvision entry has no weights file: torchvision's weights API fetches them (the spec
+    ``torchvision:MODEL:WEIGHTS``, :mod:`robust_attn.sources.torchvision_source`)."""
+    from robust_attn.data import dataset_info
+    from robust_attn.sources import load_model_spec
 
-    weights = torchvision.models.get_weight(f"{_weights_enum(entry)}.{entry.torchvision['weights']}")
-    model = torchvision.models.get_model(entry.torchvision["model"], weights=weights)
-    mean, std = weights.transforms().mean, weights.transforms().std
-    wrapped = NormalizedModel(model, mean, std)
-    model.arch_args = {"name": entry.torchvision["model"], "torchvision_weights": entry.torchvision["weights"]}
-    return wrapped
-
-
-def _weights_enum(entry: ZooEntry) -> str:
-    import torchvision
-
-    enum = torchvision.models.get_model_weights(entry.torchvision["model"])
-    return enum.__name__
+    spec = f"torchvision:{entry.torchvision['model']}:{entry.torchvision['weights']}"
+    return load_model_spec(spec, dataset_info=dataset_info(entry.dataset), device=device, check=False).model
 
 
 def load_entry(entry: ZooEntry, manifest: Manifest, device: str = "cpu") -> NormalizedModel:
     if entry.source == "torchvision":
-        return _load_torchvision(entry).to(device).eval()
+        return _load_torchvision(entry, device)
     model = load_checkpoint(manifest.resolve(entry.weights), expected_sha256=entry.sha256, map_location=device)
     if entry.arch and model.arch_args != entry.arch:
         raise CheckpointError(f"zoo entry {entry.name!r}: the checkpoint's sidecar describes {model.arch_args}, "

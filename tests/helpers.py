@@ -1,4 +1,5 @@
-"""Shared test fixtures' building blocks: a tiny attackable ResNet and a clean subprocess environment."""
+"""Shared test fixtures' building blocks: a tiny attackable ResNet, a tiny ImageNet folder and a
+clean subprocess environment."""
 from __future__ import annotations
 
 import functools
@@ -78,3 +79,35 @@ class Recorder:
             return out
 
         return call
+
+
+#: three ImageNet-1k wnids and their indices in the standard sorted list of 1,000 (0 tench,
+#: 207 golden retriever, 999 toilet tissue): the labels a tiny ImageNet folder must get
+IMAGENET_CLASSES = {"n01440764": 0, "n02099601": 207, "n15075141": 999}
+
+
+def tiny_imagenet(root: Path, layout: str, per_class: int = 1, size: tuple[int, int] = (300, 260),
+                  seed: int = 0) -> list[tuple[Path, int]]:
+    """ImageNet's val split under ``root/val`` as users hold it, with noise images of ``size``
+    (width, height): ``layout="folders"`` (one folder per wnid) or ``"flat"`` (the
+    ``ILSVRC2012_val_*.JPEG`` files plus ``LOC_val_solution.csv``). Returns (file, label) pairs
+    in file order."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    files, rows, k = [], ["ImageId,PredictionString"], 0
+    for wnid, label in IMAGENET_CLASSES.items():
+        for _ in range(per_class):
+            k += 1
+            stem = f"ILSVRC2012_val_{k:08d}"
+            path = root / "val" / (stem + ".JPEG" if layout == "flat" else f"{wnid}/{stem}.JPEG")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path)
+            files.append((path, label))
+            rows.append(f"{stem},{wnid} 1 1 50 50")
+    if layout == "flat":
+        (root / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+    elif layout != "folders":
+        raise ValueError(f"layout is 'folders' or 'flat', got {layout!r}")
+    return files

@@ -79,6 +79,65 @@ def test_torchvision_entry_is_recorded_without_downloading(tmp_path):
     assert entry.source == "torchvision" and entry.torchvision == {"model": "resnet50", "weights": "IMAGENET1K_V1"}
 
 
+def test_torchvision_entry_names_are_checked_when_added(tmp_path, capsys):
+    tvm = pytest.importorskip("torchvision.models")
+    manifest_path = tmp_path / "manifest.json"
+    assert main(["zoo", "add", "tv", "--dataset", "imagenet", "--torchvision", "mobilenet_v2", "--weights",
+                 "IMAGENET9", "--manifest", str(manifest_path)]) == 2
+    assert "IMAGENET1K_V1, IMAGENET1K_V2" in capsys.readouterr().err and not manifest_path.exists()
+    assert main(["zoo", "add", "tv", "--dataset", "imagenet", "--torchvision", "mobilenet_v9",
+                 "--manifest", str(manifest_path)]) == 2
+    assert "Did you mean mobilenet_v2" in capsys.readouterr().err
+    # DEFAULT is an alias that moves between torchvision versions: the entry records what it means now
+    assert main(["zoo", "add", "tv", "--dataset", "imagenet", "--torchvision", "mobilenet_v2",
+                 "--manifest", str(manifest_path)]) == 0
+    assert Manifest(manifest_path).get("tv", "imagenet").torchvision["weights"] == \
+        tvm.MobileNet_V2_Weights.DEFAULT.name == "IMAGENET1K_V2"
+
+
+def test_eval_of_a_torchvision_entry_uses_torchvision_weights_not_a_file(tmp_path, monkeypatch, capsys):
+    """Issue #15: `zoo add NAME --torchvision ...` then `eval --zoo --model NAME` failed with
+    `checkpoint <manifest folder> does not exist`. torchvision's download is replaced here by a
+    random-init state dict (no network)."""
+    from urllib.error import URLError
+
+    from helpers import tiny_imagenet
+
+    tvm = pytest.importorskip("torchvision.models")
+    from torchvision.models._api import WeightsEnum
+
+    manifest_path = tmp_path / "zoo" / "manifest.json"
+    assert main(["zoo", "add", "tv_mobilenet", "--dataset", "imagenet", "--torchvision", "mobilenet_v2",
+                 "--weights", "IMAGENET1K_V1", "--manifest", str(manifest_path)]) == 0
+    torch.manual_seed(3)
+    published = tvm.mobilenet_v2().eval().state_dict()
+    fetched = []
+    monkeypatch.setattr(WeightsEnum, "get_state_dict", lambda self, *a, **k: fetched.append(self.name) or published)
+    monkeypatch.setenv("ROBUST_ATTN_ZOO_MANIFEST", str(manifest_path))
+    tiny_imagenet(tmp_path / "data", "folders")
+    argv = ["eval", "rotation", "--zoo", "--model", "tv_mobilenet", "--dataset", "imagenet", "--root",
+            str(tmp_path / "data"), "--limit", "2", "--batch-size", "2", "--angle-step", "0", "--no-hflip",
+            "--device", "cpu", "--no-progress"]
+    out = tmp_path / "run"
+    assert main([*argv, "--out", str(out)]) == 0
+    assert fetched == ["IMAGENET1K_V1"]
+    desc = json.loads((out / "run.json").read_text())
+    weights = tvm.MobileNet_V2_Weights.IMAGENET1K_V1
+    assert desc["source"] == "zoo" and desc["zoo_entry"] == "tv_mobilenet" and desc["weights_origin"] == "pretrained"
+    assert desc["checkpoint"] is None and desc["params"] == weights.meta["num_params"]
+    assert (desc["preprocessing"]["resize_size"], desc["preprocessing"]["crop_size"]) == (256, 224)
+    loaded = load_model("tv_mobilenet", "imagenet", manifest_path)
+    assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in published.items())
+    # no network: a clear error naming the way out, not a traceback
+    def offline(self, *args, **kwargs):
+        raise URLError("no route to host")
+
+    monkeypatch.setattr(WeightsEnum, "get_state_dict", offline)
+    assert main([*argv, "--out", str(tmp_path / "offline")]) == 2
+    err = capsys.readouterr().err
+    assert "could not fetch weights" in err and "--checkpoint" in err and "Traceback" not in err
+
+
 def test_shipped_manifest_verifies():
     results = verify_zoo()
     assert all(error is None for _, error in results), results

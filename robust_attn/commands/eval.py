@@ -51,13 +51,20 @@ def parse_list(text: str | None, kind=float, option: str = "") -> list | None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="architecture name (robust-attn zoo list); with --checkpoint it must match")
-    p.add_argument("--checkpoint", help="trained weights (.safetensors with its .json sidecar); without it "
-                                        "the model has RANDOM weights")
+    p.add_argument("--model", metavar="SPEC",
+                   help="model spec: NAME (registry architecture, robust-attn zoo list; with --checkpoint it must "
+                        "match), zoo:NAME, timm:NAME (pip install timm), torchvision:NAME[:WEIGHTS|none], "
+                        "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION (a function "
+                        "returning an nn.Module that takes input normalized with the dataset's mean/std)")
+    p.add_argument("--checkpoint", help="trained weights: a robust-attn .safetensors with its .json sidecar "
+                                        "(registry NAME), or a state dict file (.pth/.safetensors) for timm:, "
+                                        "torchvision:NAME:none and FILE.py:FUNCTION; without one, NAME has RANDOM "
+                                        "weights")
     p.add_argument("--zoo", action="store_true",
                    help="load --model's trained checkpoint for --dataset from the zoo manifest (sha256-checked)")
     p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="architecture overrides for --model without --checkpoint, e.g. width=0.25")
+                   help="keyword arguments of the model's constructor, e.g. width=0.25 (registry, without "
+                        "--checkpoint), pretrained=False (timm) or those of your FUNCTION")
     p.add_argument("--dataset", default="imagenet", help="dataset name (default: imagenet)")
     p.add_argument("--root", help="data folder (default: $ROBUST_ATTN_DATA or ./data)")
     p.add_argument("--split", default="test", choices=["test", "val", "train"],
@@ -104,64 +111,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
-    """The NormalizedModel to evaluate and its part of the run description."""
-    from robust_attn.checkpoint import load_checkpoint
-    from robust_attn.registry import create_model
-    from robust_attn.utils.io import sha256_file
-    from robust_attn.wrapper import NormalizedModel
+    """The NormalizedModel to evaluate and its part of the run description.
+
+    ``--model`` is a model spec (:mod:`robust_attn.sources`): ``NAME`` (registry, random weights or
+    ``--checkpoint``), ``zoo:NAME`` (``--zoo`` with ``NAME`` means the same), ``timm:NAME``,
+    ``torchvision:NAME[:WEIGHTS]``, ``san-official:PATH.pth``, ``FILE.py:FUNCTION`` or
+    ``package.module:FUNCTION``. The description records ``source``, ``spec``, ``weights_sha256``
+    and the weights' ``preprocessing`` (None: the dataset's images as they are)."""
+    from robust_attn.sources import SPEC_HELP, load_model_spec, parse_spec
 
     overrides = parse_model_args(args.model_args)
-    expected_sha = None
+    spec = args.model
     if args.zoo:
-        from robust_attn.zoo import Manifest
-
         if not args.model or args.checkpoint:
             raise UserError("--zoo takes --model NAME (see zoo/manifest.json) and no --checkpoint")
-        manifest = Manifest()
-        entry = manifest.get(args.model, info.name)
-        args.checkpoint, expected_sha = str(manifest.resolve(entry.weights)), entry.sha256
-    if args.checkpoint:
-        if overrides:
-            raise UserError("--model-args is for building a model without --checkpoint; a checkpoint "
-                            "carries its architecture")
-        path = Path(args.checkpoint)
-        if not path.is_file():
-            raise UserError(f"checkpoint {path} does not exist; train one with `robust-attn train` or "
-                            f"check the path")
-        sha = expected_sha or sha256_file(path)
-        model = load_checkpoint(path, expected_sha256=expected_sha)
-        arch = model.arch_args
-        if args.model and args.model != arch["name"]:
-            raise UserError(f"--model {args.model} but checkpoint {path} holds {arch['name']}; drop --model "
-                            f"or pass the matching checkpoint")
-        if arch["num_classes"] != info.num_classes:
-            raise UserError(f"checkpoint {path} has {arch['num_classes']} classes but dataset {info.name} has "
-                            f"{info.num_classes}; evaluate it on the dataset it was trained on")
-        return model, {"model": arch["name"], "arch": arch, "checkpoint": {"path": str(path), "sha256": sha}}
-    if not args.model:
-        raise UserError("give --model NAME (robust-attn zoo list) and usually --checkpoint PATH")
-    torch.manual_seed(args.seed)
-    model = create_model(args.model, num_classes=info.num_classes, resolution=info.resolution, **overrides)
-    print(f"WARNING: no --checkpoint: evaluating {args.model} with RANDOM weights (seed {args.seed}); "
-          f"its numbers mean nothing about the architecture", file=sys.stderr)
-    return NormalizedModel(model, info.mean, info.std).eval(), {
-        "model": args.model, "arch": model.arch_args, "checkpoint": None, "init_seed": args.seed}
+        source, _ = parse_spec(args.model)
+        if source not in ("registry", "zoo"):
+            raise UserError(f"--zoo takes a zoo model NAME, not the spec {args.model!r}; drop --zoo")
+        spec = args.model if source == "zoo" else f"zoo:{args.model}"
+    if args.checkpoint and overrides and (spec is None or parse_spec(spec)[0] == "registry"):
+        raise UserError("--model-args is for building a model without --checkpoint; a checkpoint carries its "
+                        "architecture")
+    if not spec and not args.checkpoint:
+        raise UserError(f"give --model NAME (robust-attn zoo list) and usually --checkpoint PATH; --model takes "
+                        f"any model spec: {SPEC_HELP}")
+    loaded = load_model_spec(spec, dataset_info=info, checkpoint=args.checkpoint, model_args=overrides,
+                             seed=args.seed)
+    return loaded.model, loaded.description
 
 
 def _setup(args, protocol: str):
-    from robust_attn.data import build_dataset, dataset_info
+    from robust_attn.data import dataset_info
     from robust_attn.distributed import init_distributed
+    from robust_attn.sources.inputs import model_dataset, record_preprocessing
 
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be positive, got {args.batch_size}")
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be positive, got {args.limit}")
-    info = dataset_info(args.dataset)
+    info = dataset_info(args.dataset, root=args.root)  # imagefolder: the class count of --root's folders
     rank, world_size, device = init_distributed(args.device)
-    model, model_desc = load_eval_model(args, info)
-    from robust_attn.checkpoint import check_num_classes  # issue #18: every model source, one dummy forward
-    check_num_classes(model, info.num_classes, f"model {model_desc['model']}", image_size=info.image_size)
-    dataset = build_dataset(args.dataset, root=args.root, split=args.split, limit=args.limit)
+    model, model_desc = load_eval_model(args, info)   # checked to output the dataset's classes (issue #18)
+    # issue #15: the weights' own preprocessing (resize/crop) where the dataset decodes image files
+    dataset, applied = model_dataset(args.dataset, model_desc.get("preprocessing"), root=args.root,
+                                     split=args.split, limit=args.limit)
+    model_desc = record_preprocessing(model_desc, applied)
     out = Path(args.out or f"runs/{protocol}-{model_desc['model']}-{args.dataset}-{args.split}")
     _repair(args, out, rank)
     run_info = dict(model_desc, dataset={"name": args.dataset, "split": args.split, "limit": args.limit},

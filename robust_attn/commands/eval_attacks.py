@@ -44,10 +44,10 @@ def add_attack_parsers(ev_sub) -> None:
                                              "every --target model")
     _add_common(tra)
     tra.add_argument("--source", action="append", required=True,
-                     help="zoo entry name (for --dataset) or checkpoint .safetensors; repeat for an ensemble "
-                          "(mean of logits)")
+                     help="zoo entry name (for --dataset), checkpoint .safetensors or any model spec (timm:NAME, "
+                          "torchvision:NAME[:WEIGHTS], FILE.py:FUNCTION, ...); repeat for an ensemble (mean of logits)")
     tra.add_argument("--target", action="append", required=True,
-                     help="zoo entry name or checkpoint .safetensors; repeat for several targets")
+                     help="zoo entry name, checkpoint .safetensors or model spec; repeat for several targets")
     _add_attack_options(tra, "pgd")
     tra.set_defaults(func=run_transfer_cmd)
 
@@ -101,13 +101,18 @@ def _warn_flagged(root: Path) -> None:
 
 
 def load_named_model(spec: str, info, device) -> tuple[str, torch.nn.Module, dict]:
-    """A transfer source or target: a zoo entry name (``NAME`` or ``zoo:NAME``, for the dataset)
-    or a checkpoint file. Returns (name, model, description)."""
+    """A transfer source or target: a zoo entry name (``NAME`` or ``zoo:NAME``, for the dataset),
+    a checkpoint file, or any other model spec (:mod:`robust_attn.sources`; its description
+    carries its ``preprocessing``). Returns (name, model, description)."""
     from robust_attn.checkpoint import load_checkpoint
+    from robust_attn.sources import load_model_spec, parse_spec, spec_label
     from robust_attn.utils.io import sha256_file
     from robust_attn.zoo import Manifest, load_entry
 
     path = Path(spec)
+    if not (spec.endswith(".safetensors") or path.is_file()) and parse_spec(spec)[0] not in ("registry", "zoo"):
+        loaded = load_model_spec(spec, dataset_info=info, device=str(device))
+        return spec_label(spec), loaded.model, loaded.description
     if spec.endswith(".safetensors") or path.is_file():
         if not path.is_file():
             raise UserError(f"checkpoint {path} does not exist; check the path")
@@ -135,9 +140,10 @@ def load_named_model(spec: str, info, device) -> tuple[str, torch.nn.Module, dic
 
 @_with_cleanup
 def run_transfer_cmd(args) -> int:
-    from robust_attn.data import build_dataset, dataset_info
+    from robust_attn.data import dataset_info
     from robust_attn.distributed import init_distributed
     from robust_attn.protocols.transfer import EnsembleModel, run_transfer, summarize_transfer
+    from robust_attn.sources.inputs import model_dataset, same_preprocessing
     from robust_attn.results import load_records
 
     if args.model or args.checkpoint or args.zoo:
@@ -145,18 +151,23 @@ def run_transfer_cmd(args) -> int:
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be positive, got {args.batch_size}")
     configs = attack_configs(args)
-    info = dataset_info(args.dataset)
+    info = dataset_info(args.dataset, root=args.root)
     rank, world_size, device = init_distributed(args.device)
     sources = [load_named_model(s, info, device) for s in args.source]
     targets = [load_named_model(t, info, device) for t in args.target]
     source_name = "+".join(n for n, _, _ in sources)
     source = sources[0][1] if len(sources) == 1 else EnsembleModel([m for _, m, _ in sources])
-    dataset = build_dataset(args.dataset, root=args.root, split=args.split, limit=args.limit)
+    common = same_preprocessing({n: d.get("preprocessing") for n, _, d in sources + targets},
+                                "a transferred image is one tensor for every source and target",
+                                "transfer between models of one preprocessing")
+    dataset = model_dataset(args.dataset, common, root=args.root, split=args.split, limit=args.limit)[0]
     out = Path(args.out or f"runs/transfer-{source_name}-{args.dataset}-{args.split}")
     _repair(args, out, rank)
+    origins = sorted({d.get("weights_origin", "zoo" if d.get("zoo_entry") else "checkpoint") for _, _, d in sources})
     run_info = {"model": source_name, "sources": [d for _, _, d in sources],
                 "checkpoint": [d["checkpoint"] for _, _, d in sources] if all(d.get("checkpoint") for _, _, d in
                                                                               sources) else None,
+                "weights_origin": "+".join(origins),   # "random" only when every source's weights are
                 "target_models": {n: d for n, _, d in targets},
                 "dataset": {"name": args.dataset, "split": args.split, "limit": args.limit},
                 "data_source": getattr(dataset, "source", None), "command": list(sys.argv),

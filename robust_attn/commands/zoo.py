@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from robust_attn.cli import UserError
 from robust_attn.complexity import model_complexity
 from robust_attn.zoo import Manifest, ZooEntry, entry_from_checkpoint, verify_zoo
 from robust_attn.reference import imagenet_reference
@@ -80,12 +81,23 @@ def run_add(args: argparse.Namespace) -> int:
                                       command=args.command, log=args.log)
     else:
         entry = ZooEntry(name=args.name, dataset=args.dataset, source="torchvision",
-                         torchvision={"model": args.torchvision, "weights": args.weights},
+                         torchvision={"model": args.torchvision, "weights": _torchvision_weights(args)},
                          notes="ImageNet weights through torchvision's weights API (needs network on first load)")
     manifest.add(entry)
     manifest.save()
     print(f"added {entry.name} ({entry.dataset}) to {manifest.path}")
     return 0
+
+
+def _torchvision_weights(args: argparse.Namespace) -> str:
+    """The weights enum member ``--weights`` names, checked now rather than at the first load;
+    ``DEFAULT`` is resolved to the member it means in this torchvision (an alias that moves)."""
+    from robust_attn.sources.torchvision_source import weights_enum
+
+    enum = weights_enum(args.torchvision, f"--torchvision {args.torchvision}")
+    if args.weights not in enum.__members__:
+        raise UserError(f"--weights {args.weights}: {enum.__name__} has {', '.join(enum.__members__)}")
+    return enum[args.weights].name
 
 
 def run_import(args: argparse.Namespace) -> int:

@@ -102,14 +102,19 @@ def make_evaluator(model: nn.Module, configs: Sequence[AttackConfig], targets: t
 def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackConfig], num_classes: int,
                seed: int = 0, targets_file: str | Path | None = None, batch_size: int = 64,
                device: str | torch.device = "cpu", run_info: dict | None = None, rank: int = 0,
-               world_size: int = 1, num_workers: int = 0, progress: bool = True, checks: bool = True):
+               world_size: int = 1, num_workers: int = 0, progress: bool = True, checks: bool = True,
+               targets: torch.Tensor | None = None, model_info=None):
     """Run (or resume) the clean condition and every attack of ``configs`` into ``out_dir``.
 
     ``seed`` draws the targets of targeted attacks (each attack's own random draws follow its
-    config's seed). With ``checks`` the gradient-masking checks of
-    :mod:`robust_attn.attacks.masking` that the records allow are computed after the run and
-    saved in ``checks.json``. Returns the RunStore.
+    config's seed); ``targets`` (one class per image, in dataset order) or ``targets_file``
+    (another run's ``targets.csv``) give them instead. With ``checks`` the gradient-masking
+    checks of :mod:`robust_attn.attacks.masking` that the records allow are computed after the
+    run and saved in ``checks.json``. ``model_info``: where the model came from, as for
+    :func:`robust_attn.protocols.rotation.run_rotation`. Returns the RunStore.
     """
+    from robust_attn.sources.provenance import with_provenance
+
     configs = list(configs)
     if not configs:
         raise ValueError("give at least one attack")
@@ -120,12 +125,12 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
         make_attack(c)
     device = torch.device(device)
     model = model.to(device).eval()
-    targets, source = None, None
+    given, targets, source = targets, None, None
     labels = dataset_labels(dataset)
     if any(c.targeted for c in configs):
-        targets, source = prepare_targets(labels, num_classes, seed, targets_file)
+        targets, source = prepare_targets(labels, num_classes, seed, targets_file, targets=given)
     conditions = [{"name": CLEAN, "attack": "none", "eps": 0.0}] + [c.as_dict() for c in configs]
-    store = open_run(out_dir, dict(run_info or {}), protocol=PROTOCOL,
+    store = open_run(out_dir, with_provenance(model, run_info, model_info, dataset), protocol=PROTOCOL,
                      parameters={"units": "[0, 1] image units", "seed": int(seed), "targets": source,
                                  "chunk_seed": "config.seed * 2**32 + chunk start"},
                      conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank)

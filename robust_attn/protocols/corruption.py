@@ -88,11 +88,12 @@ def study_corruption(ctx, entry, model):
     conditions = corruption_conditions(config.corruptions, config.severities)
     check_frost(conditions)
     seed = config.shift_seed
-    cache = CorruptionCache(ctx.runs_dir / "corruptions", ctx.dataset, ctx.base_info["dataset"], seed=seed,
-                            batch_size=config.batch_size)
+    run_info = ctx.run_info(entry, model)
+    key = {**ctx.base_info["dataset"], "preprocessing": run_info.get("preprocessing")}   # one cache per preprocessing
+    cache = CorruptionCache(ctx.runs_dir / "corruptions", ctx.dataset, key, seed=seed, batch_size=config.batch_size)
     cache.ensure([(c["corruption"], c["severity"]) for c in conditions[1:]], log=ctx.log if ctx.rank == 0 else None)
     out = ctx.run_dir(PROTOCOL, entry.name)
     run_corruption(model, ctx.dataset, out, conditions=conditions, seed=seed, source=cache,
-                   batch_size=config.batch_size, device=ctx.device, run_info=ctx.run_info(entry, model),
+                   batch_size=config.batch_size, device=ctx.device, run_info=run_info,
                    progress=ctx.progress, **ctx.shard)
     return out

@@ -8,8 +8,10 @@ Choices where the paper is silent (stated here and recorded in every run's ``run
 
 * Targets: one per image, uniform over the classes other than the true one, drawn by
   :func:`robust_attn.attacks.draw_targets` from a seeded generator over the whole evaluated set,
-  saved as ``targets.csv`` in the run directory, and reusable by other runs (``targets=``), so
-  every model is attacked towards the same targets.
+  saved as ``targets.csv`` in the run directory, and reusable by other runs (``targets_file=``,
+  the CLI's ``--targets``), so every model is attacked towards the same targets. The Python API
+  also takes the targets as a tensor (``run_pgd(..., targets=tensor)``, one class per image in
+  dataset order).
 * Both rates are over all images (the paper's "top-1" under attack is comparable with its clean
   top-1 only that way); the report adds both on the clean-correct subset.
 * No random start (the paper's step sizes exactly reach eps in n steps: step = eps / n); a
@@ -26,6 +28,7 @@ Choices where the paper is silent (stated here and recorded in every run's ``run
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import re
@@ -124,14 +127,26 @@ def _draw_targets(labels: torch.Tensor, num_classes: int, seed: int) -> torch.Te
 
 
 def prepare_targets(labels: torch.Tensor, num_classes: int, seed: int,
-                    targets_file: str | Path | None = None) -> tuple[torch.Tensor, dict]:
+                    targets_file: str | Path | None = None, *,
+                    targets: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The attack target of every image, and how they were made (for ``run.json``).
 
-    With ``targets_file`` (another run's ``targets.csv``) those targets are used, after checking
-    they cover the same images with the same labels. Otherwise they are drawn with ``seed``.
+    With ``targets`` (a tensor or sequence: one class per image, in dataset order) or
+    ``targets_file`` (another run's ``targets.csv``, checked to cover the same images with the
+    same labels) those targets are used. Otherwise they are drawn with ``seed``.
     :func:`save_targets` saves them.
     """
-    if targets_file is not None:
+    if targets is not None and targets_file is not None:
+        raise ValueError("give the attack targets as targets (a tensor) or targets_file (a targets.csv), not both")
+    if targets is not None:
+        targets = torch.as_tensor(targets).detach().cpu()
+        if targets.dim() != 1 or len(targets) != len(labels) or targets.is_floating_point():
+            raise ValueError(f"targets must be one integer class per image of the dataset ({len(labels)}), in "
+                             f"dataset order; got a {targets.dtype} tensor of shape {tuple(targets.shape)}")
+        targets = targets.long()
+        source = {"tensor": "given by the caller",
+                  "sha256": hashlib.sha256(targets.numpy().astype("<i8").tobytes()).hexdigest()}
+    elif targets_file is not None:
         frame = pd.read_csv(targets_file)
         if list(frame.columns[:3]) != ["index", "label", "target"]:
             raise ValueError(f"{targets_file} is not a targets file (columns index,label,target)")
@@ -145,7 +160,10 @@ def prepare_targets(labels: torch.Tensor, num_classes: int, seed: int,
         source = {"seed": int(seed), "rule": "uniform over the wrong classes"}
     if len(targets) != len(labels) or (targets == labels).any() or (targets < 0).any() \
             or (targets >= num_classes).any():
-        raise ValueError("attack targets must be one wrong class in [0, num_classes) per image")
+        bad = torch.nonzero((targets == labels) | (targets < 0) | (targets >= num_classes)).flatten()[:3].tolist() \
+            if len(targets) == len(labels) else []
+        raise ValueError(f"attack targets must be one wrong class in [0, {num_classes}) per image"
+                         + (f"; images {bad} have their own label or a class out of range" if bad else ""))
     return targets, source
 
 
@@ -239,10 +257,16 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
             settings: Sequence[AttackSetting] = PAPER_SETTINGS, seed: int = 0, backend: str = "native",
             targets_file: str | Path | None = None, batch_size: int = 64, device: str | torch.device = "cpu",
             run_info: dict | None = None, rank: int = 0, world_size: int = 1, num_workers: int = 0,
-            progress: bool = True, attack: Callable | None = None, checks: bool = True, exact: bool = False):
+            progress: bool = True, attack: Callable | None = None, checks: bool = True, exact: bool = False,
+            targets: torch.Tensor | None = None, model_info=None):
     """Run (or resume) targeted PGD (clean condition plus each setting) into ``out_dir``.
 
-    The targets are saved (``targets.csv``); ``checks=True`` runs the attack's sanity checks
+    ``model`` is any module taking [0, 1] images (normalization inside, e.g. a
+    :class:`~robust_attn.wrapper.NormalizedModel`). The targets are drawn with ``seed``, or given
+    as ``targets`` (a tensor: one class per image, in dataset order) or ``targets_file`` (another
+    run's ``targets.csv``); they are saved (``targets.csv``). ``model_info`` says where the
+    model came from, as for :func:`robust_attn.protocols.rotation.run_rotation` (recorded in
+    ``run.json`` with the weights' sha256 and parameter count). ``checks=True`` runs the attack's sanity checks
     once on the first images, and the sweep's monotonicity check on the finished records, and
     saves them (``checks.json``: name, passed, detail, setting). Returns the RunStore.
 
@@ -252,15 +276,17 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
     ``batch_size`` (the ragged last chunk included); it is recorded in ``run.json`` as
     ``parameters["exact"]``. The per-batch sanity checks always exercise the default mode.
     """
+    from robust_attn.sources.provenance import with_provenance
+
     if not isinstance(exact, bool):
         raise TypeError(f"exact must be a bool (True: bit-identical across backends), got {exact!r}")
     device = torch.device(device)
     model = model.to(device).eval()
     settings = list(settings)
     labels = dataset_labels(dataset)
-    targets, source = prepare_targets(labels, num_classes, seed, targets_file)
+    targets, source = prepare_targets(labels, num_classes, seed, targets_file, targets=targets)
     conditions = [{"name": CLEAN, "eps": 0.0, "step": 0.0, "steps": 0}] + [s.as_dict() for s in settings]
-    store = open_run(out_dir, dict(run_info or {}), protocol=PROTOCOL,
+    store = open_run(out_dir, with_provenance(model, run_info, model_info, dataset), protocol=PROTOCOL,
                      parameters={"norm": "Linf", "units": "1/255", "targeted": True, "random_start": False,
                                  "backend": backend, "exact": exact, "seed": int(seed), "targets": source},
                      conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank)

@@ -5,7 +5,8 @@ A protocol module decorates a function with :func:`study_protocol`; the study
 and nothing else in the study names protocols. Two kinds of step:
 
 * per model (``per_model=True``): ``step(ctx, entry, model) -> Path`` runs the protocol on one
-  zoo model and returns its run directory;
+  model (``entry.name`` its label; ``ctx.dataset`` and ``ctx.attack_dataset`` its images, through
+  its own preprocessing) and returns its run directory;
 * across models (``per_model=False``): ``step(ctx, entries, models) -> list[Path]`` runs once
   with every model loaded (e.g. the transfer matrix), after all per-model steps.
 
@@ -46,6 +47,9 @@ class StudyContext:
         return {"rank": self.rank, "world_size": self.world_size}
 
     def run_info(self, entry, model) -> dict:
+        described = getattr(entry, "description", None)
+        if described is not None:   # the study's models (any source): where it came from, under its label
+            return {**self.base_info, **described, "model": entry.name}
         arch = getattr(model, "arch_args", None) or entry.arch
         return {**self.base_info, "model": (arch or {}).get("name", entry.name), "zoo_entry": entry.name,
                 "arch": arch, "checkpoint": {"path": entry.weights, "sha256": entry.sha256}}

@@ -167,18 +167,24 @@ def summarize_rotation(records: pd.DataFrame, baseline: str = "none") -> pd.Data
 
 def run_rotation(model: nn.Module, dataset, out_dir, *, conditions: list[RotationCondition] | None = None,
                  batch_size: int = 64, device: str | torch.device = "cpu", run_info: dict | None = None,
-                 rank: int = 0, world_size: int = 1, num_workers: int = 0, progress: bool = True):
-    """Run (or resume) the rotation protocol on ``model`` (a :class:`NormalizedModel` taking
-    [0, 1] images) over ``dataset`` into ``out_dir``; returns the :class:`RunStore`.
+                 rank: int = 0, world_size: int = 1, num_workers: int = 0, progress: bool = True,
+                 model_info=None):
+    """Run (or resume) the rotation protocol on ``model`` (any module taking [0, 1] images, e.g.
+    a :class:`NormalizedModel`) over ``dataset`` into ``out_dir``; returns the :class:`RunStore`.
 
     ``run_info`` adds what the caller knows (model, checkpoint, dataset, command line); the
-    protocol adds its own parameters, conditions, image count and chunk size.
+    protocol adds its own parameters, conditions, image count and chunk size. ``model_info``
+    says where the model came from (a :class:`~robust_attn.sources.LoadedModel`, a dict such as
+    ``{"name": "my_vit", "weights_origin": "pretrained", "weights": "..."}`` or a string); the run
+    records it with the weights' sha256 and the parameter count
+    (:func:`robust_attn.sources.provenance.with_provenance`; without it: ``user module``).
     """
+    from robust_attn.sources.provenance import with_provenance
 
     conditions = list(conditions) if conditions is not None else rotation_conditions()
     device = torch.device(device)
     model = model.to(device).eval()
-    store = open_run(out_dir, dict(run_info or {}), protocol=PROTOCOL,
+    store = open_run(out_dir, with_provenance(model, run_info, model_info, dataset), protocol=PROTOCOL,
                      parameters={"angle_interpolation": "bilinear", "angle_fill": "zeros",
                                  "direction": "clockwise"},
                      conditions=[c.as_dict() for c in conditions], num_images=len(dataset),

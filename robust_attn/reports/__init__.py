@@ -13,6 +13,7 @@ import pandas as pd
 from robust_attn.reports.attacks import attack_sections
 from robust_attn.reports.comparison import (DEFAULT_BASELINE, HEADLINE_MEASURES, agreement_findings, compare_models,
                                             findings_text)
+from robust_attn.reports.models import MODELS_CAPTION, format_model_table, model_table
 from robust_attn.reports.plots import plot_comparison, plot_pgd, plot_rotation
 from robust_attn.reports.shifts import SHIFT_PROTOCOLS, shift_sections
 from robust_attn.reports.stats import bootstrap_mean_ci
@@ -55,6 +56,9 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
         md += ["**Warning: some runs used random weights (no checkpoint); their numbers say nothing "
                "about the architectures.**", ""]
     md += list(preamble or [])
+    models = model_table(runs)
+    files.append(_write_csv(models, out / "models.csv"))
+    md += ["## Models", "", MODELS_CAPTION, "", to_markdown(format_model_table(models)), ""]
 
     comparison = compare_models(runs, n_boot=n_boot, seed=seed, level=level, baseline=baseline)
     if not comparison.empty and comparison["model"].nunique() > 1:

@@ -60,7 +60,11 @@ class Run:
 
     @property
     def trained(self) -> bool:
-        return self.description.get("checkpoint") is not None
+        """False only for a model known to have random weights (``weights_origin``; runs recorded
+        before it: no checkpoint), never for a user's module of unknown origin."""
+        from robust_attn.sources.provenance import is_random
+
+        return not is_random(self.description)
 
     @property
     def num_classes(self) -> int | None:
@@ -101,6 +105,8 @@ def _identity(runs: list[Run]) -> dict[str, str]:
     shas = [c.get("sha256") or "" for c in (checkpoint if isinstance(checkpoint, list) else [checkpoint or {}])]
     if any(shas):
         weights = "ckpt " + "+".join(sha[:8] for sha in shas)
+    elif run.description.get("weights_sha256"):
+        weights = f"weights {run.description['weights_sha256'][:8]}"
     else:
         weights = f"init seed {run.description.get('init_seed')}"
     images = max((r.records["index"].nunique() if len(r.records) else int(r.description.get("num_images", 0)))

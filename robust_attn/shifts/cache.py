@@ -63,9 +63,15 @@ class OnTheFly:
 
 
 def cache_folder(root, dataset_key: dict, seed: int) -> Path:
-    """``root/<name>-<split>-<limit or all>-seed<seed>``."""
+    """``root/<name>-<split>-<limit or all>-seed<seed>``, plus ``-pp<hash>`` when the images went
+    through a model's own preprocessing (``dataset_key["preprocessing"]``): models of one study
+    that resize or crop differently see different clean images, so they get different caches."""
     limit = dataset_key.get("limit")
-    return Path(root) / f"{dataset_key['name']}-{dataset_key.get('split', 'test')}-{limit or 'all'}-seed{seed}"
+    name = f"{dataset_key['name']}-{dataset_key.get('split', 'test')}-{limit or 'all'}-seed{seed}"
+    if dataset_key.get("preprocessing"):
+        text = json.dumps(dataset_key["preprocessing"], sort_keys=True)
+        name += f"-pp{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    return Path(root) / name
 
 
 @contextlib.contextmanager
@@ -92,7 +98,7 @@ class CorruptionCache:
 
     def __init__(self, root, dataset, dataset_key: dict, seed: int = 0, batch_size: int = 250):
         self.dataset, self.seed, self.batch_size = dataset, int(seed), int(batch_size)
-        self.key = {k: dataset_key.get(k) for k in ("name", "split", "limit")}
+        self.key = {k: dataset_key.get(k) for k in ("name", "split", "limit", "preprocessing")}
         self.root = cache_folder(root, self.key, self.seed)
         self._verified: set[Path] = set()
         self._open: dict[Path, np.ndarray] = {}

@@ -1,0 +1,183 @@
+"""Study configs: ``robust-attn study CONFIG.toml`` (issue #15).
+
+A study config is a TOML file naming the models (any model spec of :mod:`robust_attn.sources`),
+the dataset and the protocols; every other key is a field of
+:class:`robust_attn.study.StudyConfig` with the same name and meaning::
+
+    dataset = "imagenet"                 # required
+    root = "data"                        # data root (default: --root, $ROBUST_ATTN_DATA or ./data)
+    split = "test"                       # ImageNet: "test" is val-original (the 50,000 val images)
+    limit = 1000                         # a fixed-seed subset (default: every image)
+    protocols = ["rotation", "pgd"]      # robust-attn study --help lists them
+    baseline = "torchvision-resnet50"    # the convolutional reference of the findings: a model's label
+
+    models = ["timm:resnet26t", "torchvision:resnet50:IMAGENET1K_V1"]   # spec strings, or tables:
+
+    [[models]]
+    spec = "san-official:checkpoints/san10_pairwise.pth:san10_pairwise"
+    label = "san10_pairwise"             # default: robust_attn.sources.spec_label(spec)
+    # checkpoint = "FILE"                # a weights file for the spec (as --checkpoint)
+    # model_args = { pretrained = false }   # as --model-args
+
+(``models = [...]`` and ``[[models]]`` tables are two ways to write the same list; use one.)
+Paths are read as on the command line: relative to the folder the command runs in. Loading
+validates everything it can without building a model: unknown keys (with the closest valid
+key), types, values (:class:`~robust_attn.study.StudyConfig`'s checks), spec syntax and
+sources, distinct labels, and a ``baseline`` that names one of the models. Each error names
+the file and the key to fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (a dependency there)
+    import tomli as tomllib
+
+__all__ = ["StudyModel", "StudyConfigError", "load_study_config", "read_study_toml", "study_config_from_dict",
+           "LABEL_PATTERN"]
+
+#: what a label may hold: it names run folders and the transfer conditions (``attack.label``)
+LABEL_PATTERN = re.compile(r"[A-Za-z0-9_+-]+")
+
+
+class StudyConfigError(ValueError):
+    """A study config that cannot be used; the message names the file, the key and the fix."""
+
+
+@dataclass(frozen=True)
+class StudyModel:
+    """One model of a study: a model spec (:mod:`robust_attn.sources`) and its options.
+
+    ``checkpoint``: a weights file for the spec (the CLI's ``--checkpoint``); ``model_args``: the
+    constructor's keyword arguments (``--model-args``); ``label``: the model's name in run
+    folders and report rows (default :func:`robust_attn.sources.spec_label`)."""
+
+    spec: str
+    checkpoint: str | None = None
+    model_args: dict = field(default_factory=dict)
+    label: str | None = None
+
+    def __post_init__(self):
+        from robust_attn.sources import check_spec
+
+        if not isinstance(self.spec, str) or not self.spec.strip():
+            raise ValueError(f"a study model needs a spec string, got {self.spec!r}")
+        check_spec(self.spec)   # SourceError (a ValueError): unknown source, a missing file ...
+        if self.checkpoint is not None and not isinstance(self.checkpoint, str):
+            raise ValueError(f"model {self.spec!r}: checkpoint must be a path string, got {self.checkpoint!r}")
+        if not isinstance(self.model_args, dict):
+            raise ValueError(f"model {self.spec!r}: model_args must be a table, e.g. {{ pretrained = false }}")
+        if self.label is not None and not (isinstance(self.label, str) and LABEL_PATTERN.fullmatch(self.label)):
+            raise ValueError(f"model {self.spec!r}: label {self.label!r} may hold only letters, digits, _, + and - "
+                             f"(it names run folders)")
+
+    @property
+    def name(self) -> str:
+        from robust_attn.sources import spec_label
+
+        return self.label or spec_label(self.spec)
+
+
+def read_study_toml(path: str | Path) -> dict:
+    """The raw table of a study config file; errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise StudyConfigError(f"study config {path} does not exist; give a TOML file (e.g. zoo/studies/"
+                               f"imagenet.toml), or --dataset NAME for every zoo model of a dataset")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise StudyConfigError(f"study config {path} is not valid TOML: {err}") from None
+
+
+def load_study_config(path: str | Path, overrides: dict | None = None):
+    """:class:`~robust_attn.study.StudyConfig` from the TOML file ``path`` (module docstring);
+    ``overrides`` (config keys, e.g. the command line's ``--limit``) replace the file's values."""
+    return study_config_from_dict({**read_study_toml(path), **(overrides or {})}, where=str(path))
+
+
+def _field_value(key: str, value, annotation: str, where: str):
+    """``value`` checked against the StudyConfig field's annotation (``int``, ``float | None``,
+    ``tuple[float, ...]``, ``tuple[str, ...]``, ...) and converted to it."""
+    def wrong(expected: str) -> StudyConfigError:
+        return StudyConfigError(f"{where}: {key} must be {expected}, got {type(value).__name__} {value!r}")
+
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)   # noqa: E731
+    base = annotation.replace(" | None", "").strip()
+    if base.startswith("tuple"):
+        item = base[base.index("[") + 1:].split(",")[0].strip()
+        ok, kind = {"float": (number, "numbers"),
+                    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "integers")}.get(
+            item, (lambda v: isinstance(v, str), "strings"))
+        if not isinstance(value, list) or not all(ok(v) for v in value):
+            raise wrong(f"a list of {kind}")
+        return tuple(float(v) if item == "float" else v for v in value)
+    if base == "float":
+        if not number(value):
+            raise wrong("a number")
+        return float(value)
+    if base == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        raise wrong("an integer")
+    if base == "str" and not isinstance(value, str):
+        raise wrong("a string")
+    return value
+
+
+def _model(item, index: int, where: str) -> StudyModel:
+    here = f"{where}: models[{index}]"
+    if isinstance(item, str):
+        item = {"spec": item}
+    if not isinstance(item, dict):
+        raise StudyConfigError(f"{here} must be a spec string or a table with spec (and checkpoint, model_args, "
+                               f"label), got {item!r}")
+    known = [f.name for f in dataclasses.fields(StudyModel)]
+    unknown = sorted(set(item) - set(known))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        raise StudyConfigError(f"{here}: unknown key {unknown[0]!r}.{f' Did you mean {close[0]!r}?' if close else ''} "
+                               f"A model takes {', '.join(known)}")
+    if "spec" not in item:
+        raise StudyConfigError(f"{here} has no spec; e.g. spec = \"timm:resnet26t\"")
+    try:
+        return StudyModel(**item)
+    except ValueError as err:
+        raise StudyConfigError(f"{here}: {err}") from None
+
+
+def study_config_from_dict(raw: dict, where: str = "study config"):
+    """Validate a study config given as a dict (what the TOML file holds)."""
+    from robust_attn.study import StudyConfig
+
+    fields = {f.name: f for f in dataclasses.fields(StudyConfig)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            raise StudyConfigError(f"{where}: unknown key {key!r}.{f' Did you mean {close[0]!r}?' if close else ''} "
+                                   f"Valid keys: {', '.join(sorted(fields))}")
+        if key == "models":
+            if not isinstance(value, list) or not value:
+                raise StudyConfigError(f"{where}: models must be a non-empty list of spec strings or [[models]] "
+                                       f"tables")
+            kwargs[key] = tuple(_model(item, i, where) for i, item in enumerate(value))
+        else:
+            kwargs[key] = _field_value(key, value, str(fields[key].type), where)
+    for required in ("dataset", "models"):
+        if required not in kwargs:
+            raise StudyConfigError(f"{where} lacks {required!r}: name the dataset (e.g. dataset = \"imagenet\") and "
+                                   f"the models (models = [\"timm:resnet26t\", ...])")
+    try:
+        config = StudyConfig(**kwargs)
+    except ValueError as err:
+        raise StudyConfigError(f"{where}: {err}") from None
+    names = [m.name for m in config.models]
+    if config.baseline not in names:
+        raise StudyConfigError(f"{where}: baseline = {config.baseline!r} names none of the models; set it to one "
+                               f"of their labels: {', '.join(names)}")
+    return config

@@ -1,0 +1,85 @@
+"""The models of a study (:mod:`robust_attn.study`): which, loaded from their specs, and the
+images each is evaluated on.
+
+Every model is loaded through its spec (:mod:`robust_attn.sources`; a zoo entry as
+``zoo:NAME``) and gets the study's images through its own preprocessing
+(:mod:`robust_attn.sources.inputs`): the same fixed-seed subset for every model, resized and
+cropped as its weights expect, built once per distinct preprocessing. The steps that compare
+models on the same tensors (``per_model=False``) need one preprocessing for all.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from robust_attn.study_config import StudyModel
+
+__all__ = ["StudyEntry", "study_models", "load_models", "model_inputs"]
+
+
+@dataclass
+class StudyEntry:
+    """A loaded model of the study, as the protocol steps get it (``entry``): ``name`` labels its
+    run folders and report rows; ``description`` says where it came from (run.json)."""
+
+    name: str
+    description: dict
+
+
+def study_models(config, manifest) -> list[StudyModel]:
+    """The models the study covers: ``config.models`` (a zoo entry name becomes ``zoo:NAME``), or
+    every zoo entry for the dataset in manifest order; a named zoo model the zoo lacks is an error
+    that lists what it has."""
+    zoo_names = [m for m in config.models if isinstance(m, str)]
+    if config.models and not zoo_names:
+        return list(config.models)
+    have = [e for e in manifest.entries.values() if e.dataset == config.dataset]
+    if not have:
+        raise ValueError(f"the zoo at {manifest.path} has no model trained on {config.dataset!r}; train one "
+                         f"(zoo/recipes) and register it with `robust-attn zoo add`")
+    by_name = {e.name: e for e in have}
+    unknown = [m for m in zoo_names if m not in by_name]
+    if unknown:
+        raise ValueError(f"no zoo model {unknown} for {config.dataset!r}; the zoo has {sorted(by_name)}")
+    chosen = config.models or tuple(by_name)
+    return [StudyModel(f"zoo:{m}", label=m) if isinstance(m, str) else m for m in chosen]
+
+
+def load_models(chosen: list[StudyModel], info, device, manifest, seed: int, log) -> dict:
+    """name -> LoadedModel of every study model (errors name the model and the fix)."""
+    from robust_attn.sources import load_model_spec
+
+    loaded = {}
+    for i, m in enumerate(chosen, start=1):
+        log(f"[{i}/{len(chosen)}] {m.name}: loading {m.spec}")
+        try:
+            loaded[m.name] = load_model_spec(m.spec, dataset_info=info, checkpoint=m.checkpoint,
+                                             model_args=m.model_args, seed=seed, device=str(device),
+                                             manifest=str(manifest.path))
+        except ValueError as err:
+            raise ValueError(f"study model {m.name} ({m.spec}): {err}") from None
+    return loaded
+
+
+def model_inputs(config, root, loaded: dict, across: list) -> dict:
+    """name -> (dataset, attack_dataset, applied preprocessing): the study's images through each
+    model's preprocessing, built once per distinct preprocessing. ``across`` (steps comparing
+    models on the same images) is refused when the models' preprocessing differ."""
+    from robust_attn.sources.inputs import model_dataset, same_preprocessing
+
+    built, out = {}, {}
+    for name, model in loaded.items():
+        key = json.dumps(model.preprocessing.as_dict() if model.preprocessing else None, sort_keys=True)
+        if key not in built:
+            dataset, applied = model_dataset(config.dataset, model.preprocessing, root=root, split=config.split,
+                                             limit=config.limit)
+            attack_limit = min(x for x in (config.limit, config.attack_limit, len(dataset)) if x is not None)
+            attack_dataset = dataset if attack_limit >= len(dataset) else model_dataset(
+                config.dataset, model.preprocessing, root=root, split=config.split, limit=attack_limit)[0]
+            built[key] = (dataset, attack_dataset, applied)
+        out[name] = built[key]
+    if across:
+        same_preprocessing({name: applied for name, (_, _, applied) in out.items()},
+                           f"protocols {', '.join(s.name for s in across)} compare the models on the same images",
+                           "leave them out of protocols, or study the models of one preprocessing together")
+    return out
