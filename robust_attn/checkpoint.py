@@ -211,6 +211,17 @@ def load_checkpoint(weights: str | os.PathLike, expected_sha256: str | None = No
     return model.to(map_location).eval()
 
 
+def check_trained_on(weights: str | os.PathLike, dataset: str, allow_other: bool = False) -> None:
+    """Refuse a checkpoint whose sidecar says it was trained on another dataset than ``dataset``
+    (its normalization and class order are that dataset's), unless ``allow_other``."""
+    trained_on = read_sidecar(weights).get("dataset")
+    if trained_on and trained_on != dataset and not allow_other:
+        raise CheckpointError(f"checkpoint {weights} was trained on {trained_on} (its sidecar says so) but the "
+                              f"dataset is {dataset}: its normalization and classes are {trained_on}'s. Evaluate it "
+                              f"on --dataset {trained_on}, or pass --other-dataset to measure it on {dataset} on "
+                              f"purpose")
+
+
 def check_num_classes(model: torch.nn.Module, num_classes: int, where: str, image_size: int = 32,
                       channels: int = 3) -> None:
     """Refuse a model whose output is not ``(batch, num_classes)``, whatever its source.

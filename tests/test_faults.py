@@ -169,15 +169,17 @@ def test_check_num_classes_forward_and_mode():
 
 
 def test_eval_refuses_a_model_that_does_not_fit_the_dataset_whatever_its_source(tmp_path, monkeypatch, capsys):
-    """Whatever load_eval_model returns (a zoo entry, a torchvision model, a future source) goes
-    through the check in eval's set-up."""
-    import robust_attn.commands.eval as eval_cmd
+    """Whatever a source returns (a zoo entry, a torchvision model, a future source registered
+    later: here a stand-in) goes through the check of load_model_spec before any image is read."""
+    import robust_attn.sources as sources
 
-    monkeypatch.setattr(eval_cmd, "load_eval_model", lambda args, info: (_head(5).eval(), {
-        "model": "other", "arch": {}, "checkpoint": None}))
-    assert main([*EVAL, "--model", "other", "--out", str(tmp_path / "run")]) == 2
+    sources.list_sources()   # the real sources first, so the stand-in is one more
+    monkeypatch.setitem(sources._SOURCES, "other", lambda request: sources.LoadedModel(
+        _head(5).eval(), None, {"model": "other", "arch": {}, "checkpoint": None, "weights_origin": "user",
+                                  "weights_sha256": "0" * 64}))
+    assert main([*EVAL, "--model", "other:m", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "model other outputs 5 classes but the dataset has 10" in err and "trained on" in err
+    assert "model other:m outputs 5 classes but the dataset has 10" in err and "trained on" in err
     assert not (tmp_path / "run").exists()
 
 
@@ -186,6 +188,50 @@ def test_a_checkpoint_of_another_dataset_is_refused(tmp_path, capsys):
     save_checkpoint(path, _tiny_resnet(num_classes=5))
     assert main([*EVAL, "--checkpoint", str(path), "--out", str(tmp_path / "run")]) == 2
     assert "5 classes but dataset synthetic has 10" in capsys.readouterr().err
+
+
+def test_a_checkpoint_trained_on_another_dataset_is_refused_unless_asked(tmp_path, capsys):
+    """Same class count, other dataset (e.g. a Fashion-MNIST model on CIFAR-10): silently wrong
+    before; now an error naming both fixes, and --other-dataset measures it on purpose."""
+    path = tmp_path / "fm.safetensors"
+    save_checkpoint(path, _tiny_resnet(), meta={"dataset": "fashion_mnist"})
+    assert main([*EVAL, "--checkpoint", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "trained on fashion_mnist" in err and "--dataset fashion_mnist" in err and "--other-dataset" in err
+    assert not (tmp_path / "run").exists()
+    assert main([*EVAL, "--checkpoint", str(path), "--other-dataset", "--out", str(tmp_path / "run")]) == 0
+    assert main(["eval", "transfer", "--dataset", "synthetic", "--limit", "2", "--no-progress", "--source", str(path),
+                 "--target", str(path), "--out", str(tmp_path / "transfer")]) == 2
+    assert "trained on fashion_mnist" in capsys.readouterr().err
+
+
+def test_a_checkpoint_alone_names_its_architecture(tmp_path, capsys):
+    """``eval --checkpoint PATH`` without --model (the README's step by step) loads the sidecar's
+    architecture."""
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(path, _tiny_resnet(), meta={"dataset": "synthetic"})
+    assert main([*EVAL, "--checkpoint", str(path), "--out", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["model"] == "resnet26"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["eval", "pgd", "--eps", "300"], "at most 255"),
+    (["eval", "pgd", "--eps", "8", "--step", "400", "--steps", "1"], "at most 255"),
+])
+def test_pgd_eps_beyond_the_pixel_range_is_refused(argv, words, tmp_path, capsys):
+    base = ["--model", "resnet26", "--model-args", "width=0.25", "stem_downsample=4", "--dataset", "synthetic",
+            "--limit", "2", "--no-progress", "--out", str(tmp_path / "o")]
+    assert main([*argv, *base]) == 2
+    assert words in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys):
+    argv = ["eval", "attack", "--model", "resnet26", "--model-args", "width=0.25", "stem_downsample=4", "--dataset",
+            "synthetic", "--limit", "2", "--no-progress", "--no-checks", "--attack", "pgd", "--norm", "l2", "--eps",
+            "0.5/255", "--steps", "1", "--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("robust-attn eval: warning: L2 eps") == 1 and "Warning:" not in err
 
 
 # --- long phases say what they do ------------------------------------------------------------

@@ -65,6 +65,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
                    help="keyword arguments of the model's constructor, e.g. width=0.25 (registry, without "
                         "--checkpoint), pretrained=False (timm) or those of your FUNCTION")
+    p.add_argument("--other-dataset", action="store_true",
+                   help="evaluate a --checkpoint trained on another dataset than --dataset (refused otherwise)")
     p.add_argument("--dataset", default="imagenet", help="dataset name (default: imagenet)")
     p.add_argument("--root", help="data folder (default: $ROBUST_ATTN_DATA or ./data)")
     p.add_argument("--split", default="test", choices=["test", "val", "train"],
@@ -136,7 +138,7 @@ def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
         raise UserError(f"give --model NAME (robust-attn zoo list) and usually --checkpoint PATH; --model takes "
                         f"any model spec: {SPEC_HELP}")
     loaded = load_model_spec(spec, dataset_info=info, checkpoint=args.checkpoint, model_args=overrides,
-                             seed=args.seed)
+                             seed=args.seed, other_dataset=args.other_dataset)
     return loaded.model, loaded.description
 
 

@@ -100,11 +100,11 @@ def _warn_flagged(root: Path) -> None:
               + "; ".join(f"{c['name']}: {c.get('detail', '')}" for c in flagged[:3]), file=sys.stderr)
 
 
-def load_named_model(spec: str, info, device) -> tuple[str, torch.nn.Module, dict]:
+def load_named_model(spec: str, info, device, other_dataset: bool = False) -> tuple[str, torch.nn.Module, dict]:
     """A transfer source or target: a zoo entry name (``NAME`` or ``zoo:NAME``, for the dataset),
     a checkpoint file, or any other model spec (:mod:`robust_attn.sources`; its description
     carries its ``preprocessing``). Returns (name, model, description)."""
-    from robust_attn.checkpoint import load_checkpoint
+    from robust_attn.checkpoint import check_trained_on, load_checkpoint
     from robust_attn.sources import load_model_spec, parse_spec, spec_label
     from robust_attn.utils.io import sha256_file
     from robust_attn.zoo import Manifest, load_entry
@@ -117,6 +117,7 @@ def load_named_model(spec: str, info, device) -> tuple[str, torch.nn.Module, dic
         if not path.is_file():
             raise UserError(f"checkpoint {path} does not exist; check the path")
         model = load_checkpoint(path)
+        check_trained_on(path, info.name, allow_other=other_dataset)
         name = path.stem
         desc = {"model": model.arch_args.get("name", name), "checkpoint": {"path": str(path),
                                                                            "sha256": sha256_file(path)}}
@@ -153,8 +154,8 @@ def run_transfer_cmd(args) -> int:
     configs = attack_configs(args)
     info = dataset_info(args.dataset, root=args.root)
     rank, world_size, device = init_distributed(args.device)
-    sources = [load_named_model(s, info, device) for s in args.source]
-    targets = [load_named_model(t, info, device) for t in args.target]
+    sources = [load_named_model(s, info, device, args.other_dataset) for s in args.source]
+    targets = [load_named_model(t, info, device, args.other_dataset) for t in args.target]
     source_name = "+".join(n for n, _, _ in sources)
     source = sources[0][1] if len(sources) == 1 else EnsembleModel([m for _, m, _ in sources])
     common = same_preprocessing({n: d.get("preprocessing") for n, _, d in sources + targets},

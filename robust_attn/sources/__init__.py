@@ -161,7 +161,8 @@ def spec_label(spec: str) -> str:
 
 
 def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = None, model_args: dict | None = None,
-                    seed: int = 0, device: str = "cpu", check: bool = True, manifest: str | None = None) -> LoadedModel:
+                    seed: int = 0, device: str = "cpu", check: bool = True, manifest: str | None = None,
+                    other_dataset: bool = False) -> LoadedModel:
     """The model of ``spec`` for ``dataset_info`` (a :class:`robust_attn.data.DatasetInfo`).
 
     ``checkpoint``: weights for the registry, timm, torchvision or a user's function (refused
@@ -171,6 +172,8 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
     size) refusing a model whose output is not the dataset's classes. ``manifest``: the zoo
     manifest of ``zoo:NAME`` (default ``zoo/manifest.json`` or ``$ROBUST_ATTN_ZOO_MANIFEST``).
     ``spec`` may be None with a ``checkpoint``: the architecture its sidecar names.
+    ``other_dataset``: allow a robust-attn checkpoint whose sidecar names another dataset than
+    ``dataset_info`` (its normalization and classes belong to that one; refused by default).
 
     The description records where the model came from (:mod:`robust_attn.sources.provenance`):
     ``source``, ``spec``, ``weights_origin``, ``weights_sha256``, ``params`` and ``preprocessing``."""
@@ -180,12 +183,14 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
     if spec is None:
         if not checkpoint:
             raise SourceError(f"give a model spec ({SPEC_HELP}) or a checkpoint")
+        _ensure_sources_imported()
         source, target = REGISTRY, ""
     else:
         source, target = parse_spec(spec)
     request = SourceRequest(spec=spec if spec is not None else "", target=target, dataset_info=dataset_info,
                             checkpoint=str(checkpoint) if checkpoint else None, model_args=dict(model_args or {}),
-                            seed=seed, device=str(device), manifest=str(manifest) if manifest else None)
+                            seed=seed, device=str(device), manifest=str(manifest) if manifest else None,
+                            other_dataset=other_dataset)
     loaded = _SOURCES[source](request)
     loaded.model = loaded.model.to(device).eval()
     desc = loaded.description

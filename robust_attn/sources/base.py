@@ -116,6 +116,7 @@ class SourceRequest:
     seed: int = 0
     device: str = "cpu"
     manifest: str | None = None     # zoo: the manifest file (None: the default one)
+    other_dataset: bool = False     # a checkpoint trained on another dataset than dataset_info's may be used
 
 
 def state_dict_sha256(module: nn.Module) -> str:

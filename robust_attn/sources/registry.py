@@ -21,7 +21,7 @@ from robust_attn.sources.provenance import RANDOM
 
 @register_source(REGISTRY)
 def load_registry(request: SourceRequest) -> LoadedModel:
-    from robust_attn.checkpoint import load_checkpoint
+    from robust_attn.checkpoint import check_trained_on, load_checkpoint
     from robust_attn.registry import create_model
     from robust_attn.utils.io import sha256_file
     from robust_attn.wrapper import NormalizedModel
@@ -37,6 +37,7 @@ def load_registry(request: SourceRequest) -> LoadedModel:
                               f"the path")
         sha = sha256_file(path)
         model = load_checkpoint(path, map_location=request.device)
+        check_trained_on(path, info.name, allow_other=request.other_dataset)
         arch = model.arch_args
         if name and name != arch["name"]:
             raise SourceError(f"--model {name} but checkpoint {path} holds {arch['name']}; drop --model or pass "
