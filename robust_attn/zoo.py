@@ -141,10 +141,11 @@ def load_model(name: str, dataset: str, manifest: str | os.PathLike | Manifest |
     return load_entry(manifest.get(name, dataset), manifest, device)
 
 
-def _recipe_error(entry: ZooEntry) -> str | None:
-    """A checkpoint's recipe must still resolve (with ``model=`` its architecture) to the recipe
-    that trained it, whose hash the trainer wrote into the sidecar; otherwise it cannot be
-    reproduced from the repository."""
+def _recipe_error(entry: ZooEntry, weights: Path | None = None) -> str | None:
+    """A checkpoint's recipe must still resolve (with ``model=`` its architecture, and
+    ``data.root=`` the data folder its sidecar records: where the data lay is no part of the
+    recipe) to the recipe that trained it, whose hash the trainer wrote into the sidecar;
+    otherwise it cannot be reproduced from the repository."""
     if not entry.recipe:
         return None
     from robust_attn.train.recipe import load_recipe
@@ -152,7 +153,15 @@ def _recipe_error(entry: ZooEntry) -> str | None:
     recipe_path = (ZOO_DIR.parent / entry.recipe).resolve()
     if not recipe_path.is_file():
         return f"recipe {entry.recipe} of {entry.name} is missing"
-    recipe = load_recipe(recipe_path, {"model": entry.arch.get("name", entry.name)}, check_data=False)
+    overrides = {"model": entry.arch.get("name", entry.name)}
+    if weights is not None:
+        try:
+            root = read_sidecar(weights).get("recipe", {}).get("data", {}).get("root")
+        except CheckpointError:
+            root = None   # verify names the unreadable sidecar itself
+        if root:
+            overrides["data"] = {"root": root}
+    recipe = load_recipe(recipe_path, overrides, check_data=False)
     if entry.recipe_sha256 and recipe.sha256() != entry.recipe_sha256:
         return (f"recipe {entry.recipe} changed since {entry.name} was trained (resolved-recipe sha256 "
                 f"differs); restore it, or retrain and re-add the checkpoint")
@@ -170,11 +179,19 @@ def verify_zoo(manifest: Manifest | None = None) -> list[tuple[ZooEntry, str | N
             continue
         try:
             load_entry(entry, manifest)
-            error = _recipe_error(entry)
+            error = _recipe_error(entry, manifest.resolve(entry.weights))
         except (CheckpointError, KeyError, ValueError) as err:
             error = str(err)
         results.append((entry, error))
     return results
+
+
+def _relative_to(manifest: Manifest, path: Path) -> str:
+    """``path`` as the manifest stores it: relative to the manifest's folder where possible."""
+    try:
+        return os.path.relpath(path, manifest.path.parent.resolve())
+    except ValueError:
+        return str(path)
 
 
 def entry_from_checkpoint(name: str, dataset: str, weights: str | os.PathLike, manifest: Manifest,
@@ -183,10 +200,12 @@ def entry_from_checkpoint(name: str, dataset: str, weights: str | os.PathLike, m
     weights = Path(weights).resolve()
     meta = read_sidecar(weights)
     load_checkpoint(weights)  # refuse a file that does not fit its architecture before listing it
-    try:
-        relative = os.path.relpath(weights, manifest.path.parent.resolve())
-    except ValueError:
-        relative = str(weights)
+    relative = _relative_to(manifest, weights)
+    if extra.get("log"):
+        log = Path(extra["log"]).resolve()
+        if not log.is_file():
+            raise ValueError(f"training log {extra['log']} does not exist")
+        extra["log"] = _relative_to(manifest, log)
     return ZooEntry(name=name, dataset=dataset, weights=relative, sha256=sha256_file(weights), arch=meta["arch"],
                     recipe=extra.pop("recipe", meta.get("recipe_source", "")),
                     recipe_sha256=extra.pop("recipe_sha256", meta.get("recipe_sha256", "")),
