@@ -169,6 +169,40 @@ def test_verify_refuses_an_entry_whose_recipe_changed(tmp_path, checkpoint):
     assert "changed since" in error
 
 
+def test_verify_resolves_the_recipe_with_the_data_root_the_sidecar_records(tmp_path):
+    """Where the training data lay (``data.root=DATA``) is part of the trainer's resolved recipe,
+    not of the recipe file: an entry trained with a root verifies; a changed setting still fails.
+    The training log is stored relative to the manifest, like the weights."""
+    from robust_attn.train.recipe import load_recipe
+    from robust_attn.zoo import entry_from_checkpoint
+
+    recipe_file = "zoo/recipes/cifar10_cpu.toml"
+    trained = load_recipe(recipe_file, {"model": "resnet26", "data": {"root": "/some/data"}}, check_data=False)
+    model = NormalizedModel(robust_attn.create_model("resnet26", 10, "cifar", width=0.25, stem_downsample=2),
+                            (0.3,) * 3, (0.3,) * 3)
+    path = tmp_path / "zoo" / "ckpt" / "resnet26.safetensors"
+    save_checkpoint(path, model.eval(), {"recipe": trained.to_dict(), "recipe_sha256": trained.sha256(),
+                                         "recipe_source": recipe_file})
+    log = path.with_name("log.csv")
+    log.write_text("epoch,eval_top1\n1,10.0\n")
+    manifest = Manifest(tmp_path / "zoo" / "manifest.json")
+    manifest.add(entry_from_checkpoint("resnet26", "cifar10", path, manifest, log=str(log)))
+    manifest.save()
+    assert Manifest(manifest.path).get("resnet26", "cifar10").log == "ckpt/log.csv"
+    (_, error), = verify_zoo(Manifest(manifest.path))
+    assert error is None
+    other = load_recipe(recipe_file, {"model": "resnet26", "epochs": 3, "data": {"root": "/some/data"}},
+                        check_data=False)
+    save_checkpoint(path, model.eval(), {"recipe": other.to_dict(), "recipe_sha256": other.sha256(),
+                                         "recipe_source": recipe_file})
+    manifest = Manifest(tmp_path / "zoo" / "manifest.json")
+    manifest.entries.clear()
+    manifest.add(entry_from_checkpoint("resnet26", "cifar10", path, manifest))
+    manifest.save()
+    (_, error), = verify_zoo(Manifest(manifest.path))
+    assert "changed since" in error
+
+
 @pytest.mark.parametrize("entry", list(Manifest().entries.values()), ids=lambda e: f"{e.name}-{e.dataset}")
 def test_shipped_checkpoint_reproduces_its_stated_test_accuracy(entry):
     from torch.utils.data import DataLoader
