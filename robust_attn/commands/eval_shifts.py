@@ -4,7 +4,6 @@ patch shuffling. Same model, data and output options as ``eval rotation``
 (:mod:`robust_attn.commands.eval`); resumable, and sharded under torchrun."""
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from robust_attn.cli import UserError

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from robust_attn.sources.base import LoadedModel, Preprocessing, state_dict_sha256
+from robust_attn.sources.base import LoadedModel, Preprocessing, load_weights_file, state_dict_sha256
 
-__all__ = ["WEIGHT_ORIGINS", "RANDOM", "USER", "USER_MODULE", "count_parameters", "with_provenance", "is_random"]
+__all__ = ["WEIGHT_ORIGINS", "RANDOM", "USER", "USER_MODULE", "count_parameters", "with_provenance", "is_random",
+           "wrap_library_model"]
 
 RANDOM, USER, USER_MODULE = "random", "user", "user module"
 WEIGHT_ORIGINS = (RANDOM, "checkpoint", "zoo", "pretrained", USER)
@@ -87,3 +88,21 @@ def is_random(description: dict) -> bool:
     if "weights_origin" in description:
         return description["weights_origin"] == RANDOM
     return description.get("checkpoint") is None
+
+
+def wrap_library_model(net: nn.Module, preprocessing: Preprocessing, desc: dict, request, pretrained: bool) -> LoadedModel:
+    """A library's network (timm, torchvision) as the protocols take it: ``request.checkpoint``
+    (a local state dict) loaded if given, wrapped with its preprocessing's mean/std, and its
+    weights' origin and hash recorded in ``desc``: the file's sha256, else the state dict's with
+    ``pretrained`` or ``random`` (and the seed) as the origin."""
+    from robust_attn.wrapper import NormalizedModel
+
+    if request.checkpoint:
+        sha = load_weights_file(net, request.checkpoint, request.spec)
+        desc.update(checkpoint={"path": request.checkpoint, "sha256": sha}, weights_sha256=sha,
+                    weights_origin="checkpoint")
+    model = NormalizedModel(net, preprocessing.mean, preprocessing.std)
+    if not request.checkpoint:
+        desc.update(weights_sha256=state_dict_sha256(model), weights_origin="pretrained" if pretrained else RANDOM,
+                    init_seed=None if pretrained else request.seed)
+    return LoadedModel(model, preprocessing, desc)

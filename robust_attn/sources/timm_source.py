@@ -21,10 +21,8 @@ import math
 import torch
 
 from robust_attn.sources import register_source
-from robust_attn.sources.base import (INTERPOLATIONS, LoadedModel, Preprocessing, SourceError, SourceRequest,
-                                      load_weights_file, state_dict_sha256)
-from robust_attn.sources.provenance import RANDOM
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.sources.base import INTERPOLATIONS, LoadedModel, Preprocessing, SourceError, SourceRequest
+from robust_attn.sources.provenance import wrap_library_model
 
 INSTALL = "pip install timm"
 
@@ -88,14 +86,4 @@ def load_timm(request: SourceRequest) -> LoadedModel:
             "arch": {"name": name, "pretrained": pretrained, **kwargs},
             "pretrained_tag": (getattr(net, "pretrained_cfg", None) or {}).get("tag") if pretrained else None,
             "timm_version": getattr(timm, "__version__", None)}
-    if request.checkpoint:
-        sha = load_weights_file(net, request.checkpoint, request.spec)
-        desc.update(checkpoint={"path": request.checkpoint, "sha256": sha}, weights_sha256=sha,
-                    weights_origin="checkpoint")
-    model = NormalizedModel(net, preprocessing.mean, preprocessing.std)
-    if not request.checkpoint:
-        desc["weights_sha256"] = state_dict_sha256(model)
-        desc["weights_origin"] = "pretrained" if pretrained else RANDOM
-        if not pretrained:
-            desc["init_seed"] = request.seed
-    return LoadedModel(model, preprocessing, desc)
+    return wrap_library_model(net, preprocessing, desc, request, pretrained)

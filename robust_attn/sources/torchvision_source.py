@@ -16,10 +16,8 @@ from __future__ import annotations
 import torch
 
 from robust_attn.sources import register_source
-from robust_attn.sources.base import LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file, \
-    state_dict_sha256
-from robust_attn.sources.provenance import RANDOM
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.sources.base import LoadedModel, Preprocessing, SourceError, SourceRequest
+from robust_attn.sources.provenance import wrap_library_model
 
 
 def _torchvision_models():
@@ -101,12 +99,4 @@ def load_torchvision(request: SourceRequest) -> LoadedModel:
             "arch": {"name": name, "torchvision_weights": weights.name if weights is not None else None, **kwargs},
             "checkpoint": None}
     net.arch_args = desc["arch"]
-    if request.checkpoint:
-        sha = load_weights_file(net, request.checkpoint, request.spec)
-        desc.update(checkpoint={"path": request.checkpoint, "sha256": sha}, weights_sha256=sha,
-                    weights_origin="checkpoint")
-    model = NormalizedModel(net, preprocessing.mean, preprocessing.std)
-    if not request.checkpoint:
-        desc.update(weights_sha256=state_dict_sha256(model), weights_origin=RANDOM if weights is None else "pretrained",
-                    init_seed=request.seed if weights is None else None)
-    return LoadedModel(model, preprocessing, desc)
+    return wrap_library_model(net, preprocessing, desc, request, pretrained=weights is not None)

@@ -22,7 +22,7 @@ import io
 import numpy as np
 
 from robust_attn.shifts.corruptions import register
-from robust_attn.shifts.corruptions.ops import draw, gaussian, hsv_to_rgb, reflect_index, rgb_to_hsv
+from robust_attn.shifts.corruptions.ops import gaussian, hsv_to_rgb, reflect_index, rgb_to_hsv
 
 BRIGHTNESS = (0.1, 0.2, 0.3, 0.4, 0.5)
 CONTRAST = (0.4, 0.3, 0.2, 0.1, 0.05)
