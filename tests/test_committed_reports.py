@@ -1,0 +1,85 @@
+"""The study reports committed in ``reports/`` say what their packed runs say, and were computed
+from the checkpoints the zoo ships (issue #16: "commit the report with its packed runs"; issue
+#18: nothing silently wrong on disk).
+
+The numbers are recomputed here from the per-image records with plain pandas means, independent
+of the report code, and compared with the committed CSV tables."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from robust_attn.reports.tables import load_runs
+from robust_attn.zoo import Manifest
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORTS = {"study-fashion_mnist": "fashion_mnist", "study-cifar10": "cifar10"}
+TABLE9 = ("none", "cw90", "cw180", "cw270", "flip_ud")
+
+
+def _runs(report: str, protocol: str):
+    paths = sorted((ROOT / "reports" / report / "runs").glob(f"{protocol}-*"))
+    assert paths, f"no packed {protocol} runs in reports/{report}"
+    return load_runs(paths)
+
+
+def _percent(records: pd.DataFrame, column: str) -> pd.Series:
+    return records.groupby("condition")[column].mean() * 100
+
+
+@pytest.mark.parametrize("report", sorted(REPORTS))
+def test_every_packed_run_was_computed_from_the_shipped_checkpoint(report):
+    manifest = Manifest()
+    dataset = REPORTS[report]
+    runs = list((ROOT / "reports" / report / "runs").iterdir())
+    assert runs
+    for path in runs:
+        described = json.loads((path / "run.json").read_text())
+        entry = manifest.get(described["model"], dataset)
+        assert described["checkpoint"]["sha256"] == entry.sha256, path.name
+
+
+@pytest.mark.parametrize("report", sorted(REPORTS))
+def test_table9_is_what_the_rotation_records_say(report):
+    table = pd.read_csv(ROOT / "reports" / report / "table9_rotation.csv").set_index("model")
+    for run in _runs(report, "rotation"):
+        top1 = _percent(run.records, "top1")
+        row = table.loc[run.model]
+        assert row["n"] == run.records["index"].nunique()
+        for condition in TABLE9:
+            assert row[f"{condition}_top1"] == pytest.approx(top1[condition], abs=1e-3)
+            assert row[f"{condition}_top1_drop"] == pytest.approx(top1["none"] - top1[condition], abs=1e-3)
+
+
+@pytest.mark.parametrize("report", sorted(REPORTS))
+def test_table10_is_what_the_pgd_records_say(report):
+    table = pd.read_csv(ROOT / "reports" / report / "table10_pgd.csv").set_index("model")
+    for run in _runs(report, "pgd"):
+        top1, success = _percent(run.records, "top1"), _percent(run.records, "success")
+        row = table.loc[run.model]
+        assert row["clean_top1"] == pytest.approx(top1["clean"], abs=1e-3)
+        for column, condition in (("n2", "pgd_eps8_step4_n2"), ("n4", "pgd_eps8_step2_n4")):
+            assert row[f"{column}_top1"] == pytest.approx(top1[condition], abs=1e-3)
+            assert row[f"{column}_success_rate"] == pytest.approx(success[condition], abs=1e-3)
+
+
+def test_cifar10_corruption_summary_is_what_the_records_say():
+    """Hendrycks & Dietterich's CE_c = sum_s E_{s,c} / sum_s E^base_{s,c}, mCE its mean over the
+    15 corruptions (in percent), recomputed from the records against resnet26's."""
+    table = pd.read_csv(ROOT / "reports/study-cifar10/corruption_summary.csv").set_index("model")
+    runs = {run.model: run for run in _runs("study-cifar10", "corruption")}
+
+    def errors(run) -> pd.Series:
+        return 1 - run.records[run.records["condition"] != "clean"].groupby("condition")["top1"].mean()
+
+    base = errors(runs["resnet26"])
+    for model, run in runs.items():
+        err = errors(run)
+        corruption = err.index.str.replace(r"_s[1-5]$", "", regex=True)
+        ce = err.groupby(corruption).sum() / base.groupby(corruption).sum()
+        assert len(ce) == table.loc[model, "corruptions"] == 15
+        assert table.loc[model, "mCE"] == pytest.approx(ce.mean() * 100, abs=1e-3)
+        assert table.loc[model, "corrupted_top1"] == pytest.approx((1 - err.mean()) * 100, abs=1e-3)
