@@ -296,15 +296,19 @@ def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_i
                 f"{', '.join(f'{a:g}' for a in config.occlusion_areas)}% and PatchDrop; patch shuffle on " \
                 f"{', '.join(f'{g}x{g}' for g in config.shuffle_grids)} grids."
     lines = [text, ""]
-    attacks = [p for p in config.protocols if p in ("autoattack", "square", "transfer", "masking")]
+    aa_eps = ", ".join(f"{e:g}" for e in config.autoattack_eps)
+    described = {   # only the attack protocols this study ran
+        "autoattack": f"AutoAttack's standard ensemble, untargeted L-inf, at eps {{{aa_eps}}}/255"
+                      + (f" with {config.attack_steps} iterations per member" if config.attack_steps else ""),
+        "square": f"Square alone at {config.square_eps:g}/255 with {config.square_queries} queries",
+        "transfer": "a transfer matrix (every model crafting Table 10's targeted {8, 2, 4} and an untargeted "
+                    f"{config.transfer_steps}-step PGD at 8/255 for every model)",
+        "masking": f"gradient-masking checks per model (their probes on the first {config.masking_images} of "
+                   "these images)"}
+    attacks = [p for p in config.protocols if p in described]
     if attacks:
-        aa_eps = ", ".join(f"{e:g}" for e in config.autoattack_eps)
-        lines += [f"Attacks ({', '.join(attacks)}) on a seeded subset of {num_attack_images} of these images: "
-                  f"AutoAttack's standard ensemble, untargeted L-inf, at eps {{{aa_eps}}}/255"
-                  + (f" with {config.attack_steps} iterations per member" if config.attack_steps else "")
-                  + f"; Square alone at {config.square_eps:g}/255 with {config.square_queries} queries; a transfer "
-                  f"matrix (every model crafting Table 10's targeted {{8, 2, 4}} and an untargeted "
-                  f"{config.transfer_steps}-step PGD at 8/255 for every model); gradient-masking checks per model.", ""]
+        lines += [f"Attacks on a seeded subset of {num_attack_images} of these images: "
+                  + "; ".join(described[p] for p in attacks) + ".", ""]
     timings_path = runs_dir / TIMINGS_FILE
     if timings_path.is_file():
         timings = pd.read_csv(timings_path)

@@ -227,3 +227,17 @@ def test_study_under_torchrun_gives_the_single_process_records(tmp_path, tiny_zo
     assert (pd.read_csv(tmp_path / "ddp" / TIMINGS_FILE)["processes"] == 2).all()
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "ddp_report" / "comparison.csv"),
                                   pd.read_csv(tmp_path / "one_report" / "comparison.csv"))
+
+
+def test_the_report_preamble_describes_only_the_attacks_that_ran(tmp_path):
+    """A study of the masking checks alone must not say that AutoAttack, Square or a transfer
+    matrix were run."""
+    from robust_attn.study import StudyConfig, _preamble
+
+    config = StudyConfig(dataset="cifar10", protocols=("masking",))
+    text = "\n".join(_preamble(config, tmp_path, 2000, 1000, []))
+    assert "gradient-masking checks" in text and "first 100 of these images" in text
+    assert "AutoAttack" not in text and "Square" not in text and "transfer" not in text
+    both = "\n".join(_preamble(StudyConfig(dataset="cifar10", protocols=("transfer", "masking")), tmp_path,
+                               2000, 1000, []))
+    assert "transfer matrix" in both and "AutoAttack" not in both
