@@ -275,40 +275,25 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     return files + [report_dir / TIMINGS_FILE, study_file]
 
 
+def _described(step, config: StudyConfig) -> str:
+    """A protocol's sentence in the preamble: its registered ``describe``, else its summary."""
+    return step.describe(config) if step.describe is not None else f"{step.name}: {step.summary}."
+
+
 def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_images: int,
               models: list[StudyModel]) -> list[str]:
-    eps = ", ".join(f"{e:g}" for e in config.sweep_eps)
+    """The report's opening: the models and images, then each protocol that ran, in the words
+    of its registration (:mod:`robust_attn.protocols.registry`), and the wall time spent."""
     who = f"every zoo model trained on `{config.dataset}`" if not config.models else \
         f"{len(models)} models on `{config.dataset}` ({', '.join(m.name for m in models)}; where each came from: " \
         f"Models, below)"
     text = f"Study: {who}, evaluated on {num_images} images of its '{config.split}' split."
-    if "rotation" in config.protocols:
-        sweep = f" and a sweep every {config.angle_step:g}° (bilinear, zero fill)" if config.angle_step else ""
-        text += f" Rotation: SAN Table 9's conditions, the left-right flip{sweep}."
-    if "pgd" in config.protocols:
-        eps_sweep = f" plus eps {{{eps}}}/255 with {config.sweep_steps} steps of eps/{config.sweep_steps}" if eps else ""
-        text += f" PGD: targeted L-inf, Table 10's {{8, 4, 2}} and {{8, 2, 4}}{eps_sweep}, {config.backend} backend; " \
-                f"every model attacked towards the same targets (seed {config.seed})."
-    shifts = [p for p in config.protocols if p in ("corruption", "occlusion", "shuffle")]
-    if shifts:
-        text += f" Shifts ({', '.join(shifts)}; seed {config.shift_seed}): corruptions `{config.corruptions}` at " \
-                f"severities {', '.join(map(str, config.severities))}; occlusion of " \
-                f"{', '.join(f'{a:g}' for a in config.occlusion_areas)}% and PatchDrop; patch shuffle on " \
-                f"{', '.join(f'{g}x{g}' for g in config.shuffle_grids)} grids."
+    ran = [STUDY_PROTOCOLS[p] for p in config.protocols]
+    text += "".join(" " + _described(step, config) for step in ran if not step.attack_subset)
     lines = [text, ""]
-    aa_eps = ", ".join(f"{e:g}" for e in config.autoattack_eps)
-    described = {   # only the attack protocols this study ran
-        "autoattack": f"AutoAttack's standard ensemble, untargeted L-inf, at eps {{{aa_eps}}}/255"
-                      + (f" with {config.attack_steps} iterations per member" if config.attack_steps else ""),
-        "square": f"Square alone at {config.square_eps:g}/255 with {config.square_queries} queries",
-        "transfer": "a transfer matrix (every model crafting Table 10's targeted {8, 2, 4} and an untargeted "
-                    f"{config.transfer_steps}-step PGD at 8/255 for every model)",
-        "masking": f"gradient-masking checks per model (their probes on the first {config.masking_images} of "
-                   "these images)"}
-    attacks = [p for p in config.protocols if p in described]
+    attacks = [_described(step, config) for step in ran if step.attack_subset]
     if attacks:
-        lines += [f"Attacks on a seeded subset of {num_attack_images} of these images: "
-                  + "; ".join(described[p] for p in attacks) + ".", ""]
+        lines += [f"Attacks on a seeded subset of {num_attack_images} of these images: " + "; ".join(attacks) + ".", ""]
     timings_path = runs_dir / TIMINGS_FILE
     if timings_path.is_file():
         timings = pd.read_csv(timings_path)

@@ -229,9 +229,9 @@ def test_study_under_torchrun_gives_the_single_process_records(tmp_path, tiny_zo
                                   pd.read_csv(tmp_path / "one_report" / "comparison.csv"))
 
 
-def test_the_report_preamble_describes_only_the_attacks_that_ran(tmp_path):
+def test_the_report_preamble_describes_only_the_protocols_that_ran(tmp_path):
     """A study of the masking checks alone must not say that AutoAttack, Square or a transfer
-    matrix were run."""
+    matrix were run, nor one of corruptions that occlusion and shuffle were."""
     from robust_attn.study import StudyConfig, _preamble
 
     config = StudyConfig(dataset="cifar10", protocols=("masking",))
@@ -241,3 +241,21 @@ def test_the_report_preamble_describes_only_the_attacks_that_ran(tmp_path):
     both = "\n".join(_preamble(StudyConfig(dataset="cifar10", protocols=("transfer", "masking")), tmp_path,
                                2000, 1000, []))
     assert "transfer matrix" in both and "AutoAttack" not in both
+    shifts = "\n".join(_preamble(StudyConfig(dataset="cifar10", protocols=("rotation", "corruption")), tmp_path,
+                                 2000, 1000, []))
+    assert "Rotation: SAN Table 9" in shifts and "Corruptions: `common` at severities 1, 2, 3, 4, 5" in shifts
+    assert "Occlusion" not in shifts and "shuffle" not in shifts and "PGD" not in shifts and "Attacks" not in shifts
+
+
+def test_every_study_protocol_describes_itself_for_the_report():
+    """A protocol joins the study in its own file: its registration carries the preamble's sentence."""
+    from robust_attn.protocols.registry import STUDY_PROTOCOLS, list_study_protocols
+    from robust_attn.study import StudyConfig
+
+    config = StudyConfig(dataset="cifar10")
+    for name in list_study_protocols():
+        step = STUDY_PROTOCOLS[name]
+        assert step.describe is not None, name
+        assert step.describe(config).strip(), name
+    assert {n for n in list_study_protocols() if STUDY_PROTOCOLS[n].attack_subset} == {
+        "autoattack", "square", "transfer", "masking"}

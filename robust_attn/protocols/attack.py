@@ -182,7 +182,18 @@ def _study_attack(ctx, entry, model, protocol: str, configs: list[AttackConfig])
     return out
 
 
-@study_protocol("autoattack", summary="AutoAttack (standard, untargeted L-inf) at each eps on the attack subset")
+def _describe_autoattack(config) -> str:
+    eps = ", ".join(f"{e:g}" for e in config.autoattack_eps)
+    steps = f" with {config.attack_steps} iterations per member" if config.attack_steps else ""
+    return f"AutoAttack's standard ensemble, untargeted L-inf, at eps {{{eps}}}/255{steps}"
+
+
+def _describe_square(config) -> str:
+    return f"Square alone at {config.square_eps:g}/255 with {config.square_queries} queries"
+
+
+@study_protocol("autoattack", summary="AutoAttack (standard, untargeted L-inf) at each eps on the attack subset",
+                describe=_describe_autoattack, attack_subset=True)
 def study_autoattack(ctx, entry, model):
     """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps`` (1/255)."""
     return _study_attack(ctx, entry, model, "autoattack", [
@@ -190,7 +201,8 @@ def study_autoattack(ctx, entry, model):
         for e in ctx.config.autoattack_eps])
 
 
-@study_protocol("square", summary="Square (score-based, no gradients) on the attack subset")
+@study_protocol("square", summary="Square (score-based, no gradients) on the attack subset",
+                describe=_describe_square, attack_subset=True)
 def study_square(ctx, entry, model):
     """The black-box reference: Square alone on every image, ``config.square_queries`` queries."""
     return _study_attack(ctx, entry, model, "square", [

@@ -78,8 +78,13 @@ def summarize_corruption(records, conditions: list[dict]):
     return summary
 
 
+def _describe(config) -> str:
+    return (f"Corruptions: `{config.corruptions}` at severities {', '.join(map(str, config.severities))} "
+            f"(seed {config.shift_seed}).")
+
+
 @study_protocol("corruption", summary="Hendrycks & Dietterich's common corruptions at severities 1-5 (mCE against "
-                                      "the baseline), from corrupted images made once per study")
+                                      "the baseline), from corrupted images made once per study", describe=_describe)
 def study_corruption(ctx, entry, model):
     """The study's corruption step: ``config.corruptions`` (default the 15 common ones) at
     ``config.severities`` (default 1-5) with ``config.shift_seed`` (default 0), every image of

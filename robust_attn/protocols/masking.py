@@ -128,8 +128,13 @@ def attack_run_checks(run_dir, model, dataset, configs, device, images: int = 64
     return checks
 
 
+def _describe(config) -> str:
+    return f"gradient-masking checks per model (their probes on the first {config.masking_images} of these images)"
+
+
 @study_protocol("masking", per_model=False, chunked=False,
-                summary="gradient-masking checks per model, from the attack runs")
+                summary="gradient-masking checks per model, from the attack runs", describe=_describe,
+                attack_subset=True)
 def study_masking(ctx, entries, models):
     """The checks of the module docstring for every model (after autoattack, square and transfer)."""
     config = ctx.config

@@ -77,8 +77,13 @@ def summarize_occlusion(records, conditions: list[dict]):
     return summary
 
 
+def _describe(config) -> str:
+    areas = ", ".join(f"{a:g}" for a in config.occlusion_areas)
+    return f"Occlusion: a square of {areas}% and PatchDrop, zero and mean fill (seed {config.shift_seed})."
+
+
 @study_protocol("occlusion", summary="Naseer et al.'s random occlusion: a square of k% and grid PatchDrop, zero "
-                                     "and mean fill")
+                                     "and mean fill", describe=_describe)
 def study_occlusion(ctx, entry, model):
     """The study's occlusion step: ``config.occlusion_areas`` (default 10, 25, 50, 75%), both
     fills, PatchDrop of 25/50/75% of a 4 x 4 grid, seed ``config.shift_seed``."""

@@ -334,7 +334,15 @@ def load_checks(run_dir) -> list[dict]:
     return json.loads(path.read_text()) if path.is_file() else []
 
 
-@study_protocol("pgd", summary="SAN Table 10's targeted PGD {8, 4, 2} and {8, 2, 4} plus an eps sweep")
+def _describe(config) -> str:
+    eps = ", ".join(f"{e:g}" for e in config.sweep_eps)
+    sweep = f" plus eps {{{eps}}}/255 with {config.sweep_steps} steps of eps/{config.sweep_steps}" if eps else ""
+    return (f"PGD: targeted L-inf, Table 10's {{8, 4, 2}} and {{8, 2, 4}}{sweep}, {config.backend} backend; "
+            f"every model attacked towards the same targets (seed {config.seed}).")
+
+
+@study_protocol("pgd", summary="SAN Table 10's targeted PGD {8, 4, 2} and {8, 2, 4} plus an eps sweep",
+                describe=_describe)
 def study_pgd(ctx, entry, model):
     """The study's Table 10 step: every image of the study, the same targets for every model."""
     out = ctx.run_dir("pgd", entry.name)

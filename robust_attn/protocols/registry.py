@@ -12,6 +12,11 @@ and nothing else in the study names protocols. Two kinds of step:
 
 Every step writes resumable run directories under ``ctx.runs_dir`` and may be called again
 after an interruption; under torchrun each rank computes a shard (``ctx.shard``).
+
+A step also says what it ran, for the report's preamble: ``describe(config) -> str``, one
+sentence from the study's config, and ``attack_subset=True`` when it runs on the seeded subset
+of the expensive attacks (``ctx.attack_dataset``) rather than on every image of the study. The
+preamble then describes exactly the protocols the study ran, each in its own words.
 """
 from __future__ import annotations
 
@@ -65,21 +70,25 @@ class StudyProtocol:
     per_model: bool = True
     summary: str = ""
     chunked: bool = True     # writes through claimed record chunks, so several study workers can share it
+    describe: Callable[[Any], str] | None = None   # the report preamble's sentence, from the study config
+    attack_subset: bool = False   # runs on the attack subset, not on every image of the study
 
 
 STUDY_PROTOCOLS: dict[str, StudyProtocol] = {}
 
 
-def study_protocol(name: str, *, per_model: bool = True, summary: str = "", chunked: bool = True):
+def study_protocol(name: str, *, per_model: bool = True, summary: str = "", chunked: bool = True,
+                   describe: Callable[[Any], str] | None = None, attack_subset: bool = False):
     """Decorator: register ``fn`` as the study step of protocol ``name``. ``chunked=False``: the
     step writes files of its own rather than claimed record chunks, so only the study's main
-    process runs it."""
+    process runs it. ``describe`` and ``attack_subset``: what the report's preamble says of it
+    (module docstring)."""
 
     def add(fn: Callable) -> Callable:
         if name in STUDY_PROTOCOLS:
             raise ValueError(f"study protocol {name!r} is registered twice")
         STUDY_PROTOCOLS[name] = StudyProtocol(name, fn, per_model, summary or (fn.__doc__ or "").split("\n")[0],
-                                              chunked)
+                                              chunked, describe, attack_subset)
         return fn
 
     return add

@@ -196,7 +196,13 @@ def run_rotation(model: nn.Module, dataset, out_dir, *, conditions: list[Rotatio
     return store
 
 
-@study_protocol("rotation", summary="SAN Table 9's rotations and flips, the left-right flip and an angle sweep")
+def _describe(config) -> str:
+    sweep = f" and a sweep every {config.angle_step:g}° (bilinear, zero fill)" if config.angle_step else ""
+    return f"Rotation: SAN Table 9's conditions, the left-right flip{sweep}."
+
+
+@study_protocol("rotation", summary="SAN Table 9's rotations and flips, the left-right flip and an angle sweep",
+                describe=_describe)
 def study_rotation(ctx, entry, model):
     """The study's rotation step: every image of the study, ``config.angle_step`` sweep."""
     out = ctx.run_dir("rotation", entry.name)

@@ -51,7 +51,13 @@ def summarize_shuffle(records, conditions: list[dict]):
     return summary
 
 
-@study_protocol("shuffle", summary="Naseer et al.'s patch shuffling on g x g grids (g = 1, 2, 4, 8)")
+def _describe(config) -> str:
+    grids = ", ".join(f"{g}x{g}" for g in config.shuffle_grids)
+    return f"Patch shuffle: {grids} grids (seed {config.shift_seed})."
+
+
+@study_protocol("shuffle", summary="Naseer et al.'s patch shuffling on g x g grids (g = 1, 2, 4, 8)",
+                describe=_describe)
 def study_shuffle(ctx, entry, model):
     """The study's shuffle step: ``config.shuffle_grids`` (default 1, 2, 4, 8), seed
     ``config.shift_seed``."""

@@ -194,7 +194,13 @@ def study_transfer_configs(config) -> list[AttackConfig]:
             AttackConfig("pgd", eps=8 / 255, steps=config.transfer_steps, step=2 / 255, seed=config.seed)]
 
 
-@study_protocol("transfer", per_model=False, summary="every model as source against every model as target")
+def _describe(config) -> str:
+    return ("a transfer matrix (every model crafting Table 10's targeted {8, 2, 4} and an untargeted "
+            f"{config.transfer_steps}-step PGD at 8/255 for every model)")
+
+
+@study_protocol("transfer", per_model=False, summary="every model as source against every model as target",
+                describe=_describe, attack_subset=True)
 def study_transfer(ctx, entries, models):
     """The transfer matrix on the attack subset: one run per source, every zoo model a target."""
     outs = []
