@@ -54,7 +54,7 @@ __all__ = ["StudyConfig", "StudyModel", "StudyEntry", "run_study", "study_models
 
 TIMINGS_FILE = "timings.csv"
 BACKENDS = ("native", "torchattacks", "foolbox")
-PROTOCOLS = ("rotation", "pgd", "autoattack", "square", "transfer", "masking")
+PROTOCOLS = ("rotation", "pgd", "apgd", "autoattack", "square", "transfer", "masking")
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,9 @@ class StudyConfig:
     bootstrap: int = 1000
     baseline: str = "resnet26"         # the convolutional reference of the findings
     protocols: tuple[str, ...] = PROTOCOLS   # a subset runs only those (the report covers what exists)
-    attack_limit: int | None = 1000    # the seeded subset of the attack protocols (autoattack, square, transfer)
+    attack_limit: int | None = 1000    # the seeded subset of the attack protocols (apgd, autoattack, square, transfer)
     autoattack_eps: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)   # 1/255 units, L-inf, untargeted
+    apgd_eps: tuple[float, ...] = (1.0, 2.0, 4.0)   # APGD-CE alone (step ``apgd``), 1/255 units
     square_eps: float = 8.0            # 1/255 units
     square_queries: int = 5000
     transfer_steps: int = 10           # the untargeted PGD of the transfer matrix (step 2/255), beside {8, 2, 4}
@@ -106,8 +107,8 @@ class StudyConfig:
                              f"{', '.join(self.protocols) or 'none'}")
         if self.attack_limit is not None and self.attack_limit < 1:
             raise ValueError(f"attack_limit must be positive (or None for every image), got {self.attack_limit}")
-        if any(not 0 < e <= 255 for e in (*self.autoattack_eps, self.square_eps)):
-            raise ValueError("autoattack_eps and square_eps are in 1/255 units, in (0, 255]")
+        if any(not 0 < e <= 255 for e in (*self.autoattack_eps, *self.apgd_eps, self.square_eps)):
+            raise ValueError("autoattack_eps, apgd_eps and square_eps are in 1/255 units, in (0, 255]")
         if self.square_queries < 1 or self.transfer_steps < 1 or self.attack_batch_size < 1:
             raise ValueError("square_queries, transfer_steps and attack_batch_size must be positive")
         if self.backend not in BACKENDS:

@@ -323,6 +323,51 @@ def test_study_runs_the_shift_protocols_with_one_corrupted_set(tmp_path, tiny_zo
     assert "## Common corruptions" in (report / "report.md").read_text()
 
 
+def test_study_makes_no_corrupted_images_for_finished_runs(tmp_path, tiny_zoo, monkeypatch):
+    """A study resumed from finished (here: packed) corruption runs computes nothing, so it makes
+    no corrupted copies and needs no frost photographs; a missing chunk makes only its own."""
+    import shutil
+
+    from robust_attn.shifts import cache as cache_module
+    from robust_attn.shifts.corruptions import weather
+    from robust_attn.study import StudyConfig, run_study
+
+    config = StudyConfig(dataset="synthetic", limit=8, batch_size=4, bootstrap=20, protocols=("corruption",),
+                         corruptions="gaussian_noise,contrast", severities=(1,))
+    runs, report = tmp_path / "runs", tmp_path / "report"
+    run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    made, original = [], cache_module.CorruptionCache._make
+    monkeypatch.setattr(cache_module.CorruptionCache, "_make", lambda self, pairs: made.extend(pairs))
+    again = tmp_path / "again"
+    again.mkdir()
+    for packed in (report / "runs").iterdir():
+        shutil.copytree(packed, again / packed.name)
+    run_study(config, again, tmp_path / "report2", manifest=tiny_zoo, device="cpu", progress=False,
+              log=lambda *_: None)
+    assert made == [] and not (again / "corruptions").exists()
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "report2" / "corruption_summary.csv"),
+                                  pd.read_csv(report / "corruption_summary.csv"))
+
+    def no_frost():
+        raise AssertionError("frost's photographs were looked for")
+
+    monkeypatch.setattr(weather, "frost_dir", no_frost)
+    with_frost = StudyConfig(**{**config.__dict__, "corruptions": "frost"})
+    with pytest.raises(AssertionError, match="frost's photographs"):   # a run to compute needs them
+        run_study(with_frost, tmp_path / "fresh", None, manifest=tiny_zoo, device="cpu", progress=False,
+                  log=lambda *_: None)
+    # one chunk deleted from an unpacked run: only its condition's images are made again
+    monkeypatch.undo()
+    made.clear()
+    monkeypatch.setattr(cache_module.CorruptionCache, "_make", lambda self, pairs: (made.extend(pairs),
+                                                                                    original(self, pairs)))
+    chunk = sorted((runs / "corruption-resnet26" / "records" / "contrast_s1").iterdir())[0]
+    chunk.unlink()
+    shutil.rmtree(runs / "corruptions")
+    run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    assert made == [("contrast", 1)]
+
+
 def test_study_refuses_bad_shift_settings(tiny_zoo, capsys):
     for option, value, message in (("--corruptions", "fgo", "Did you mean 'fog'"), ("--severities", "0", "from 1 to 5"),
                                    ("--shuffle-grids", "0", "positive whole number"),

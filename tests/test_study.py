@@ -131,13 +131,14 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
     from robust_attn.protocols.registry import list_study_protocols
     from robust_attn.results import load_records
 
-    needed = {"autoattack", "square", "transfer", "masking"}
+    needed = {"apgd", "autoattack", "square", "transfer", "masking"}
     if not {"apgd-ce", "apgd-t", "fab-t", "square", "pgd"} <= set(robust_attn.attacks.list_attacks()):
         pytest.skip("an attack of AutoAttack's ensemble is not registered")
     assert needed <= set(list_study_protocols())
-    config = StudyConfig(dataset="synthetic", limit=8, attack_limit=6, autoattack_eps=(2.0, 8.0), square_queries=20,
-                         attack_steps=3, transfer_steps=2, masking_images=4, batch_size=8, attack_batch_size=3,
-                         bootstrap=20, protocols=("autoattack", "square", "transfer", "masking"))
+    config = StudyConfig(dataset="synthetic", limit=8, attack_limit=6, autoattack_eps=(2.0, 8.0), apgd_eps=(1.0, 2.0),
+                         square_queries=20, attack_steps=3, transfer_steps=2, masking_images=4, batch_size=8,
+                         attack_batch_size=3, bootstrap=20,
+                         protocols=("apgd", "autoattack", "square", "transfer", "masking"))
     runs, report = tmp_path / "runs", tmp_path / "report"
     files = run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
     names = {f.name for f in files}
@@ -150,6 +151,15 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
         row = table[(table["model"] == "resnet26") & (table["column"] == column)]
         assert row["top1"].item() == pytest.approx(group["top1"].mean() * 100)
         assert row["n"].item() == 6
+    # APGD-CE alone at its own radii, on the same images, in the same table
+    apgd = load_records(runs / "apgd-resnet26")
+    assert set(apgd["condition"]) == {"clean", "apgd-ce_linf_eps1_n3", "apgd-ce_linf_eps2_n3"}
+    for condition, column in (("apgd-ce_linf_eps1_n3", "APGD-CE 1/255"), ("apgd-ce_linf_eps2_n3", "APGD-CE 2/255")):
+        group = apgd[apgd["condition"] == condition]
+        assert sorted(group["index"]) == sorted(aa.loc[aa["condition"] == "clean", "index"])
+        assert (group["linf"] <= float(column.split()[1].split("/")[0]) / 255 + 1e-6).all()
+        row = table[(table["model"] == "resnet26") & (table["column"] == column)]
+        assert row["top1"].item() == pytest.approx(group["top1"].mean() * 100)
     # AutoAttack attacks only the clean-correct images and keeps every fooled one fooled
     attacked = aa[aa["condition"] != "clean"]
     assert (attacked.loc[attacked["clean_pred"] != attacked["label"], "by"] == "clean").all()
@@ -168,6 +178,7 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
     assert "## Robust accuracy" in (report / "report.md").read_text()
     packed = sorted((report / "runs").iterdir())
     assert main(["report", *map(str, packed), "--out", str(tmp_path / "again"), "--bootstrap", "20"]) == 0
+    assert "APGD-CE alone (AutoAttack's first member)" in (report / "report.md").read_text()
     for name in ("robust_accuracy.csv", "transfer_matrix.csv", "masking_checks.csv"):
         pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again" / name), pd.read_csv(report / name))
 
@@ -258,4 +269,4 @@ def test_every_study_protocol_describes_itself_for_the_report():
         assert step.describe is not None, name
         assert step.describe(config).strip(), name
     assert {n for n in list_study_protocols() if STUDY_PROTOCOLS[n].attack_subset} == {
-        "autoattack", "square", "transfer", "masking"}
+        "apgd", "autoattack", "square", "transfer", "masking"}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from robust_attn.protocols.registry import study_protocol
+from robust_attn.results import RunStore
 from robust_attn.shifts.cache import CorruptionCache, OnTheFly, to_float
 from robust_attn.shifts.corruptions import SEVERITIES, check_severity, corruption_names
 from robust_attn.shifts.evaluate import CLEAN, accuracy_by_condition, run_shift
@@ -52,9 +53,9 @@ def run_corruption(model: nn.Module, dataset, out_dir, *, conditions: list[dict]
     corrupted images come from (default: made on the fly with ``seed``); ``images`` names it in
     run.json (``generated`` for on the fly and the study's cache alike, which are the same
     images; ``cifar10-c`` / ``imagenet-c`` for the published files)."""
-    source = source or OnTheFly(seed)
-    if images == "generated":
+    if images == "generated" and not isinstance(source, CorruptionCache):   # a cache made its images already
         check_frost(conditions)
+    source = source or OnTheFly(seed)
     by_name = {c["name"]: c for c in conditions}
 
     def shift(name, batch, indices, labels):
@@ -91,13 +92,17 @@ def study_corruption(ctx, entry, model):
     the study; the corrupted images are made once, in ``<runs>/corruptions``, for every model."""
     config = ctx.config
     conditions = corruption_conditions(config.corruptions, config.severities)
-    check_frost(conditions)
     seed = config.shift_seed
     run_info = ctx.run_info(entry, model)
+    out = ctx.run_dir(PROTOCOL, entry.name)
+    store = RunStore(out)   # only the conditions still missing need corrupted images (a finished run: none)
+    todo = {c for c, _, _ in store.missing()} if store.exists() else {c["name"] for c in conditions}
+    needed = [c for c in conditions[1:] if c["name"] in todo]
+    check_frost(needed)
     key = {**ctx.base_info["dataset"], "preprocessing": run_info.get("preprocessing")}   # one cache per preprocessing
     cache = CorruptionCache(ctx.runs_dir / "corruptions", ctx.dataset, key, seed=seed, batch_size=config.batch_size)
-    cache.ensure([(c["corruption"], c["severity"]) for c in conditions[1:]], log=ctx.log if ctx.rank == 0 else None)
-    out = ctx.run_dir(PROTOCOL, entry.name)
+    if needed:
+        cache.ensure([(c["corruption"], c["severity"]) for c in needed], log=ctx.log if ctx.rank == 0 else None)
     run_corruption(model, ctx.dataset, out, conditions=conditions, seed=seed, source=cache,
                    batch_size=config.batch_size, device=ctx.device, run_info=run_info,
                    progress=ctx.progress, **ctx.shard)

@@ -21,13 +21,17 @@ import pandas as pd
 
 from robust_attn.reports.stats import bootstrap_mean_ci
 
-__all__ = ["robust_accuracy_table", "format_robust_accuracy", "transfer_matrix", "plot_transfer_matrix",
+__all__ = ["ATTACK_LABELS", "robust_accuracy_table", "format_robust_accuracy", "transfer_matrix", "plot_transfer_matrix",
            "masking_table", "eps_label"]
+
+
+#: how the report names the attacks of the study's attack protocols
+ATTACK_LABELS = {"autoattack": "AutoAttack", "square": "Square", "apgd-ce": "APGD-CE"}
 
 
 def eps_label(condition: dict) -> str:
     """``AutoAttack 8/255`` for an L-inf condition of run.json, ``... L2 0.5`` for L2."""
-    name = {"autoattack": "AutoAttack", "square": "Square"}.get(condition["attack"], condition["attack"])
+    name = ATTACK_LABELS.get(condition["attack"], condition["attack"])
     if condition.get("norm", "linf") == "linf":
         return f"{name} {condition['eps'] * 255:.3g}/255"
     return f"{name} L2 {condition['eps']:.3g}"
@@ -153,7 +157,8 @@ def attack_sections(runs, out: Path, n_boot: int = 1000, seed: int = 0, level: f
         write_csv(table, "robust_accuracy.csv")
         md += ["## Robust accuracy (RobustBench layout)", "",
                f"Top-1 (%) on the clean images and under each attack (untargeted L-inf; AutoAttack: the worst case "
-               f"per image over APGD-CE, APGD-T, FAB-T and Square), with {level:.0%} percentile bootstrap intervals "
+               f"per image over APGD-CE, APGD-T, FAB-T and Square; APGD-CE: its first member alone, an upper "
+               f"bound on AutoAttack's number), with {level:.0%} percentile bootstrap intervals "
                f"over the attacked images ({n_boot} resamples).", "",
                to_markdown(format_robust_accuracy(table)), ""]
     matrix = transfer_matrix(runs)

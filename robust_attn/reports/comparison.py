@@ -122,7 +122,9 @@ def _attack_label(condition: str) -> str:
     parts = condition.split("_")
     if len(parts) < 3 or parts[1] not in ("linf", "l2") or not parts[2].startswith("eps"):
         return condition
-    name = {"autoattack": "AutoAttack", "square": "Square"}.get(parts[0], parts[0])
+    from robust_attn.reports.attacks import ATTACK_LABELS
+
+    name = ATTACK_LABELS.get(parts[0], parts[0])
     size = parts[2][3:]
     extra = f" ({', '.join(parts[3:])})" if len(parts) > 3 else ""
     return (f"{name} {size}/255" if parts[1] == "linf" else f"{name} L2 {size.replace('p', '.')}") + extra
