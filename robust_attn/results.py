@@ -101,8 +101,12 @@ PROVENANCE_PARAMETERS = frozenset({"targets"})
 # Keys run.json gained with issue #15 (where the model came from: robust_attn.sources.provenance;
 # the dataset of a Python-API run that named none): a run written before them lacks them and
 # still resumes; once stored they are compared.
+# The same for the data's provenance (issue #16: the resolved path and the variant, e.g. the
+# canonical CIFAR-10 pickles against the JPEG copy): before it, every dataset had one variant, so
+# an old run resumes (e.g. the Fashion-MNIST study's packed runs); a run that stored them is
+# compared.
 LATER_KEYS = frozenset({"source", "spec", "weights_origin", "weights_sha256", "params", "preprocessing",
-                        "weights_preprocessing", "dataset"})
+                        "weights_preprocessing", "dataset", "data_source", "data_variant"})
 _CONDITION_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _CHUNK_RE = re.compile(r"^(\d+)-(\d+)\.csv$")
 _SHOWN = 5  # damaged files named in one error message

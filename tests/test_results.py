@@ -147,3 +147,17 @@ def test_packed_run_reads_like_the_original_and_is_reproducible(tmp_path):
     assert stats.computed == 0 and stats.skipped == 9        # nothing left to compute
     with pytest.raises(ValueError, match="packed run"):
         packed.write_chunk("a", 0, 4, pd.DataFrame({"index": range(4)}))
+
+
+def test_runs_recorded_before_the_data_provenance_keys_resume_and_later_ones_are_compared(tmp_path):
+    """A run.json written before data_source/data_variant existed (the Fashion-MNIST study's packed
+    runs) resumes under a description that has them; once stored, another variant is refused."""
+    base = {"model": "m", "protocol": "rotation", "num_images": 4, "chunk_size": 2, "conditions": ["none"]}
+    old = RunStore(tmp_path / "old")
+    old.open(base)
+    now = {**base, "data_source": "/embedded/fashion_mnist_test", "data_variant": "fashion_mnist"}
+    assert old.open(now) == base
+    new = RunStore(tmp_path / "new")
+    new.open({**base, "data_source": "/data/cifar-10-batches-py", "data_variant": "cifar10"})
+    with pytest.raises(RunMismatchError, match="data_variant"):
+        new.open({**base, "data_source": "/data/cifar-10-batches-py", "data_variant": "cifar10-jpeg"})
