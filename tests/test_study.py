@@ -142,7 +142,8 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
     runs, report = tmp_path / "runs", tmp_path / "report"
     files = run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
     names = {f.name for f in files}
-    assert {"robust_accuracy.csv", "transfer_matrix.csv", "transfer_matrix.png", "masking_checks.csv"} <= names
+    assert {"robust_accuracy.csv", "transfer_matrix.csv", "transfer_matrix.png", "masking_checks.csv",
+            "autoattack_members.csv"} <= names
     table = pd.read_csv(report / "robust_accuracy.csv")
     aa = load_records(runs / "autoattack-resnet26")
     for condition, group in aa.groupby("condition"):
@@ -151,6 +152,16 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
         row = table[(table["model"] == "resnet26") & (table["column"] == column)]
         assert row["top1"].item() == pytest.approx(group["top1"].mean() * 100)
         assert row["n"].item() == 6
+    # who fooled each image first, per AutoAttack radius: the records' `by`, counted
+    members = pd.read_csv(report / "autoattack_members.csv")
+    for condition, label in (("autoattack_linf_eps2_n3", "AutoAttack 2/255"), ("autoattack_linf_eps8_n3",
+                                                                                 "AutoAttack 8/255")):
+        row = members[(members["model"] == "resnet26") & (members["attack"] == label)].iloc[0]
+        by = aa.loc[aa["condition"] == condition, "by"].value_counts()
+        assert row["images"] == 6 and sum(row[c] for c in ("clean", "apgd-ce", "apgd-t", "fab-t", "square",
+                                                           "none")) == 6
+        for who in ("clean", "apgd-ce", "apgd-t", "fab-t", "square", "none"):
+            assert row[who] == by.get(who, 0), who
     # APGD-CE alone at its own radii, on the same images, in the same table
     apgd = load_records(runs / "apgd-resnet26")
     assert set(apgd["condition"]) == {"clean", "apgd-ce_linf_eps1_n3", "apgd-ce_linf_eps2_n3"}
@@ -179,7 +190,7 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
     packed = sorted((report / "runs").iterdir())
     assert main(["report", *map(str, packed), "--out", str(tmp_path / "again"), "--bootstrap", "20"]) == 0
     assert "APGD-CE alone (AutoAttack's first member)" in (report / "report.md").read_text()
-    for name in ("robust_accuracy.csv", "transfer_matrix.csv", "masking_checks.csv"):
+    for name in ("robust_accuracy.csv", "transfer_matrix.csv", "masking_checks.csv", "autoattack_members.csv"):
         pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again" / name), pd.read_csv(report / name))
 
 

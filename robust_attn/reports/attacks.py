@@ -5,6 +5,8 @@ heat map, and the gradient-masking verdicts.
   under Square alone), each with its percentile bootstrap interval over the attacked images,
   and the number of images (RobustBench reports clean and AutoAttack accuracy the same way,
   without intervals).
+* AutoAttack's members: per model and radius, how many images each member fooled first (the
+  records' ``by``), so the table shows what APGD-T, FAB-T and Square add to APGD-CE alone.
 * Transfer matrix: top-1 of every target under the images crafted on every source (the
   diagonal is the white-box attack on the model itself); drawn as a heat map.
 * Masking verdicts: every check of ``checks.json`` in the masking runs, per model: name, verdict
@@ -21,7 +23,7 @@ import pandas as pd
 
 from robust_attn.reports.stats import bootstrap_mean_ci
 
-__all__ = ["ATTACK_LABELS", "robust_accuracy_table", "format_robust_accuracy", "transfer_matrix", "plot_transfer_matrix",
+__all__ = ["ATTACK_LABELS", "robust_accuracy_table", "autoattack_members_table", "format_robust_accuracy", "transfer_matrix", "plot_transfer_matrix",
            "masking_table", "eps_label"]
 
 
@@ -77,6 +79,25 @@ def format_robust_accuracy(table: pd.DataFrame) -> pd.DataFrame:
     wide = wide[[c for c in order if c in wide.columns]].reset_index()
     n = cells.groupby(["model", "dataset"], sort=False)["n"].max().reset_index()
     return wide.merge(n, on=["model", "dataset"]).rename(columns={"n": "images"})
+
+
+def autoattack_members_table(runs) -> pd.DataFrame:
+    """Per model and AutoAttack condition: the images counted by who fooled them first
+    (``clean``: misclassified without attack; a member's name; ``none``: robust to all four),
+    in the ensemble's order, from the records' ``by`` column."""
+    from robust_attn.attacks.autoattack import STANDARD
+
+    rows = []
+    for run in (r for r in runs if r.protocol == "attack"):
+        by_name = {c["name"]: c for c in run.description["conditions"]}
+        for condition, group in run.records.groupby("condition", sort=False):
+            if by_name.get(condition, {}).get("attack") != "autoattack":
+                continue
+            counts = group["by"].fillna("none").replace("", "none").value_counts()
+            members = [m for m in counts.index if m not in ("clean", "none", *STANDARD)]
+            rows.append({"model": run.model, "attack": eps_label(by_name[condition]), "images": len(group),
+                         **{m: int(counts.get(m, 0)) for m in ("clean", *STANDARD, *members, "none")}})
+    return pd.DataFrame(rows).fillna(0) if rows else pd.DataFrame()
 
 
 def transfer_matrix(runs, attack: str | None = None) -> pd.DataFrame:
@@ -161,6 +182,13 @@ def attack_sections(runs, out: Path, n_boot: int = 1000, seed: int = 0, level: f
                f"bound on AutoAttack's number), with {level:.0%} percentile bootstrap intervals "
                f"over the attacked images ({n_boot} resamples).", "",
                to_markdown(format_robust_accuracy(table)), ""]
+    members = autoattack_members_table(runs)
+    if not members.empty:
+        write_csv(members, "autoattack_members.csv")
+        md += ["## What each AutoAttack member adds", "",
+               "Images per model counted by who fooled them first: misclassified already (`clean`), each member "
+               "in the ensemble's order, or none (`none`: robust to all four). What the members after APGD-CE "
+               "fool is what APGD-CE alone would have missed.", "", to_markdown(members), ""]
     matrix = transfer_matrix(runs)
     if not matrix.empty:
         write_csv(matrix.reset_index(), "transfer_matrix.csv")
