@@ -194,6 +194,25 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
         pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again" / name), pd.read_csv(report / name))
 
 
+def test_masking_checks_gain_with_eps_on_the_apgd_sweep_when_autoattack_ran_at_one_radius(tmp_path, tiny_zoo):
+    """On a CPU the study runs AutoAttack at 8/255 only; the gain-with-strength check then reads
+    APGD-CE's success at its radii, from the apgd runs."""
+    from robust_attn.results import load_records
+
+    config = StudyConfig(dataset="synthetic", limit=6, attack_limit=6, autoattack_eps=(8.0,), apgd_eps=(1.0, 4.0),
+                         square_queries=10, attack_steps=2, masking_images=3, batch_size=6, attack_batch_size=6,
+                         bootstrap=10, protocols=("apgd", "autoattack", "masking"))
+    runs, report = tmp_path / "runs", tmp_path / "report"
+    run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    for model in ("resnet26", "sasa_resnet26"):
+        checks = json.loads((runs / f"masking-{model}" / "checks.json").read_text())
+        gain = next(c for c in checks if c["name"] == "gain_with_strength")
+        apgd = load_records(runs / f"apgd-{model}")
+        expected = [apgd.loc[apgd["condition"] == f"apgd-ce_linf_eps{e}_n2", "success"].mean() for e in (1, 4)]
+        assert gain["evidence"]["order"] == ["APGD-CE 1/255", "APGD-CE 4/255"]
+        assert gain["evidence"]["rates"] == pytest.approx(expected)
+
+
 def test_two_study_workers_share_the_runs_and_equal_one_process(tmp_path, tiny_zoo):
     """Two processes of one thread claim disjoint chunks of every run; the records are those of one
     process, and the report is written once."""

@@ -5,14 +5,15 @@ from the run directories and saves their verdicts (``checks.json``: name, verdic
 evidence) beside a small run of its own, so the report can show them and ``report`` can derive
 them again from what was saved.
 
-In the study (step ``masking``, after ``autoattack``, ``square`` and ``transfer``), for each model:
+In the study (step ``masking``, after ``apgd``, ``autoattack``, ``square`` and ``transfer``), for each model:
 
 * ``blackbox_beats_whitebox``: the white-box part of AutoAttack at the largest eps (images
   misclassified already, or fooled by APGD-CE, APGD-T or FAB-T: AutoAttack's records name the
   member in ``by``) against Square alone at the same eps, against AutoAttack's own Square member
   (an image only Square fooled inside AutoAttack is the same evidence), and against the
   untargeted transfer attack from every other model at 8/255;
-* ``gain_with_strength``: AutoAttack's success rate must grow with eps;
+* ``gain_with_strength``: AutoAttack's success rate must grow with eps (where it ran at one
+  radius only, e.g. 8/255 on a CPU: APGD-CE's, from the ``apgd`` step's radii);
 * ``unbounded_attack``: 20-step PGD at eps = 1 on the first ``config.masking_images`` images;
 * ``input_gradients``: compared with the baseline model's (``config.baseline``) on those images;
 * ``loss_saturation``: the loss along the gradient sign and 4 random directions on 4 images,
@@ -155,6 +156,12 @@ def study_masking(ctx, entries, models):
             top = aa[aa["condition"] == conditions[max(config.autoattack_eps)]]
             white = white_box_records(top)
             black["autoattack's square"] = top.assign(success=top["success"].astype(bool).astype(int))
+        apgd_dir = ctx.run_dir("apgd", entry.name)
+        if (rates is None or len(rates) < 2) and RunStore(apgd_dir).exists():   # AutoAttack at one radius only
+            apgd = load_records(apgd_dir)
+            conditions = {e: _condition_at(apgd_dir, "apgd-ce", e / 255) for e in sorted(config.apgd_eps)}
+            rates = {f"APGD-CE {e:g}/255": float(apgd.loc[apgd["condition"] == c, "success"].mean())
+                     for e, c in conditions.items() if c}
         square_dir = ctx.run_dir("square", entry.name)
         if white is not None and RunStore(square_dir).exists() and abs(config.square_eps / 255 - eps) < 1e-9:
             c = _condition_at(square_dir, "square", eps)
