@@ -183,6 +183,31 @@ def test_transfer_from_the_model_itself_equals_the_white_box_attack(tmp_path, re
     assert set(summary["target_model"]) == {"a", "b"} and set(summary["source"]) == {"a"}
 
 
+def test_transfer_resumes_with_its_targets_in_another_order(tmp_path, registered):
+    """A study resumed with --models in another order asks for the same targets in another order:
+    the run resumes as it is (nothing recomputed, same records); other targets are still refused."""
+    from robust_attn.results import RunMismatchError, RunStore
+
+    registered(SignNoise)
+    dataset = build_dataset("synthetic", split="test", limit=8)
+    a, b, c = _tiny_model(seed=0), _tiny_model(seed=1), _tiny_model(seed=2)
+    config = AttackConfig("test-sign-noise", eps=16 / 255)
+    out = tmp_path / "t"
+    info = {"model": "a", "target_models": ["a", "b"]}
+    run_transfer("a", a, {"a": a, "b": b}, dataset, out, configs=[config], batch_size=4, progress=False,
+                 run_info=info)
+    before = load_records(out)
+    written = {p: p.stat().st_mtime_ns for p in (out / "records").rglob("*.csv")}
+    run_transfer("a", a, {"b": b, "a": a}, dataset, out, configs=[config], batch_size=4, progress=False,
+                 run_info={**info, "target_models": ["b", "a"]})
+    assert {p: p.stat().st_mtime_ns for p in (out / "records").rglob("*.csv")} == written
+    pd.testing.assert_frame_equal(load_records(out), before)
+    assert RunStore(out).description()["parameters"]["target_models"] == ["a", "b"]
+    with pytest.raises(RunMismatchError, match="target_models"):
+        run_transfer("a", a, {"a": a, "c": c}, dataset, out, configs=[config], batch_size=4, progress=False,
+                     run_info={**info, "target_models": ["a", "c"]})
+
+
 def test_transfer_refuses_a_target_with_other_classes(tmp_path, registered):
     registered(SignNoise)
     dataset = build_dataset("synthetic", split="test", limit=2)

@@ -33,6 +33,7 @@ from robust_attn.distributed import barrier
 from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
 from robust_attn.protocols.registry import study_protocol
 from robust_attn.protocols.runner import open_run, run_chunks
+from robust_attn.results import RunStore
 
 __all__ = ["PROTOCOL", "EnsembleModel", "transfer_condition", "split_condition", "run_transfer",
            "summarize_transfer", "check_compatible"]
@@ -130,6 +131,18 @@ def _evaluator(source_name: str, source: nn.Module, targets: Mapping[str, nn.Mod
     return evaluate
 
 
+def _stored_order(out_dir, names: list[str]) -> list[str]:
+    """The target models in the order an existing run of ``out_dir`` stored them, when it holds the
+    same models (a study resumed with ``--models`` in another order); else ``names`` as given.
+    The order changes neither the images crafted on the source nor any target's records."""
+    store = RunStore(out_dir)
+    if store.exists():
+        stored = store.description().get("parameters", {}).get("target_models")
+        if isinstance(stored, list) and sorted(stored) == sorted(names):
+            return list(stored)
+    return list(names)
+
+
 def run_transfer(source_name: str, source: nn.Module, targets: Mapping[str, nn.Module], dataset, out_dir, *,
                  configs: Sequence[AttackConfig], seed: int = 0, targets_file: str | Path | None = None,
                  batch_size: int = 64, device: str | torch.device = "cpu", run_info: dict | None = None,
@@ -147,7 +160,10 @@ def run_transfer(source_name: str, source: nn.Module, targets: Mapping[str, nn.M
         raise ValueError(f"model and attack names may not contain '.', got {bad}")
     device = torch.device(device)
     source = source.to(device).eval()
-    targets = {name: m.to(device).eval() for name, m in targets.items()}
+    order = _stored_order(out_dir, list(targets))   # a resumed run keeps its targets' order
+    targets = {name: targets[name].to(device).eval() for name in order}
+    if run_info is not None and sorted(run_info.get("target_models") or []) == sorted(order):
+        run_info = {**run_info, "target_models": order}
     first = dataset[0][0][None].to(device)
     num_classes = check_compatible(source_name, source, targets, first)
     labels = dataset_labels(dataset)
