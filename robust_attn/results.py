@@ -107,6 +107,10 @@ PROVENANCE_PARAMETERS = frozenset({"targets"})
 # compared.
 LATER_KEYS = frozenset({"source", "spec", "weights_origin", "weights_sha256", "params", "preprocessing",
                         "weights_preprocessing", "dataset", "data_source", "data_variant"})
+# Parameters a protocol gained later, with the value every run had before: PGD's ``exact`` (issue
+# #14; before it the native backend always ran its fast mode). A run stored without one resumes
+# when the value asked for is that one; any other value is a different run.
+LATER_PARAMETERS = {"exact": False}
 _CONDITION_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _CHUNK_RE = re.compile(r"^(\d+)-(\d+)\.csv$")
 _SHOWN = 5  # damaged files named in one error message
@@ -321,7 +325,8 @@ class RunStore:
         if self.exists():
             stored = self.description()
             keys = (set(stored) | set(description)) - VOLATILE_KEYS - (LATER_KEYS - set(stored))
-            differ = sorted(k for k in keys if _comparable(k, stored.get(k)) != _comparable(k, description.get(k)))
+            now = _with_later_defaults(stored, description)
+            differ = sorted(k for k in keys if _comparable(k, stored.get(k)) != _comparable(k, now.get(k)))
             if differ:
                 detail = "; ".join(f"{k}: stored {stored.get(k)!r}, now {description.get(k)!r}"
                                    for k in differ[:4])
@@ -622,6 +627,16 @@ def _check_complete(frame: pd.DataFrame, desc: dict, path: Path) -> None:
         raise DamagedRecordsError(f"cannot seal {path}: it does not hold each of the {len(names)} conditions x "
                                   f"{n} images once ({len(have)} records); restore it or pack it again",
                                   [(path, "incomplete")])
+
+
+def _with_later_defaults(stored: dict, description: dict) -> dict:
+    """``description`` without the parameters of :data:`LATER_PARAMETERS` that ``stored`` lacks and
+    that take the value every run had before they existed."""
+    params, old = description.get("parameters"), stored.get("parameters")
+    if not isinstance(params, dict) or not isinstance(old, dict):
+        return description
+    drop = {k for k, default in LATER_PARAMETERS.items() if k not in old and params.get(k, default) == default}
+    return {**description, "parameters": {k: v for k, v in params.items() if k not in drop}} if drop else description
 
 
 def _comparable(key: str, value):

@@ -83,3 +83,32 @@ def test_cifar10_corruption_summary_is_what_the_records_say():
         assert len(ce) == table.loc[model, "corruptions"] == 15
         assert table.loc[model, "mCE"] == pytest.approx(ce.mean() * 100, abs=1e-3)
         assert table.loc[model, "corrupted_top1"] == pytest.approx((1 - err.mean()) * 100, abs=1e-3)
+
+
+@pytest.mark.parametrize("report", sorted(REPORTS))
+def test_robust_accuracy_and_autoattack_members_are_what_the_attack_records_say(report):
+    """The RobustBench-style table (clean, APGD-CE, AutoAttack top-1) and who fooled each image
+    first, recomputed from the packed attack runs (protocols apgd and autoattack)."""
+    table = pd.read_csv(ROOT / "reports" / report / "robust_accuracy.csv")
+    members = pd.read_csv(ROOT / "reports" / report / "autoattack_members.csv")
+    seen = set()
+    for protocol in ("autoattack", "apgd"):
+        for run in _runs(report, protocol):
+            names = {c["name"]: c for c in run.description["conditions"]}
+            for condition, group in run.records.groupby("condition"):
+                c = names[condition]
+                label = "clean" if condition == "clean" else \
+                    f"{ {'autoattack': 'AutoAttack', 'apgd-ce': 'APGD-CE'}[c['attack']]} {c['eps'] * 255:.3g}/255"
+                row = table[(table["model"] == run.model) & (table["column"] == label)]
+                assert len(row) == 1, (run.model, label)
+                assert row["n"].item() == len(group) == 1000
+                assert row["top1"].item() == pytest.approx(group["top1"].mean() * 100, abs=1e-3)
+                assert (group["linf"] <= c["eps"] + 1e-6).all()
+                if c["attack"] == "autoattack":
+                    mine = members[(members["model"] == run.model) & (members["attack"] == label)].iloc[0]
+                    counts = group["by"].value_counts()
+                    for who in ("clean", "apgd-ce", "apgd-t", "fab-t", "square", "none"):
+                        assert mine[who] == counts.get(who, 0), (run.model, who)
+                    assert (group.loc[group["by"] == "none", "top1"] == 1).all()
+                seen.add((protocol, run.model))
+    assert len({m for _, m in seen}) == 7

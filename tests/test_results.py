@@ -161,3 +161,19 @@ def test_runs_recorded_before_the_data_provenance_keys_resume_and_later_ones_are
     new.open({**base, "data_source": "/data/cifar-10-batches-py", "data_variant": "cifar10"})
     with pytest.raises(RunMismatchError, match="data_variant"):
         new.open({**base, "data_source": "/data/cifar-10-batches-py", "data_variant": "cifar10-jpeg"})
+
+
+def test_runs_recorded_before_a_later_parameter_resume_with_its_old_value_only(tmp_path):
+    """PGD runs written before ``exact`` existed ran the fast mode: they resume with exact=False
+    (the Fashion-MNIST study's packed runs) and are refused with exact=True."""
+    base = {"model": "m", "protocol": "pgd", "num_images": 4, "chunk_size": 2, "conditions": ["clean"],
+            "parameters": {"backend": "native", "seed": 0}}
+    store = RunStore(tmp_path / "old")
+    store.open(base)
+    assert store.open({**base, "parameters": {**base["parameters"], "exact": False}}) == base
+    with pytest.raises(RunMismatchError, match="parameters"):
+        store.open({**base, "parameters": {**base["parameters"], "exact": True}})
+    new = RunStore(tmp_path / "new")
+    new.open({**base, "parameters": {**base["parameters"], "exact": False}})
+    with pytest.raises(RunMismatchError, match="parameters"):
+        new.open(base)   # once stored, compared as any other parameter
