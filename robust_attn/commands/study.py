@@ -17,8 +17,8 @@ from robust_attn.commands.eval import parse_list
 __all__ = ["add_parser", "run_study_cmd"]
 
 #: the comma-list options among the StudyConfig fields, and the type of their items
-_LISTS = {"sweep_eps": float, "autoattack_eps": float, "apgd_eps": float, "protocols": str, "severities": int, "occlusion_areas": float,
-          "shuffle_grids": int}
+_LISTS = {"sweep_eps": float, "autoattack_eps": float, "apgd_eps": float, "protocols": str, "severities": int,
+          "occlusion_areas": float, "shuffle_grids": int}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,11 +46,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--protocols", help=f"comma list of the protocols to run, in order (default {','.join(d.protocols)}; "
                                        f"separate processes may share --runs)")
     p.add_argument("--attack-limit", type=int,
-                   help=f"seeded subset of images for apgd, autoattack, square and transfer (default {d.attack_limit})")
+                   help=f"seeded subset of images for apgd, autoattack, square and transfer "
+                        f"(default {d.attack_limit})")
     p.add_argument("--autoattack-eps",
                    help=f"AutoAttack L-inf radii in 1/255, comma list (default {','.join(f'{e:g}' for e in d.autoattack_eps)})")
-    p.add_argument("--apgd-eps",
-                   help=f"APGD-CE (protocol apgd) L-inf radii in 1/255, comma list (default {','.join(f'{e:g}' for e in d.apgd_eps)})")
+    p.add_argument("--apgd-eps", help=f"APGD-CE (protocol apgd) L-inf radii in 1/255, comma list "
+                                      f"(default {','.join(f'{e:g}' for e in d.apgd_eps)})")
     p.add_argument("--square-queries", type=int, help=f"Square's budget (default {d.square_queries})")
     p.add_argument("--attack-steps", type=int, help="iterations of AutoAttack's members (default: the standard 100)")
     p.add_argument("--attack-batch-size", type=int,
@@ -81,8 +82,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _given(args) -> dict:
     """The StudyConfig fields the command line sets (options left out are not in it)."""
     fields = ("dataset", "split", "limit", "angle_step", "sweep_eps", "sweep_steps", "batch_size", "protocols",
-              "attack_limit", "autoattack_eps", "apgd_eps", "square_queries", "attack_steps", "attack_batch_size", "backend",
-              "seed", "bootstrap", "baseline", "corruptions", "severities", "occlusion_areas", "shuffle_grids",
+              "attack_limit", "autoattack_eps", "apgd_eps", "square_queries", "attack_steps", "attack_batch_size",
+              "backend", "seed", "bootstrap", "baseline", "corruptions", "severities", "occlusion_areas", "shuffle_grids",
               "shift_seed")
     out = {}
     for name in fields:

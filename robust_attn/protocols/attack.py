@@ -212,10 +212,11 @@ def study_autoattack(ctx, entry, model):
                 describe=_describe_apgd, attack_subset=True)
 def study_apgd(ctx, entry, model):
     """APGD-CE alone at ``config.apgd_eps``: AutoAttack's first and cheapest member, where the
-    other three cost 10-30 s per robust image on one CPU core. On models without a defence it
-    fools what the ensemble fools (AutoAttack's ``by`` column says which member fooled each
-    image), so its top-1 bounds robust accuracy from above and ranks the models at radii where
-    some images survive, unlike 8/255."""
+    other three cost 6-23 CPU-seconds per surviving image on the CIFAR-10 zoo
+    (``benchmarks/bench_autoattack_members.py``). Its top-1 bounds AutoAttack's from above; how
+    tight the bound is shows in the report's members table (AutoAttack's ``by``: which member
+    fooled each image first). It ranks the models at radii where some images survive a strong
+    attack, which 8/255 does not on an undefended zoo."""
     return _study_attack(ctx, entry, model, "apgd", [
         AttackConfig("apgd-ce", eps=e / 255, steps=ctx.config.attack_steps, seed=ctx.config.seed)
         for e in ctx.config.apgd_eps])

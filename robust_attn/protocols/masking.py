@@ -5,7 +5,8 @@ from the run directories and saves their verdicts (``checks.json``: name, verdic
 evidence) beside a small run of its own, so the report can show them and ``report`` can derive
 them again from what was saved.
 
-In the study (step ``masking``, after ``apgd``, ``autoattack``, ``square`` and ``transfer``), for each model:
+In the study (step ``masking``, after ``apgd``, ``autoattack``, ``square`` and ``transfer``), for each
+model:
 
 * ``blackbox_beats_whitebox``: the white-box part of AutoAttack at the largest eps (images
   misclassified already, or fooled by APGD-CE, APGD-T or FAB-T: AutoAttack's records name the

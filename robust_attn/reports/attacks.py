@@ -23,8 +23,8 @@ import pandas as pd
 
 from robust_attn.reports.stats import bootstrap_mean_ci
 
-__all__ = ["ATTACK_LABELS", "robust_accuracy_table", "autoattack_members_table", "format_robust_accuracy", "transfer_matrix", "plot_transfer_matrix",
-           "masking_table", "eps_label"]
+__all__ = ["ATTACK_LABELS", "robust_accuracy_table", "autoattack_members_table", "format_robust_accuracy",
+           "transfer_matrix", "plot_transfer_matrix", "masking_table", "eps_label"]
 
 
 #: how the report names the attacks of the study's attack protocols
