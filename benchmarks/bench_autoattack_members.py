@@ -3,7 +3,7 @@
 AutoAttack's standard ensemble (Croce & Hein, ICML 2020; :mod:`robust_attn.attacks.autoattack`)
 runs APGD-CE, then APGD-T, FAB-T and Square, each on the images the members before it left
 correctly classified. On a model without a defence the first member does nearly all the
-fooling, and the other three cost 10-30 s per image that survives them on one CPU core. This
+fooling, and the other three cost seconds to tens of seconds of CPU per image that survives them. This
 script measures both per model, on the first ``--images`` images of the study's attack subset
 (the same seeded images ``robust-attn study --attack-limit A`` attacks when its ``--limit`` is at least A):
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _measure import machine_description, write_json  # noqa: E402
 
 import robust_attn  # noqa: E402
-from robust_attn.attacks.autoattack import N_TARGET_CLASSES, STANDARD  # noqa: E402
+from robust_attn.attacks.autoattack import AutoAttack  # noqa: E402
 from robust_attn.attacks.base import AttackConfig, make_attack  # noqa: E402
 from robust_attn.data import build_dataset  # noqa: E402
 
@@ -45,15 +45,18 @@ def attack_images(dataset: str, attack_limit: int, images: int):
 
 
 def members(model, images, labels, eps: float, seed: int) -> dict:
+    """AutoAttack's members one by one, as :class:`~robust_attn.attacks.autoattack.AutoAttack`
+    runs them (the same member configs and seeds), each timed on the images still robust."""
+    ensemble = AutoAttack(AttackConfig("autoattack", eps=eps / 255, seed=seed))
     with torch.no_grad():
-        robust = model(images).argmax(1) == labels
+        logits = model(images)
+    robust = logits.argmax(1) == labels
     row = {"images": len(labels), "clean_correct": int(robust.sum()), "members": []}
-    for position, name in enumerate(STANDARD):
+    for position, name in enumerate(ensemble.member_names):
         todo = robust.nonzero().flatten()
         if todo.numel() == 0:
             break
-        options = {"n_target_classes": min(N_TARGET_CLASSES, 9)} if name.endswith("-t") else {}
-        attack = make_attack(AttackConfig(name, eps=eps / 255, seed=seed * 16 + position, options=options))
+        attack = make_attack(ensemble._member_config(name, position, logits.shape[1]))
         start = time.process_time()
         out = attack.run(model, images[todo], labels[todo])
         seconds = time.process_time() - start

@@ -16,9 +16,8 @@ from robust_attn.commands.eval import parse_list
 
 __all__ = ["add_parser", "run_study_cmd"]
 
-#: the comma-list options among the StudyConfig fields, and the type of their items
-_LISTS = {"sweep_eps": float, "autoattack_eps": float, "apgd_eps": float, "protocols": str, "severities": int,
-          "occlusion_areas": float, "shuffle_grids": int}
+#: the item types of StudyConfig's tuple fields, which the command line takes as comma lists
+_ITEM_TYPES = {"tuple[float, ...]": float, "tuple[int, ...]": int, "tuple[str, ...]": str}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -80,20 +79,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _given(args) -> dict:
-    """The StudyConfig fields the command line sets (options left out are not in it)."""
-    fields = ("dataset", "split", "limit", "angle_step", "sweep_eps", "sweep_steps", "batch_size", "protocols",
-              "attack_limit", "autoattack_eps", "apgd_eps", "square_queries", "attack_steps", "attack_batch_size",
-              "backend", "seed", "bootstrap", "baseline", "corruptions", "severities", "occlusion_areas", "shuffle_grids",
-              "shift_seed")
+    """The StudyConfig fields the command line sets (options left out are not in it): every field
+    with an option of its name (``models`` and ``root`` are handled apart), a tuple field parsed
+    from a comma list of its item type."""
+    from robust_attn.study import StudyConfig
+
     out = {}
-    for name in fields:
-        value = getattr(args, name)
-        if value is None:
+    for field in dataclasses.fields(StudyConfig):
+        if field.name in ("models", "root") or getattr(args, field.name, None) is None:
             continue
-        if name in _LISTS:
-            value = [v.strip() for v in value.split(",") if v.strip()] if _LISTS[name] is str else \
-                parse_list(value, _LISTS[name], f"--{name.replace('_', '-')}")
-        out[name] = value
+        value, item = getattr(args, field.name), _ITEM_TYPES.get(str(field.type))
+        if item is str:
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        elif item is not None:
+            value = parse_list(value, item, f"--{field.name.replace('_', '-')}")
+        out[field.name] = value
     return out
 
 

@@ -70,6 +70,14 @@ def _condition_at(run_dir: Path, attack: str, eps: float) -> str | None:
     return None
 
 
+def _success_by_eps(run_dir: Path, records: pd.DataFrame, attack: str, eps_255, label: str = "") -> dict:
+    """``{"<label><eps>/255": success rate}`` of ``attack``'s untargeted L-inf conditions in a run,
+    from the smallest eps to the largest (the radii the run has)."""
+    conditions = {e: _condition_at(run_dir, attack, e / 255) for e in sorted(eps_255)}
+    return {f"{label}{e:g}/255": float(records.loc[records["condition"] == c, "success"].mean())
+            for e, c in conditions.items() if c}
+
+
 def write_checks(out: Path, model, images, labels, indices, eps: float, run_info: dict, *, white=None,
                  black=None, rates=None, baseline=None, seed: int = 0) -> list[dict]:
     """Run the checks the inputs allow and save them in run directory ``out`` (records of the
@@ -151,18 +159,13 @@ def study_masking(ctx, entries, models):
         aa_dir = ctx.run_dir("autoattack", entry.name)
         if RunStore(aa_dir).exists():
             aa = load_records(aa_dir)
-            conditions = {e: _condition_at(aa_dir, "autoattack", e / 255) for e in sorted(config.autoattack_eps)}
-            rates = {f"{e:g}/255": float(aa.loc[aa["condition"] == c, "success"].mean())
-                     for e, c in conditions.items() if c}
-            top = aa[aa["condition"] == conditions[max(config.autoattack_eps)]]
+            rates = _success_by_eps(aa_dir, aa, "autoattack", config.autoattack_eps)
+            top = aa[aa["condition"] == _condition_at(aa_dir, "autoattack", max(config.autoattack_eps) / 255)]
             white = white_box_records(top)
             black["autoattack's square"] = top.assign(success=top["success"].astype(bool).astype(int))
         apgd_dir = ctx.run_dir("apgd", entry.name)
         if (rates is None or len(rates) < 2) and RunStore(apgd_dir).exists():   # AutoAttack at one radius only
-            apgd = load_records(apgd_dir)
-            conditions = {e: _condition_at(apgd_dir, "apgd-ce", e / 255) for e in sorted(config.apgd_eps)}
-            rates = {f"APGD-CE {e:g}/255": float(apgd.loc[apgd["condition"] == c, "success"].mean())
-                     for e, c in conditions.items() if c}
+            rates = _success_by_eps(apgd_dir, load_records(apgd_dir), "apgd-ce", config.apgd_eps, "APGD-CE ")
         square_dir = ctx.run_dir("square", entry.name)
         if white is not None and RunStore(square_dir).exists() and abs(config.square_eps / 255 - eps) < 1e-9:
             c = _condition_at(square_dir, "square", eps)

@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS
+from robust_attn.reports.attacks import ATTACK_LABELS
 from robust_attn.reports.stats import bootstrap_mean_ci
 
 __all__ = ["per_image_losses", "compare_models", "findings_text", "agreement_findings", "ROTATED",
@@ -122,8 +123,6 @@ def _attack_label(condition: str) -> str:
     parts = condition.split("_")
     if len(parts) < 3 or parts[1] not in ("linf", "l2") or not parts[2].startswith("eps"):
         return condition
-    from robust_attn.reports.attacks import ATTACK_LABELS
-
     name = ATTACK_LABELS.get(parts[0], parts[0])
     size = parts[2][3:]
     extra = f" ({', '.join(parts[3:])})" if len(parts) > 3 else ""
