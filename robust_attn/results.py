@@ -91,9 +91,11 @@ CLAIMS = "claims"
 CLAIM_TIMEOUT_ENV = "ROBUST_ATTN_CLAIM_TIMEOUT"
 DEFAULT_CLAIM_TIMEOUT = 6 * 3600.0
 # Keys of run.json that may differ between a run and its resumption (where and how it ran,
-# not what it computes).
+# not what it computes). ``data_source`` is the folder or file the images were read from: the
+# same data moved, or a clone of the repository elsewhere (the embedded test sets live inside the
+# package), is the same run; what the data is stays compared as ``data_variant`` and ``dataset``.
 VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_workers", "created",
-                           "host", "data_root"})
+                           "host", "data_root", "data_source"})
 # Entries of run.json's "parameters" that record where an input came from rather than what it is:
 # the PGD targets may be drawn from a seed or read from another run's targets.csv; the targets
 # themselves are compared by content (the run's targets.csv) when a run is resumed.
@@ -101,12 +103,11 @@ PROVENANCE_PARAMETERS = frozenset({"targets"})
 # Keys run.json gained with issue #15 (where the model came from: robust_attn.sources.provenance;
 # the dataset of a Python-API run that named none): a run written before them lacks them and
 # still resumes; once stored they are compared.
-# The same for the data's provenance (issue #16: the resolved path and the variant, e.g. the
-# canonical CIFAR-10 pickles against the JPEG copy): before it, every dataset had one variant, so
-# an old run resumes (e.g. the Fashion-MNIST study's packed runs); a run that stored them is
-# compared.
+# The same for the data's variant (issue #16: e.g. the canonical CIFAR-10 pickles against the JPEG
+# copy): before it, every dataset had one variant, so an old run resumes (e.g. the Fashion-MNIST
+# study's packed runs); a run that stored it is compared.
 LATER_KEYS = frozenset({"source", "spec", "weights_origin", "weights_sha256", "params", "preprocessing",
-                        "weights_preprocessing", "dataset", "data_source", "data_variant"})
+                        "weights_preprocessing", "dataset", "data_variant"})
 # Parameters a protocol gained later, with the value every run had before: PGD's ``exact`` (issue
 # #14; before it the native backend always ran its fast mode). A run stored without one resumes
 # when the value asked for is that one; any other value is a different run.

@@ -163,6 +163,20 @@ def test_runs_recorded_before_the_data_provenance_keys_resume_and_later_ones_are
         new.open({**base, "data_source": "/data/cifar-10-batches-py", "data_variant": "cifar10-jpeg"})
 
 
+def test_a_run_resumes_when_its_data_was_read_from_another_folder(tmp_path):
+    """``data_source`` is where the bytes were read (the package's embedded copy moves with every
+    clone of the repository; a user may move a data folder): the same variant read elsewhere is the
+    same run, and the stored path is kept."""
+    base = {"model": "m", "protocol": "rotation", "num_images": 4, "chunk_size": 2, "conditions": ["none"],
+            "data_variant": "cifar10-jpeg"}
+    store = RunStore(tmp_path / "run")
+    store.open({**base, "data_source": "/work/main/robust_attn/data/embedded/cifar10_jpeg_test.npz"})
+    moved = store.open({**base, "data_source": "/home/user/robust-attn/robust_attn/data/embedded/cifar10_jpeg_test.npz"})
+    assert moved["data_source"].startswith("/work/main/")
+    with pytest.raises(RunMismatchError, match="data_variant"):
+        store.open({**base, "data_source": "/data/cifar-10-batches-py", "data_variant": "cifar10"})
+
+
 def test_runs_recorded_before_a_later_parameter_resume_with_its_old_value_only(tmp_path):
     """PGD runs written before ``exact`` existed ran the fast mode: they resume with exact=False
     (the Fashion-MNIST study's packed runs) and are refused with exact=True."""
