@@ -16,7 +16,10 @@ from robust_attn.reports.tables import load_runs
 from robust_attn.zoo import Manifest
 
 ROOT = Path(__file__).resolve().parents[1]
-REPORTS = {"study-fashion_mnist": "fashion_mnist", "study-cifar10": "cifar10"}
+REPORTS = {"study-fashion_mnist": "fashion_mnist", "study-cifar10": "cifar10", "study-cifar10-full": "cifar10"}
+# the reports with corruption runs and with attack runs, and how many images each covers
+CORRUPTION = {"study-fashion_mnist": 10000, "study-cifar10": 2000, "study-cifar10-full": 10000}
+ATTACKS = ("study-fashion_mnist", "study-cifar10")
 TABLE9 = ("none", "cw90", "cw180", "cw270", "flip_ud")
 
 
@@ -66,17 +69,21 @@ def test_table10_is_what_the_pgd_records_say(report):
             assert row[f"{column}_success_rate"] == pytest.approx(success[condition], abs=1e-3)
 
 
-def test_cifar10_corruption_summary_is_what_the_records_say():
+@pytest.mark.parametrize("report", sorted(CORRUPTION))
+def test_corruption_summary_is_what_the_records_say(report):
     """Hendrycks & Dietterich's CE_c = sum_s E_{s,c} / sum_s E^base_{s,c}, mCE its mean over the
-    15 corruptions (in percent), recomputed from the records against resnet26's."""
-    table = pd.read_csv(ROOT / "reports/study-cifar10/corruption_summary.csv").set_index("model")
-    runs = {run.model: run for run in _runs("study-cifar10", "corruption")}
+    15 corruptions (in percent), recomputed from the records against resnet26's, on every image
+    of the report (the whole test set for the full reports)."""
+    table = pd.read_csv(ROOT / "reports" / report / "corruption_summary.csv").set_index("model")
+    runs = {run.model: run for run in _runs(report, "corruption")}
+    assert len(runs) == 7
 
     def errors(run) -> pd.Series:
         return 1 - run.records[run.records["condition"] != "clean"].groupby("condition")["top1"].mean()
 
     base = errors(runs["resnet26"])
     for model, run in runs.items():
+        assert run.records.groupby("condition")["index"].nunique().eq(CORRUPTION[report]).all(), model
         err = errors(run)
         corruption = err.index.str.replace(r"_s[1-5]$", "", regex=True)
         ce = err.groupby(corruption).sum() / base.groupby(corruption).sum()
@@ -85,7 +92,7 @@ def test_cifar10_corruption_summary_is_what_the_records_say():
         assert table.loc[model, "corrupted_top1"] == pytest.approx((1 - err.mean()) * 100, abs=1e-3)
 
 
-@pytest.mark.parametrize("report", sorted(REPORTS))
+@pytest.mark.parametrize("report", ATTACKS)
 def test_robust_accuracy_and_autoattack_members_are_what_the_attack_records_say(report):
     """The RobustBench-style table (clean, APGD-CE, AutoAttack top-1) and who fooled each image
     first, recomputed from the packed attack runs (protocols apgd and autoattack)."""
