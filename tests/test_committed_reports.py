@@ -119,3 +119,20 @@ def test_robust_accuracy_and_autoattack_members_are_what_the_attack_records_say(
                     assert (group.loc[group["by"] == "none", "top1"] == 1).all()
                 seen.add((protocol, run.model))
     assert len({m for _, m in seen}) == 7
+
+
+def test_square_rows_are_what_the_square_records_say():
+    """Square alone at 8/255 on CIFAR-10 (score-based): top-1 in the RobustBench-style table, the
+    perturbation within the budget, at most 1 + 5,000 queries per image (the clean check and the
+    budget), and an image counted as fooled only when its prediction is wrong."""
+    table = pd.read_csv(ROOT / "reports/study-cifar10/robust_accuracy.csv")
+    runs = _runs("study-cifar10", "square")
+    assert len(runs) == 7
+    for run in runs:
+        attacked = run.records[run.records["condition"] != "clean"]
+        row = table[(table["model"] == run.model) & (table["column"] == "Square 8/255")]
+        assert row["n"].item() == len(attacked) == 1000
+        assert row["top1"].item() == pytest.approx(attacked["top1"].mean() * 100, abs=1e-3)
+        assert (attacked["linf"] <= 8 / 255 + 1e-6).all()
+        assert attacked["queries"].between(1, 5001).all()
+        assert (attacked["success"] == (attacked["pred"] != attacked["label"])).all()
