@@ -56,7 +56,7 @@ def members(model, images, labels, eps: float, seed: int) -> dict:
         todo = robust.nonzero().flatten()
         if todo.numel() == 0:
             break
-        attack = make_attack(ensemble._member_config(name, position, logits.shape[1]))
+        attack = make_attack(ensemble.member_config(name, position, logits.shape[1]))
         start = time.process_time()
         out = attack.run(model, images[todo], labels[todo])
         seconds = time.process_time() - start

@@ -53,9 +53,12 @@ class AutoAttack(Attack):
             raise AttackInputError("autoattack cannot contain itself")
         self.member_names = list(members)
         for i, m in enumerate(self.member_names):   # unknown names and unsupported settings fail here
-            make_attack(self._member_config(m, i, num_classes=10))
+            make_attack(self.member_config(m, i, num_classes=10))
 
-    def _member_config(self, member: str, position: int, num_classes: int) -> AttackConfig:
+    def member_config(self, member: str, position: int, num_classes: int) -> AttackConfig:
+        """The config the ensemble runs ``member`` (at ``position`` in the list) with: its own seed
+        and, for a targeted member, the number of target classes; public so that a benchmark
+        times exactly what the ensemble runs."""
         c = self.config
         options = {k: v for k, v in c.options.items() if k != "attacks"}
         if member.endswith("-t"):   # the targeted members: the most likely wrong classes
@@ -77,7 +80,7 @@ class AutoAttack(Attack):
             todo = robust.nonzero().flatten()
             if todo.numel() == 0:
                 break
-            attack = make_attack(self._member_config(member, position, logits.shape[1]))
+            attack = make_attack(self.member_config(member, position, logits.shape[1]))
             out = attack.run(model, images[todo], labels[todo])
             with torch.no_grad():
                 fooled = model(out.adv).argmax(1) != labels[todo]
