@@ -10,7 +10,7 @@ import torch
 
 from robust_attn.layers import cpu_kernels
 from robust_attn.layers.local_aggregation import footprint_aggregate, footprint_aggregate_unfold, footprint_offsets
-from robust_attn.layers import san
+from robust_attn.layers import san_fused
 from robust_attn.layers.san import SelfAttention2d
 from robust_attn.layers.sasa import local_attention, local_attention_reference
 
@@ -142,7 +142,7 @@ def _train_and_backward(m: SelfAttention2d, x: torch.Tensor):
 FUSED_CASES = [("pairwise", "subtraction", True), ("pairwise", "subtraction", False),
                ("pairwise", "summation", True), ("pairwise", "summation", False),
                ("patchwise", "concatenation", False)]
-FUSED_OPERATORS = {"pairwise": san._FusedPairwiseAttention, "patchwise": san._FusedPatchwiseConcat}
+FUSED_OPERATORS = {"pairwise": san_fused._FusedPairwiseAttention, "patchwise": san_fused._FusedPatchwiseConcat}
 
 
 @needs_kernel

@@ -10,8 +10,9 @@ from robust_attn.layers import local_aggregation
 from robust_attn.complexity import count_params
 from robust_attn.layers.local_aggregation import (footprint_aggregate, footprint_aggregate_unfold,
                                                   footprint_offsets, reflect_pad, shifted)
-from robust_attn.layers.san import (PAIRWISE_RELATIONS, PATCHWISE_RELATIONS, SelfAttention2d,
-                                    _difference_moments, auto_chunk_size, conv1x1, san_attention_unfold)
+from robust_attn.layers.san import (PAIRWISE_RELATIONS, PATCHWISE_RELATIONS, SelfAttention2d, auto_chunk_size,
+                                    conv1x1, san_attention_unfold)
+from robust_attn.layers.san_pairwise import _difference_moments
 
 SAN_MODELS = [f"san{d}_{a}" for a in ("pairwise", "patchwise") for d in (10, 15, 19)]
 RELATIONS = [("pairwise", r) for r in PAIRWISE_RELATIONS] + [("patchwise", r) for r in PATCHWISE_RELATIONS]

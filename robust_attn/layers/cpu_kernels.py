@@ -16,10 +16,11 @@ reads ``bpad[..., i + dy, j + dx]``), weights ``w (K, B, G, H, W)``:
 
 ``csrc/pairwise_ops.cpp`` holds SAN's whole pairwise operator for the linear relations, fused per
 (image, footprint offset) tile (:func:`pairwise_moments`, :func:`pairwise_forward`,
-:func:`pairwise_backward`, :func:`pairwise_backward_input`; used by
-:mod:`robust_attn.layers.san`, whose chunked PyTorch path is its reference); ``csrc/patchwise_ops.cpp``
-the psi part of patchwise concatenation's first gamma layer, likewise fused (:func:`patchwise_moments`,
-:func:`patchwise_hidden`, :func:`patchwise_backward_sums`, :func:`patchwise_backward_input`).
+:func:`pairwise_backward`, :func:`pairwise_backward_input`; wrapped by
+:mod:`robust_attn.layers.san_fused`, with the chunked PyTorch path of :mod:`.san_pairwise` as its
+reference); ``csrc/patchwise_ops.cpp`` the psi part of patchwise concatenation's first gamma layer,
+likewise fused (:func:`patchwise_moments`, :func:`patchwise_hidden`,
+:func:`patchwise_backward_sums`, :func:`patchwise_backward_input`).
 
 The module is built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler and
 ninja; about a minute, then cached) for float32 and float64 CPU tensors. Without a compiler, on
