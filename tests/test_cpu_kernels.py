@@ -12,7 +12,7 @@ from robust_attn.layers import cpu_kernels
 from robust_attn.layers.local_aggregation import footprint_aggregate, footprint_aggregate_unfold, footprint_offsets
 from robust_attn.layers import san_fused
 from robust_attn.layers.san import SelfAttention2d
-from robust_attn.layers.sasa import local_attention, local_attention_reference
+from robust_attn.layers.local_attention import local_attention, local_attention_reference
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.kernel_available(),
                                   reason="no C++ compiler/ninja to build the CPU window kernels")

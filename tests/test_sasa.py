@@ -8,8 +8,8 @@ import torch
 from model_checks import check_trains_evaluates_and_round_trips
 
 from robust_attn import create_model
-from robust_attn.layers.sasa import (AttentionStem, SASAttention2d, local_attention, local_attention_reference,
-                                     relative_embedding)
+from robust_attn.layers.local_attention import local_attention, local_attention_reference
+from robust_attn.layers.sasa import AttentionStem, SASAttention2d, relative_embedding
 from robust_attn.reference import imagenet_reference
 
 SASA_MODELS = ["sasa_resnet26", "sasa_resnet38", "sasa_resnet50"]
@@ -129,16 +129,16 @@ def test_dense_form_passes_gradcheck_in_float64():
 
 @pytest.mark.parametrize("method", ["stream", "dense"])
 def test_batch_chunking_and_partial_gradients_change_nothing(method, monkeypatch):
-    import robust_attn.layers.sasa as sasa_module
+    import robust_attn.layers.local_attention as attention_module
     q, k, v, rel = _qkv_rel((3, 2, 2, 4, 5), 5, torch.float64)
     k.requires_grad_(False)
     rel.requires_grad_(False)
     ref = local_attention_reference(q, k, v, rel, 5)
     grad = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (q, v), grad)
-    monkeypatch.setattr(sasa_module, "_CHUNK_BYTES", 1)          # one sample per chunk
-    monkeypatch.setattr(sasa_module, "_CHUNK_MIN_PIXELS", 1)
-    assert len(sasa_module._batch_chunks(q, 25)) == 3
+    monkeypatch.setattr(attention_module, "_CHUNK_BYTES", 1)          # one sample per chunk
+    monkeypatch.setattr(attention_module, "_CHUNK_MIN_PIXELS", 1)
+    assert len(attention_module._batch_chunks(q, 25)) == 3
     ours = local_attention(q, k, v, rel, 5, method=method)
     torch.testing.assert_close(ours, ref)
     for g_ours, g_ref in zip(torch.autograd.grad(ours, (q, v), grad), ref_grads):
