@@ -28,8 +28,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from robust_attn.claims import Claim
 from robust_attn.distributed import shard_indices
-from robust_attn.results import Claim, RunStore, library_versions
+from robust_attn.results import RunStore, library_versions
 
 __all__ = ["RunStats", "chunk_grid", "run_chunks", "topk_hits", "open_run"]
 
