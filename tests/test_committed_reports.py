@@ -121,12 +121,13 @@ def test_robust_accuracy_and_autoattack_members_are_what_the_attack_records_say(
     assert len({m for _, m in seen}) == 7
 
 
-def test_square_rows_are_what_the_square_records_say():
-    """Square alone at 8/255 on CIFAR-10 (score-based): top-1 in the RobustBench-style table, the
+@pytest.mark.parametrize("report", ATTACKS)
+def test_square_rows_are_what_the_square_records_say(report):
+    """Square alone at 8/255 (score-based): top-1 in the RobustBench-style table, the
     perturbation within the budget, at most 1 + 5,000 queries per image (the clean check and the
     budget), and an image counted as fooled only when its prediction is wrong."""
-    table = pd.read_csv(ROOT / "reports/study-cifar10/robust_accuracy.csv")
-    runs = _runs("study-cifar10", "square")
+    table = pd.read_csv(ROOT / "reports" / report / "robust_accuracy.csv")
+    runs = _runs(report, "square")
     assert len(runs) == 7
     for run in runs:
         attacked = run.records[run.records["condition"] != "clean"]
