@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -129,6 +130,38 @@ def test_unfinished_runs_are_not_reported(tmp_path):
     next((store.root / "records" / "cw90").iterdir()).unlink()
     with pytest.raises(ValueError, match="unfinished.*running its command again"):
         make_report([store.root], tmp_path / "out")
+
+
+def test_report_pack_copies_the_runs_and_rederives_from_them(runs, tmp_path, capsys):
+    """``--pack``: the runs are copied packed under OUT/runs, the report is built from the copies,
+    and reporting again from the copies alone gives the same tables."""
+    out = tmp_path / "rep"
+    assert main(["report", *map(str, runs), "--out", str(out), "--no-plots", "--bootstrap", "50", "--pack"]) == 0
+    assert "runs packed into" in capsys.readouterr().out
+    copies = sorted((out / "runs").iterdir())
+    assert [c.name for c in copies] == sorted(r.name for r in runs)
+    assert all((c / "records.csv.gz").is_file() and (c / "checksums.json").is_file() for c in copies)
+    assert f"`{out / 'runs'}" in (out / "report.md").read_text()   # the report names the copies
+    again = tmp_path / "again"
+    assert main(["report", *map(str, copies), "--out", str(out), "--no-plots", "--bootstrap", "50", "--pack"]) == 0
+    assert main(["report", *map(str, copies), "--out", str(again), "--no-plots", "--bootstrap", "50"]) == 0
+    for name in ("table9_rotation.csv", "table10_pgd.csv", "headline_ci.csv"):
+        pd.testing.assert_frame_equal(pd.read_csv(again / name).drop(columns="run", errors="ignore"),
+                                      pd.read_csv(out / name).drop(columns="run", errors="ignore"))
+
+
+def test_report_pack_refuses_unfinished_runs_and_name_clashes(runs, tmp_path, capsys):
+    data = build_dataset("synthetic", split="test", limit=4)
+    store = run_rotation(_tiny(), data, tmp_path / "r", conditions=rotation_conditions(0), batch_size=2,
+                         run_info=_info("resnet26", "synthetic"), progress=False)
+    next((store.root / "records" / "cw90").iterdir()).unlink()
+    assert main(["report", str(store.root), "--out", str(tmp_path / "o1"), "--pack", "--no-plots"]) == 2
+    assert "unfinished" in capsys.readouterr().err
+    assert not (tmp_path / "o1" / "runs" / "r" / "records.csv.gz").exists()   # nothing half-packed
+    clash = [str(runs[0]), str(tmp_path / "x" / runs[0].name)]
+    shutil.copytree(runs[1], clash[1])
+    assert main(["report", *clash, "--out", str(tmp_path / "o2"), "--pack", "--no-plots"]) == 2
+    assert "collide" in capsys.readouterr().err
 
 
 def test_pgd_runs_of_one_model_merge_into_one_table10_row(runs, tmp_path):

@@ -1,8 +1,12 @@
 """``robust-attn report RUN_DIR... --out DIR``: SAN Tables 9 and 10 (Markdown, LaTeX, CSV) with
-the published numbers beside ours, bootstrap intervals and plots, from stored runs."""
+the published numbers beside ours, bootstrap intervals and plots, from stored runs.
+
+``--pack`` first copies the runs, packed and checksummed, under ``OUT/runs/``, so that a report
+committed with its runs can be re-derived from what was committed (the study does the same)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from robust_attn.cli import UserError
@@ -18,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rep.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     rep.add_argument("--level", type=float, default=0.95, help="confidence level (default 0.95)")
     rep.add_argument("--no-plots", action="store_true", help="tables only")
+    rep.add_argument("--pack", action="store_true",
+                     help="copy each run, packed (one checksummed gzip CSV of its records), into OUT/runs/ and "
+                          "report from the copies: the report can then be re-derived from OUT alone")
     rep.set_defaults(func=run_report)
 
 
@@ -28,7 +35,33 @@ def run_report(args) -> int:
         if not (Path(run) / "run.json").is_file():
             raise UserError(f"{run} is not a run directory (no run.json); pass directories written by "
                             f"`robust-attn eval rotation|pgd --out DIR`")
-    files = make_report(args.runs, args.out, n_boot=args.bootstrap, seed=args.seed, level=args.level,
+    runs = _packed(args.runs, Path(args.out) / "runs") if args.pack else args.runs
+    files = make_report(runs, args.out, n_boot=args.bootstrap, seed=args.seed, level=args.level,
                         plots=not args.no_plots)
+    if args.pack:
+        print(f"runs packed into {Path(args.out) / 'runs'}")
     print(f"report of {len(args.runs)} run(s): {len(files)} files in {args.out} (see {Path(args.out) / 'report.md'})")
     return 0
+
+
+def _packed(runs: list[str], dest: Path) -> list[Path]:
+    """Pack each run into ``dest/<its folder name>`` (:meth:`RunStore.pack`, which refuses an
+    unfinished run); two runs with one folder name would overwrite each other, so that is an error."""
+    from robust_attn.results import RunStore
+
+    names = [Path(os.path.abspath(r)).name for r in runs]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise UserError(f"--pack: runs share the folder name(s) {clash}, which would collide in {dest}; "
+                        f"rename or copy them to distinct names first")
+    out = []
+    try:
+        for run, name in zip(runs, names):
+            store = RunStore(run)
+            if store.root.resolve() == (dest / name).resolve():   # already there: reporting again from OUT
+                out.append(store.root)
+            else:
+                out.append(store.pack(dest / name).root)
+    except ValueError as err:
+        raise UserError(f"--pack: {err}") from None
+    return out
