@@ -10,8 +10,9 @@ the importer, the source file and its sha256.
 * :mod:`.torchvision_resnet`: torchvision-layout ResNet state dicts (``conv1``/``bn1`` stem).
 
 The helpers here are shared: :func:`read_state_dict` (``torch.load(weights_only=True)``, never a
-full unpickle; unwraps ``{"state_dict": ...}`` and the DataParallel ``module.`` prefix) and
-:func:`remap` (refuses unknown, missing and mis-shaped keys, naming them).
+full unpickle; unwraps ``{"state_dict": ...}`` and the DataParallel ``module.`` prefix),
+:func:`remap` (refuses unknown, missing and mis-shaped keys, naming them) and :func:`fc_classes`
+(the class count of an ``fc`` head).
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ import torch
 
 from robust_attn.utils.io import sha256_file
 
-__all__ = ["ConversionError", "IMAGENET_MEAN", "IMAGENET_STD", "read_state_dict", "remap", "default_output",
-           "IMPORTERS", "import_checkpoint"]
+__all__ = ["ConversionError", "IMAGENET_MEAN", "IMAGENET_STD", "read_state_dict", "remap", "fc_classes",
+           "default_output", "IMPORTERS", "import_checkpoint"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -43,6 +44,13 @@ def _names(keys, show: int = _SHOW) -> str:
     keys = list(keys)
     more = f" ... and {len(keys) - show} more" if len(keys) > show else ""
     return ", ".join(keys[:show]) + more
+
+
+def fc_classes(state_dict: Mapping[str, torch.Tensor]) -> int:
+    """The number of classes of a state dict's ``fc`` head (``fc.weight`` rows); 1000 (ImageNet)
+    when it has none, so that the key check names the missing head."""
+    fc = state_dict.get("fc.weight")
+    return int(fc.shape[0]) if isinstance(fc, torch.Tensor) and fc.dim() == 2 else 1000
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

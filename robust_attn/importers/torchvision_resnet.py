@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from robust_attn.checkpoint import save_checkpoint
-from robust_attn.importers import (IMAGENET_MEAN, IMAGENET_STD, ConversionError, read_state_dict, remap,
-                                   source_origin)
+from robust_attn.importers import (IMAGENET_MEAN, IMAGENET_STD, ConversionError, fc_classes, read_state_dict,
+                                   remap, source_origin)
 from robust_attn.models.resnet import RESNET_LAYERS
 from robust_attn.registry import create_model, list_models, model_info
 from robust_attn.wrapper import NormalizedModel
@@ -68,11 +68,6 @@ def _check_arch(arch: str) -> None:
         raise ConversionError(f"--arch {arch!r} is not a ResNet baseline; choose one of {', '.join(RESNET_ARCHS)}")
 
 
-def _num_classes(state_dict) -> int:
-    fc = state_dict.get("fc.weight")
-    return int(fc.shape[0]) if isinstance(fc, torch.Tensor) and fc.dim() == 2 else 1000
-
-
 def convert_torchvision_resnet(state_dict: dict[str, torch.Tensor], arch: str,
                                model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
     """Our state dict (of ``create_model(arch, num_classes, "imagenet")``) from torchvision's layout.
@@ -83,7 +78,7 @@ def convert_torchvision_resnet(state_dict: dict[str, torch.Tensor], arch: str,
     if all(k.startswith("module.") for k in state_dict):
         state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
     if model is None:
-        model = create_model(arch, _num_classes(state_dict), "imagenet")
+        model = create_model(arch, fc_classes(state_dict), "imagenet")
     target = model.state_dict()
     mapping = {k: torchvision_key(k) for k in target}
     return remap(state_dict, mapping, target, f"not a torchvision-layout {arch} state dict", _hint(state_dict, arch))
@@ -95,7 +90,7 @@ def import_torchvision_resnet(path: str | os.PathLike, arch: str, out: str | os.
     _check_arch(arch)
     path = Path(path)
     source = read_state_dict(path)
-    model = create_model(arch, _num_classes(source), "imagenet")
+    model = create_model(arch, fc_classes(source), "imagenet")
     model.load_state_dict(convert_torchvision_resnet(source, arch, model), strict=True)
     wrapped = NormalizedModel(model, IMAGENET_MEAN, IMAGENET_STD).eval()
     return save_checkpoint(out, wrapped, {"origin": source_origin("torchvision-resnet", path, _DESCRIPTION)})

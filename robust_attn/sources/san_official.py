@@ -33,8 +33,8 @@ def check_san_official(target: str, spec: str) -> None:
 
 @register_source("san-official", check=check_san_official)
 def load_san_official(request: SourceRequest) -> LoadedModel:
-    from robust_attn.importers import IMAGENET_MEAN, IMAGENET_STD, ConversionError, read_state_dict
-    from robust_attn.importers.san_official import SAN_ARCHS, _num_classes, convert_san_official, guess_san_arch
+    from robust_attn.importers import IMAGENET_MEAN, IMAGENET_STD, ConversionError, fc_classes, read_state_dict
+    from robust_attn.importers.san_official import SAN_ARCHS, convert_san_official, guess_san_arch
     from robust_attn.registry import create_model
     from robust_attn.utils.io import sha256_file
     from robust_attn.wrapper import NormalizedModel
@@ -51,7 +51,7 @@ def load_san_official(request: SourceRequest) -> LoadedModel:
                 raise SourceError(f"{path}: its keys do not have the layout of any of the authors' SAN models; "
                                   f"name the architecture: san-official:{path}:ARCH, ARCH one of "
                                   f"{', '.join(SAN_ARCHS)}")
-        net = create_model(arch, _num_classes(state), "imagenet")
+        net = create_model(arch, fc_classes(state), "imagenet")
         net.load_state_dict(convert_san_official(state, arch, net), strict=True)
     except ConversionError as err:
         raise SourceError(str(err)) from None
