@@ -277,6 +277,41 @@ def test_two_processes_sharing_a_run_folder_compute_disjoint_chunks(tmp_path):
     assert {p.suffix for p in (tmp_path / "run" / "records").rglob("*") if p.is_file()} == {".csv"}
 
 
+def _one_chunk_worker(root, log, each_condition):
+    """A process running the whole dataset as one chunk (as the study's attacks do, at
+    ``--attack-batch-size 1000``)."""
+    torch.set_num_threads(1)
+    store = open_run(Path(root), {"model": "m", "dataset": {"name": "d", "split": "test", "limit": None},
+                                  "command": ["x"]}, protocol="p", parameters={"k": 1}, conditions=CONDITIONS,
+                     num_images=N, chunk_size=N)
+    run_chunks(store, _dataset(), CONDITIONS, Counting(log=log, delay=0.5), chunk_size=N, progress=False,
+               poll=0.05, claim_each_condition=each_condition)
+
+
+@pytest.mark.parametrize("each_condition", [False, True])
+def test_processes_split_one_chunks_conditions_only_when_claimed_one_by_one(tmp_path, each_condition):
+    """One chunk, three conditions, two processes: claimed together, one process computes all
+    three and the other waits; claimed one by one (``claim_each_condition``, the attacks'
+    setting), both compute, each condition exactly once, with the records of a single process."""
+    log = tmp_path / "log"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_one_chunk_worker, args=(str(tmp_path / "run"), str(log), each_condition))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+        time.sleep(0.2)   # the first has claimed before the second starts
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    done = _log(log)
+    assert sorted(c for _, c, _ in done) == CONDITIONS   # each exactly once
+    assert len({pid for pid, _, _ in done}) == (2 if each_condition else 1)
+    single = tmp_path / "single"
+    _one_chunk_worker(single, None, False)
+    pd.testing.assert_frame_equal(load_records(tmp_path / "run"), load_records(single))
+    assert not list((tmp_path / "run").rglob("*.claim.*"))
+
+
 def test_a_killed_claimant_is_taken_over_and_a_live_one_is_respected(tmp_path):
     root = tmp_path / "run"
     _open(root)

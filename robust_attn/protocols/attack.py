@@ -138,7 +138,8 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
         save_targets(out_dir, labels, targets)
     run_chunks(store, dataset, [c["name"] for c in conditions], make_evaluator(model, configs, targets, device),
                chunk_size=batch_size, rank=rank, world_size=world_size, num_workers=num_workers,
-               progress=progress and rank == 0, desc="attack")
+               progress=progress and rank == 0, desc="attack",
+               claim_each_condition=True)   # an attack's radii are split among processes sharing the run
     barrier()
     if checks and rank == 0:
         from robust_attn.protocols.masking import attack_run_checks

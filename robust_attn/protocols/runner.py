@@ -58,22 +58,27 @@ def chunk_grid(n: int, chunk_size: int) -> list[tuple[int, int]]:
 class _ClaimingSampler:
     """Batch sampler over the pending chunks that claims each chunk's missing conditions as
     the loader asks for it (so claims are taken just ahead of the computation) and yields only
-    chunks with at least one condition claimed; ``claimed`` queues what each batch is for."""
+    chunks with at least one condition claimed; ``claimed`` queues what each batch is for.
+    ``each_condition``: claim one condition per batch (the chunk is then loaded once per
+    condition), so that processes sharing the run split one chunk's conditions between them."""
 
-    def __init__(self, store: RunStore, pending, claim_timeout):
+    def __init__(self, store: RunStore, pending, claim_timeout, each_condition: bool = False):
         self.store, self.pending, self.timeout = store, pending, claim_timeout
+        self.each_condition = each_condition
         self.claimed: deque[tuple[int, int, dict[str, Claim]]] = deque()
 
     def __iter__(self):
         for start, stop, todo in self.pending:
-            claims = {}
-            for condition in todo:
-                claim = self.store.claim(condition, start, stop, timeout=self.timeout)
-                if claim is not None:
-                    claims[condition] = claim
-            if claims:
-                self.claimed.append((start, stop, claims))
-                yield list(range(start, stop))
+            groups = [[c] for c in todo] if self.each_condition else [todo]
+            for group in groups:
+                claims = {}
+                for condition in group:
+                    claim = self.store.claim(condition, start, stop, timeout=self.timeout)
+                    if claim is not None:
+                        claims[condition] = claim
+                if claims:
+                    self.claimed.append((start, stop, claims))
+                    yield list(range(start, stop))
 
     def release_all(self) -> None:
         while self.claimed:
@@ -84,14 +89,18 @@ class _ClaimingSampler:
 def run_chunks(store: RunStore, dataset: Dataset, conditions: list[str], evaluate: Evaluate, *,
                chunk_size: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                progress: bool = True, desc: str = "eval", repair: bool = False, poll: float = 1.0,
-               claim_timeout: float | None = None) -> RunStats:
+               claim_timeout: float | None = None, claim_each_condition: bool = False) -> RunStats:
     """Evaluate every missing (condition, chunk) of this rank's shard and write its records.
 
     Written chunks of the shard are verified first (``repair``: damaged ones are deleted and
     recomputed, else :class:`~robust_attn.results.DamagedRecordsError`). Each pair is claimed
     before it is computed; pairs claimed by other live processes are awaited, polling every
     ``poll`` seconds. ``claim_timeout``: seconds after which another host's silent claim counts
-    as stale (default ``$ROBUST_ATTN_CLAIM_TIMEOUT`` or 6 hours)."""
+    as stale (default ``$ROBUST_ATTN_CLAIM_TIMEOUT`` or 6 hours). ``claim_each_condition``: claim
+    and compute a chunk's conditions one at a time (its batch is loaded for each), so that
+    processes sharing the run can split the conditions of one chunk; for protocols whose
+    conditions each cost far more than loading a batch (an attack at one radius can take an
+    hour on a CPU), and whose records do not depend on which conditions share a pass."""
     grid = chunk_grid(len(dataset), chunk_size)
     mine = [grid[i] for i in shard_indices(len(grid), rank, world_size)]
     stats = RunStats()
@@ -112,7 +121,8 @@ def run_chunks(store: RunStore, dataset: Dataset, conditions: list[str], evaluat
                 first = False
             if not pending:
                 break
-            if _one_pass(store, dataset, pending, evaluate, num_workers, claim_timeout, stats, bar) == 0:
+            if _one_pass(store, dataset, pending, evaluate, num_workers, claim_timeout, stats, bar,
+                         claim_each_condition) == 0:
                 time.sleep(poll)  # the rest is claimed by live processes: wait for them
     finally:
         if bar is not None:
@@ -121,9 +131,10 @@ def run_chunks(store: RunStore, dataset: Dataset, conditions: list[str], evaluat
     return stats
 
 
-def _one_pass(store, dataset, pending, evaluate, num_workers, claim_timeout, stats, bar) -> int:
+def _one_pass(store, dataset, pending, evaluate, num_workers, claim_timeout, stats, bar,
+              each_condition: bool = False) -> int:
     """Claim and compute what can be claimed of ``pending``; returns the pairs computed."""
-    sampler = _ClaimingSampler(store, pending, claim_timeout)
+    sampler = _ClaimingSampler(store, pending, claim_timeout, each_condition)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
     computed = 0
     claims: dict[str, Claim] = {}
