@@ -63,6 +63,48 @@ def test_comparison_finds_the_model_that_loses_least_with_paired_intervals():
     assert "sasa_resnet26 loses least" in text and "the lead is not established" in text
 
 
+def _attack_run(model: str, clean: np.ndarray, attacked: dict[str, np.ndarray]) -> Run:
+    """An attack run: 'clean' hits ``clean``, each attack condition its own hits."""
+    n = len(clean)
+    frames = [pd.DataFrame({"condition": "clean", "index": range(n), "top1": clean})]
+    frames += [pd.DataFrame({"condition": c, "index": range(n), "top1": hits}) for c, hits in attacked.items()]
+    conditions = [{"name": "clean", "attack": "none", "eps": 0.0}]
+    conditions += [{"name": c, "attack": "autoattack", "norm": "linf", "eps": int(c[-1]) / 255, "targeted": False}
+                   for c in attacked]
+    description = {"protocol": "attack", "model": model, "conditions": conditions,
+                   "dataset": {"name": "synthetic", "split": "test", "limit": None}}
+    return Run(path=f"runs/attack-{model}", description=description, records=pd.concat(frames, ignore_index=True))
+
+
+def test_findings_give_each_attacks_drop_and_its_paired_difference_from_the_baseline():
+    """An attack-only comparison (no rotation, no Table 10) still has findings: per attack and
+    model the drop with its interval, and the paired difference from resnet26."""
+    rng = np.random.default_rng(1)
+    n = 2000
+    clean = np.ones(n, dtype=int)
+    fooled_base = rng.random(n) < 0.5
+    fooled_other = fooled_base & (rng.random(n) < 0.8)   # 20% of resnet26's losses kept: about 10 points less
+    runs = [_attack_run("resnet26", clean, {"autoattack_linf_eps1": (~fooled_base).astype(int),
+                                            "autoattack_linf_eps2": np.zeros(n, dtype=int)}),
+            _attack_run("ea_resnet26", clean, {"autoattack_linf_eps1": (~fooled_other).astype(int),
+                                               "autoattack_linf_eps2": np.zeros(n, dtype=int)})]
+    table = compare_models(runs, n_boot=200, seed=0)
+    lines = findings_text(table)
+    text = "\n".join(lines)
+    assert "under each evaluation attack, on 2000 attacked images" in text
+    header = next(line for line in lines if line.startswith("| model | AutoAttack"))
+    assert header == "| model | AutoAttack 1/255 | AutoAttack 2/255 |"
+    rows = [line for line in lines if line.startswith("| ea_resnet26 |")]
+    assert len(rows) == 2   # the drop table and the difference table
+    drop, diff = (r.split(" | ") for r in rows)
+    assert drop[1].startswith(f"{100 * fooled_other.mean():.1f} [")
+    assert drop[2].startswith("100.0 [100.0, 100.0]")
+    expected = 100 * (fooled_other.mean() - fooled_base.mean())
+    assert diff[1].startswith(f"{expected:+.2f} [") and "(n.s.)" not in diff[1]
+    assert diff[2].strip(" |").startswith("+0.00 [+0.00, +0.00] (n.s.)")
+    assert any(line.startswith("| resnet26 | - | - |") for line in lines)
+
+
 def test_runs_on_different_images_are_not_compared():
     base = np.ones(10, dtype=int)
     a = _rotation_run("resnet26", base, base)

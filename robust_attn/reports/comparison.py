@@ -197,7 +197,8 @@ def _sentence(group: pd.DataFrame) -> str:
 
 def findings_text(comparison: pd.DataFrame, baseline: str = DEFAULT_BASELINE) -> list[str]:
     """Markdown lines: a sentence and a table per headline measure (rotation; Table 10's
-    {8, 2, 4} setting), then a compact table of the top-1 drop for every shared PGD setting."""
+    {8, 2, 4} setting), a compact table of the top-1 drop for every shared PGD setting, then the
+    evaluation attacks' drops and their paired differences from ``baseline``."""
     if comparison.empty:
         return []
     lines = []
@@ -231,7 +232,37 @@ def findings_text(comparison: pd.DataFrame, baseline: str = DEFAULT_BASELINE) ->
                       "|:--|" + "--:|" * len(order)]
             lines += [f"| {model} | " + " | ".join(f"{v:.1f}" for v in row) + " |" for model, row in table.iterrows()]
             lines.append("")
+        lines += _attack_drop_tables(frame[frame["measure"].str.startswith("attack_drop:")], baseline)
     return lines
+
+
+def _attack_drop_tables(drops: pd.DataFrame, baseline: str) -> list[str]:
+    """The evaluation attacks (issue #14: AutoAttack, Square, ...): the top-1 drop per model and
+    attack with its interval, then its paired difference from ``baseline``; models in the order
+    of the first attack's drop, attacks in the comparison's order."""
+    if drops.empty:
+        return []
+    measures = list(drops["measure"].unique())
+    label = {m: drops.loc[drops["measure"] == m, "title"].iloc[0].split(":")[0] for m in measures}
+    counts = sorted({int(n) for n in drops["n"]})
+    by = {(r["model"], r["measure"]): r for _, r in drops.iterrows()}
+    models = list(drops[drops["measure"] == measures[0]].sort_values("rank")["model"])
+    models += [m for m in dict.fromkeys(drops["model"]) if m not in models]
+    head = ["| model | " + " | ".join(label[m] for m in measures) + " |", "|:--|" + "--:|" * len(measures)]
+
+    def cell(model, measure, fmt) -> str:
+        r = by.get((model, measure))
+        return "-" if r is None else fmt(r)
+
+    lines = [f"Top-1 drop (points, clean minus attacked) under each evaluation attack, on "
+             f"{' or '.join(map(str, counts))} attacked images, with its interval; lower is better:", "", *head]
+    lines += [f"| {model} | " + " | ".join(cell(model, m, lambda r: f"{r['value']:.1f} [{r['low']:.1f}, {r['high']:.1f}]")
+                                          for m in measures) + " |" for model in models]
+    lines += ["", f"Paired difference from {baseline} (points; negative: loses less than {baseline}):", "", *head]
+    lines += [f"| {model} | " + " | ".join(cell(model, m, lambda r: _diff(r["minus_baseline"], r["minus_baseline_low"],
+                                                                       r["minus_baseline_high"]))
+                                          for m in measures) + " |" for model in models]
+    return lines + [""]
 
 
 def _setting_order(measure: str) -> tuple:
