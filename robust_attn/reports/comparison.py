@@ -255,7 +255,9 @@ def _attack_drop_tables(drops: pd.DataFrame, baseline: str) -> list[str]:
         return "-" if r is None else fmt(r)
 
     lines = [f"Top-1 drop (points, clean minus attacked) under each evaluation attack, on "
-             f"{' or '.join(map(str, counts))} attacked images, with its interval; lower is better:", "", *head]
+             f"{' or '.join(map(str, counts))} attacked images, with its interval; lower is better. The drop "
+             "counts clean accuracy too: where an attack leaves every model near 0%, it ranks clean accuracy "
+             "(robust top-1 itself: the Robust accuracy section):", "", *head]
     lines += [f"| {model} | " + " | ".join(cell(model, m, lambda r: f"{r['value']:.1f} [{r['low']:.1f}, {r['high']:.1f}]")
                                           for m in measures) + " |" for model in models]
     lines += ["", f"Paired difference from {baseline} (points; negative: loses less than {baseline}):", "", *head]
