@@ -101,6 +101,65 @@ def test_autoattack_keeps_the_first_success_and_attacks_only_robust_images(regis
     assert out.queries.tolist() == [7, 7, 14, 14, 0, 14]
 
 
+def test_a_killed_autoattack_chunk_resumes_after_its_last_finished_member(registered, tmp_path):
+    """The ensemble saves its state after each member; killed in the second member, it resumes
+    there (the first member is not run again) and returns what an uninterrupted run returns."""
+    images = torch.full((6, 3, 4, 4), 0.5)
+    images[:, 1] = 0.6
+    images[:, 0, 0, 0] = torch.tensor([0.10, 0.20, 0.30, 0.40, 0.45, 0.35])
+    labels = torch.tensor([1, 1, 1, 1, 0, 1])
+    calls = []
+    registered(_fooling_attack("test-a", lambda t: t < 0.25, calls))
+    registered(_fooling_attack("test-b", lambda t: t > 0.32, calls))
+    registered(_fooling_attack("test-c", lambda t: t > 0.0, calls))
+    config = AttackConfig("autoattack", eps=0.3, options={"attacks": ["test-a", "test-b", "test-c"]})
+    model = _PixelModel().eval()
+    whole = make_attack(config).run(model, images, labels)
+
+    class Killed(Exception):
+        pass
+
+    def killed(*_):
+        raise Killed
+    state = tmp_path / "state.pt"
+    aa = make_attack(config)
+    aa.state_path = state
+    original = ATTACKS["test-b"]._run
+    ATTACKS["test-b"]._run = killed
+    try:
+        with pytest.raises(Killed):
+            aa.run(model, images, labels)
+    finally:
+        ATTACKS["test-b"]._run = original
+    assert state.is_file()   # saved after test-a
+    calls.clear()
+    other = images.clone()
+    other[0, 2] = 0.9   # another chunk's images: the state is not theirs
+    fresh = make_attack(config)
+    fresh.state_path = tmp_path / "copy.pt"
+    fresh.state_path.write_bytes(state.read_bytes())
+    fresh.run(model, other, labels)
+    assert [name for name, _ in calls][0] == "test-a"
+    calls.clear()
+    again = make_attack(config)
+    again.state_path = state
+    resumed = again.run(model, images, labels)
+    assert [name for name, _ in calls] == ["test-b", "test-c"]   # test-a's work was kept
+    assert resumed.by == whole.by == ["test-a", "test-a", "test-c", "test-b", "clean", "test-b"]
+    assert torch.equal(resumed.adv, whole.adv) and torch.equal(resumed.queries, whole.queries)
+
+
+def test_the_attack_protocol_deletes_autoattack_state_once_the_chunk_is_written(tmp_path):
+    data = build_dataset("synthetic", split="test", limit=4)
+    model = NormalizedModel(create_model("resnet26", num_classes=10, resolution="cifar", width=0.25,
+                                         stem_downsample=4), (0.5,) * 3, (0.5,) * 3).eval()
+    config = AttackConfig("autoattack", eps=8 / 255, steps=2, queries=5)
+    run_attack(model, data, tmp_path / "run", configs=[config], num_classes=10, batch_size=4, checks=False,
+               progress=False)
+    assert not list((tmp_path / "run").rglob("*.pt"))   # nothing left of the per-member state
+    assert len(load_records(tmp_path / "run")) == 8
+
+
 def test_autoattack_rejects_targeted_and_unknown_members():
     with pytest.raises(ValueError, match="no targeted mode"):
         make_attack(AttackConfig("autoattack", targeted=True))

@@ -18,12 +18,21 @@ registered untargeted attacks in the same way (e.g. ``["apgd-ce", "square"]`` fo
 check). With fewer than 10 classes the targeted attacks take every wrong class as a target
 (``num_classes - 1``).
 
+On a CPU one chunk of AutoAttack can take hours, so the ensemble can save its state after each
+member (``state_path``, set by the attack protocol per chunk): the adversarial images so far,
+who fooled each image and the queries, keyed by the images, labels and config. A run killed
+mid-chunk then resumes at the next member with the same result, since each member is seeded on
+its own and sees only the images still robust.
+
 Each member is seeded from the ensemble's ``seed``; its other settings are the member's own
 defaults (the standard version's), except ``steps``, ``restarts`` and ``queries`` when the
 ensemble's config sets them (a cheaper run, named so in the condition's name).
 """
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -66,17 +75,51 @@ class AutoAttack(Attack):
         return AttackConfig(member, norm=c.norm, eps=c.eps, targeted=False, steps=c.steps, restarts=c.restarts,
                             queries=c.queries, seed=c.seed * 16 + position, options=options)
 
+    #: a file to save the state in after each member and to resume from (module docstring); None: none
+    state_path: Path | None = None
+
+    def _state_key(self, images: torch.Tensor, labels: torch.Tensor) -> str:
+        digest = hashlib.sha256(images.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(labels.cpu().numpy().tobytes())
+        digest.update(json.dumps([self.config.as_dict(), self.member_names], sort_keys=True, default=str).encode())
+        return digest.hexdigest()
+
+    def _load_state(self, key: str, device) -> dict | None:
+        """The saved state of these images and this config, or None (no file, or another chunk's)."""
+        if self.state_path is None or not Path(self.state_path).is_file():
+            return None
+        state = torch.load(self.state_path, map_location=device, weights_only=True)
+        return state if state.get("key") == key else None
+
+    def _save_state(self, key: str, done: int, adv, robust, by, queries) -> None:
+        if self.state_path is None:
+            return
+        from robust_attn.utils.io import atomic_path
+
+        Path(self.state_path).parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(self.state_path) as tmp:
+            torch.save({"key": key, "done": done, "adv": adv.cpu(), "robust": robust.cpu(), "by": list(by),
+                        "queries": queries.cpu()}, tmp)
+
     def _run(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
              targets: torch.Tensor | None) -> AttackOutput:
-        adv = images.clone()
-        by = [""] * len(images)
-        queries = torch.zeros(len(images), dtype=torch.long, device=images.device)
         with torch.no_grad():
             logits = model(images)
-        robust = logits.argmax(1) == labels
-        for i in (~robust).nonzero().flatten().tolist():
-            by[i] = "clean"
+        key = self._state_key(images, labels) if self.state_path is not None else ""
+        saved = self._load_state(key, images.device) if self.state_path is not None else None
+        if saved is not None:   # a killed run of this chunk: resume after its last finished member
+            adv, robust, by, queries, first = saved["adv"], saved["robust"], saved["by"], saved["queries"], saved["done"]
+        else:
+            adv = images.clone()
+            by = [""] * len(images)
+            queries = torch.zeros(len(images), dtype=torch.long, device=images.device)
+            robust = logits.argmax(1) == labels
+            for i in (~robust).nonzero().flatten().tolist():
+                by[i] = "clean"
+            first = 0
         for position, member in enumerate(self.member_names):
+            if position < first:
+                continue
             todo = robust.nonzero().flatten()
             if todo.numel() == 0:
                 break
@@ -91,4 +134,5 @@ class AutoAttack(Attack):
             robust[hit] = False
             for i in hit.tolist():
                 by[i] = member
+            self._save_state(key, position + 1, adv, robust, by, queries)
         return AttackOutput(adv, queries=queries, by=by)

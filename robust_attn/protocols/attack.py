@@ -44,6 +44,7 @@ __all__ = ["PROTOCOL", "CLEAN", "attack_records", "logit_margin", "make_evaluato
 
 PROTOCOL = "attack"
 CLEAN = "clean"
+STATE_DIR = "partial"   # AutoAttack's state within a chunk (after each member), for a killed run to resume
 
 
 def logit_margin(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -73,9 +74,11 @@ def attack_records(indices: torch.Tensor, labels: torch.Tensor, targets: torch.T
 
 
 def make_evaluator(model: nn.Module, configs: Sequence[AttackConfig], targets: torch.Tensor | None,
-                   device: torch.device):
+                   device: torch.device, state_dir: Path | None = None):
     """The ``evaluate`` callback of :func:`robust_attn.protocols.runner.run_chunks`: the clean
-    forward once per chunk, then every missing attack condition."""
+    forward once per chunk, then every missing attack condition. ``state_dir``: where an attack
+    that can save its state within a chunk (AutoAttack, after each member) keeps it, one file per
+    condition and chunk, deleted once the chunk's records are written."""
     by_name = {c.name: c for c in configs}
 
     def evaluate(images, labels, indices, todo) -> Iterator[tuple[str, pd.DataFrame]]:
@@ -89,12 +92,17 @@ def make_evaluator(model: nn.Module, configs: Sequence[AttackConfig], targets: t
                 continue
             config = by_name[name]
             attack = make_attack(dataclasses.replace(config, seed=config.seed * 2 ** 32 + start))
+            state = None
+            if state_dir is not None and hasattr(attack, "state_path"):
+                state = attack.state_path = Path(state_dir) / f"{name}-{start:09d}.pt"
             tgt = targets[indices].to(device) if config.targeted else None
             out = attack.run(model, images, labels, tgt)
             with torch.no_grad():
                 logits = model(out.adv)
             yield name, attack_records(indices, labels, tgt, clean_logits, logits, images, out.adv,
                                        out.queries, out.by)
+            if state is not None:   # the records are written: the state is no longer needed
+                state.unlink(missing_ok=True)
 
     return evaluate
 
@@ -136,7 +144,8 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
                      conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank)
     if rank == 0 and targets is not None:
         save_targets(out_dir, labels, targets)
-    run_chunks(store, dataset, [c["name"] for c in conditions], make_evaluator(model, configs, targets, device),
+    run_chunks(store, dataset, [c["name"] for c in conditions],
+               make_evaluator(model, configs, targets, device, state_dir=store.root / STATE_DIR),
                chunk_size=batch_size, rank=rank, world_size=world_size, num_workers=num_workers,
                progress=progress and rank == 0, desc="attack",
                claim_each_condition=True)   # an attack's radii are split among processes sharing the run
