@@ -106,7 +106,7 @@ class AutoAttack(Attack):
         with torch.no_grad():
             logits = model(images)
         key = self._state_key(images, labels) if self.state_path is not None else ""
-        saved = self._load_state(key, images.device) if self.state_path is not None else None
+        saved = self._load_state(key, images.device)
         if saved is not None:   # a killed run of this chunk: resume after its last finished member
             adv, robust, by, queries, first = saved["adv"], saved["robust"], saved["by"], saved["queries"], saved["done"]
         else:
