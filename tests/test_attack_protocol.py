@@ -131,7 +131,8 @@ def test_a_killed_autoattack_chunk_resumes_after_its_last_finished_member(regist
             aa.run(model, images, labels)
     finally:
         ATTACKS["test-b"]._run = original
-    assert state.is_file()   # saved after test-a
+    saved = torch.load(state, weights_only=True)   # saved after test-a: its two images, not the chunk
+    assert saved["done"] == 1 and saved["fooled"].tolist() == [0, 1] and saved["fooled_adv"].shape == (2, 3, 4, 4)
     calls.clear()
     other = images.clone()
     other[0, 2] = 0.9   # another chunk's images: the state is not theirs
@@ -147,6 +148,14 @@ def test_a_killed_autoattack_chunk_resumes_after_its_last_finished_member(regist
     assert [name for name, _ in calls] == ["test-b", "test-c"]   # test-a's work was kept
     assert resumed.by == whole.by == ["test-a", "test-a", "test-c", "test-b", "clean", "test-b"]
     assert torch.equal(resumed.adv, whole.adv) and torch.equal(resumed.queries, whole.queries)
+    old = tmp_path / "old.pt"   # this chunk's state in another format: ignored, the chunk runs afresh
+    torch.save({"key": saved["key"], "done": 1, "adv": images.clone(), "by": saved["by"]}, old)
+    legacy = make_attack(config)
+    legacy.state_path = old
+    calls.clear()
+    with pytest.warns(UserWarning, match="another format"):
+        rerun = legacy.run(model, images, labels)
+    assert [name for name, _ in calls][0] == "test-a" and rerun.by == whole.by
 
 
 def test_the_attack_protocol_deletes_autoattack_state_once_the_chunk_is_written(tmp_path):

@@ -19,8 +19,9 @@ check). With fewer than 10 classes the targeted attacks take every wrong class a
 (``num_classes - 1``).
 
 On a CPU one chunk of AutoAttack can take hours, so the ensemble can save its state after each
-member (``state_path``, set by the attack protocol per chunk): the adversarial images so far,
-who fooled each image and the queries, keyed by the images, labels and config. A run killed
+member (``state_path``, set by the attack protocol per chunk): the adversarial images found so
+far (only those: the rest of the chunk is its inputs), who fooled each image and the queries,
+keyed by the images, labels and config. A run killed
 mid-chunk then resumes at the next member with the same result, since each member is seeded on
 its own and sees only the images still robust.
 
@@ -32,12 +33,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from robust_attn.attacks.base import Attack, AttackConfig, AttackInputError, AttackOutput, make_attack, register_attack
+
+#: what a saved state holds (``_save_state``)
+STATE_KEYS = frozenset({"key", "done", "fooled", "fooled_adv", "robust", "by", "queries"})
 
 __all__ = ["AutoAttack", "STANDARD"]
 
@@ -89,7 +94,21 @@ class AutoAttack(Attack):
         if self.state_path is None or not Path(self.state_path).is_file():
             return None
         state = torch.load(self.state_path, map_location=device, weights_only=True)
-        return state if state.get("key") == key else None
+        if state.get("key") != key:
+            return None
+        if not STATE_KEYS <= state.keys():   # written by another version: start the chunk afresh
+            warnings.warn(f"{self.state_path}: AutoAttack state of another format, ignored (the chunk restarts)",
+                          stacklevel=2)
+            return None
+        return state
+
+    @staticmethod
+    def _restore_adv(images: torch.Tensor, saved: dict) -> torch.Tensor:
+        """The ensemble's adversarial images from a saved state: the inputs, with the images a
+        member fooled replaced by what it found (only those are saved: a fraction of the chunk)."""
+        adv = images.clone()
+        adv[saved["fooled"]] = saved["fooled_adv"].to(adv.dtype)
+        return adv
 
     def _save_state(self, key: str, done: int, adv, robust, by, queries) -> None:
         if self.state_path is None:
@@ -98,8 +117,9 @@ class AutoAttack(Attack):
 
         Path(self.state_path).parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(self.state_path) as tmp:
-            torch.save({"key": key, "done": done, "adv": adv.cpu(), "robust": robust.cpu(), "by": list(by),
-                        "queries": queries.cpu()}, tmp)
+            fooled = torch.tensor([i for i, b in enumerate(by) if b not in ("", "clean")], dtype=torch.long)
+            torch.save({"key": key, "done": done, "fooled": fooled, "fooled_adv": adv[fooled.to(adv.device)].cpu(),
+                        "robust": robust.cpu(), "by": list(by), "queries": queries.cpu()}, tmp)
 
     def _run(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
              targets: torch.Tensor | None) -> AttackOutput:
@@ -108,7 +128,8 @@ class AutoAttack(Attack):
         key = self._state_key(images, labels) if self.state_path is not None else ""
         saved = self._load_state(key, images.device)
         if saved is not None:   # a killed run of this chunk: resume after its last finished member
-            adv, robust, by, queries, first = saved["adv"], saved["robust"], saved["by"], saved["queries"], saved["done"]
+            adv, robust, by, queries, first = (self._restore_adv(images, saved), saved["robust"], saved["by"],
+                                               saved["queries"], saved["done"])
         else:
             adv = images.clone()
             by = [""] * len(images)
