@@ -1,0 +1,47 @@
+"""Check ``blackbox_beats_whitebox``: images a black-box (Square) or transfer attack fools that
+the white-box attack at the same eps did not (Carlini et al. 2019, section 5.2)."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import pandas as pd
+
+from robust_attn.attacks.masking.evidence import MaskingCheck, _first, _verdict, success_by_index
+
+
+def check_blackbox_beats_whitebox(white: pd.DataFrame, black: Mapping[str, pd.DataFrame],
+                                  condition: str | None = None) -> MaskingCheck:
+    """Flag when any image that a black-box or transfer attack fools was not fooled by the
+    white-box attack at the same eps (Carlini et al. 2019, 5.2: a gradient-free or transfer
+    attack beating the white-box one means the gradients mislead it).
+
+    ``white``: the white-box attack's records; ``black``: source name -> records (Square, or a
+    transfer attack evaluated on this model) at the same eps and the same meaning of success
+    (both untargeted, or both toward the same targets). Images are matched by ``index``; only
+    images in both are compared. ``condition`` selects the white-box condition in ``white``; each
+    black-box frame must hold one condition. Evidence per source: compared, black-box and white-box successes,
+    ``beats`` (the count) and the first :data:`MAX_INDICES` of their indices.
+    """
+    if not isinstance(black, Mapping) or not black:
+        raise ValueError("black must map a source name (e.g. 'square', 'transfer:resnet26') to its records")
+    white_success = success_by_index(white, condition, "white-box records")
+    evidence: dict = {}
+    total = 0
+    for source, frame in black.items():
+        black_success = success_by_index(frame, None, f"records of {source!r}")
+        common = white_success.index.intersection(black_success.index)
+        if len(common) == 0:
+            raise ValueError(f"records of {source!r} share no image index with the white-box records; "
+                             f"compare attacks run on the same images")
+        w, b = white_success.loc[common], black_success.loc[common]
+        beats = common[(b & ~w).to_numpy()]
+        total += len(beats)
+        evidence[source] = {"compared": len(common), "black_success": int(b.sum()), "white_success": int(w.sum()),
+                            "beats": len(beats), "indices": _first(beats)}
+    parts = [f"{s}: {e['beats']} of {e['compared']}" for s, e in evidence.items()]
+    if total:
+        detail = "images fooled by a black-box/transfer attack but not by the white-box one: " + "; ".join(parts)
+    else:
+        detail = "the white-box attack fools every image the black-box/transfer attacks fool (" + "; ".join(
+            f"{s}: {e['compared']} compared" for s, e in evidence.items()) + ")"
+    return MaskingCheck("blackbox_beats_whitebox", _verdict(total > 0), detail, evidence)
