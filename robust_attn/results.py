@@ -43,6 +43,14 @@ from damaged records. Runs written before checksums existed are adopted with :me
 (``python -m robust_attn.results seal DIR...``), which checks that the records parse and are
 complete before it trusts them.
 
+Where each chunk was computed. ``run.json`` keeps the description of the run's first start, so
+its ``device`` says where that start ran; a run resumed elsewhere (started on a GPU, finished on
+a CPU, where float rounding can flip a prediction) is more than that. So each chunk's manifest
+entry also names the device of the process that wrote it (``"device"``; an AutoAttack chunk
+resumed from its saved state may have run its first members on another), and a packed run's
+``checksums.json`` keeps the count per device (``"computed_on"``): :meth:`RunStore.computed_on`,
+shown in the report's model table. Chunks written before this existed count as ``"not recorded"``.
+
 Claims (concurrency): several processes share one run's chunks by claiming each before
 computing it (:mod:`robust_attn.claims`).
 
@@ -157,6 +165,7 @@ class RunStore:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        self.device: str | None = None   # where this process computes (open's description); in each chunk's entry
 
     # --- description -----------------------------------------------------------------------
     @property
@@ -180,6 +189,8 @@ class RunStore:
         :class:`RunMismatchError` names the keys that differ. ``write=False`` (non-main ranks) only checks. Returns the stored description.
         """
         description = _jsonable(description)
+        if description.get("device") is not None:
+            self.device = str(description["device"])
         if self.exists():
             stored = self.description()
             keys = (set(stored) | set(description)) - VOLATILE_KEYS - (LATER_KEYS - set(stored))
@@ -235,7 +246,10 @@ class RunStore:
         frame = records.copy()
         frame.insert(0, "condition", condition)
         data = frame.to_csv(index=False, lineterminator="\n").encode()
-        atomic_write_json(self.checksum_path(path), {"rows": len(frame), "sha256": sha256_bytes(data)})
+        entry = {"rows": len(frame), "sha256": sha256_bytes(data)}
+        if self.device is not None:
+            entry["device"] = self.device
+        atomic_write_json(self.checksum_path(path), entry)
         with atomic_path(path) as tmp:
             tmp.write_bytes(data)
         return path
@@ -399,13 +413,35 @@ class RunStore:
                     records = data
         return problems, records
 
-    def _write_packed_manifest(self, rows: int) -> None:
+    def computed_on(self) -> dict[str, int]:
+        """How many record chunks each device computed (module docstring), e.g. ``{"cpu": 4,
+        "cuda": 1}``; chunks whose entry names none count as ``"not recorded"``. A packed run
+        answers from its ``checksums.json`` (empty for a run packed before this existed)."""
+        if self.packed:
+            try:
+                return dict(json.loads((self.root / PACKED_MANIFEST).read_text()).get("computed_on", {}))
+            except (FileNotFoundError, ValueError):
+                return {}
+        counts: dict[str, int] = {}
+        for c, a, b in self.chunks():
+            try:
+                device = json.loads(self.checksum_path(self.chunk_path(c, a, b)).read_text()).get("device")
+            except (FileNotFoundError, ValueError):
+                device = None
+            key = str(device) if device else "not recorded"
+            counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def _write_packed_manifest(self, rows: int, computed_on: dict[str, int] | None = None) -> None:
         files = {}
         for item in sorted(self.root.iterdir()):
             if item.is_file() and item.name != PACKED_MANIFEST and not item.name.startswith("."):
                 files[item.name] = {"sha256": sha256_file(item)}
         files[PACKED]["rows"] = rows
-        atomic_write_json(self.root / PACKED_MANIFEST, {"files": files})
+        manifest = {"files": files}
+        if computed_on:
+            manifest["computed_on"] = computed_on
+        atomic_write_json(self.root / PACKED_MANIFEST, manifest)
 
     def pack(self, dest: str | Path) -> "RunStore":
         """Write this finished run to ``dest`` packed: ``run.json`` and the protocol's other
@@ -427,7 +463,7 @@ class RunStore:
         with atomic_path(dest / PACKED) as tmp:
             tmp.write_bytes(gzip.compress(records.to_csv(index=False).encode(), mtime=0))
         packed = RunStore(dest)
-        packed._write_packed_manifest(len(records))
+        packed._write_packed_manifest(len(records), self.computed_on())
         return packed
 
     def seal(self) -> list[Path]:

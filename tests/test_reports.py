@@ -145,9 +145,12 @@ def test_report_pack_copies_the_runs_and_rederives_from_them(runs, tmp_path, cap
     again = tmp_path / "again"
     assert main(["report", *map(str, copies), "--out", str(out), "--no-plots", "--bootstrap", "50", "--pack"]) == 0
     assert main(["report", *map(str, copies), "--out", str(again), "--no-plots", "--bootstrap", "50"]) == 0
-    for name in ("table9_rotation.csv", "table10_pgd.csv", "headline_ci.csv"):
+    for name in ("table9_rotation.csv", "table10_pgd.csv", "headline_ci.csv", "models.csv"):
         pd.testing.assert_frame_equal(pd.read_csv(again / name).drop(columns="run", errors="ignore"),
                                       pd.read_csv(out / name).drop(columns="run", errors="ignore"))
+    # where the records were computed survives packing (per chunk; these ran on this CPU)
+    assert pd.read_csv(again / "models.csv")["computed_on"].tolist() == ["cpu", "cpu"]
+    assert "| Computed on |" in (again / "report.md").read_text()
 
 
 def test_report_pack_refuses_unfinished_runs_and_name_clashes(runs, tmp_path, capsys):

@@ -191,3 +191,24 @@ def test_runs_recorded_before_a_later_parameter_resume_with_its_old_value_only(t
     new.open({**base, "parameters": {**base["parameters"], "exact": False}})
     with pytest.raises(RunMismatchError, match="parameters"):
         new.open(base)   # once stored, compared as any other parameter
+
+
+def test_each_chunk_names_the_device_that_computed_it_and_a_packed_run_keeps_the_counts(tmp_path):
+    """A run started on one device and resumed on another (a GPU, then a CPU) says which chunks
+    each computed: run.json keeps the first start's device, the chunk entries each their own,
+    and packing keeps the counts (checksums still verify)."""
+    store = _open(tmp_path, device="cuda")
+    with pytest.raises(KeyboardInterrupt):
+        run_chunks(store, _dataset(), ["a", "b", "c"], Counting(fail_after=2), chunk_size=4, progress=False)
+    store = _open(tmp_path, device="cpu")   # resumed elsewhere: the same run (device is volatile)
+    run_chunks(store, _dataset(), ["a", "b", "c"], Counting(), chunk_size=4, progress=False)
+    assert store.description()["device"] == "cuda"
+    assert store.computed_on() == {"cpu": 7, "cuda": 2} == RunStore(store.root).computed_on()
+    assert store.verify() == []
+    packed = store.pack(tmp_path / "packed")
+    assert packed.verify() == [] and packed.computed_on() == {"cpu": 7, "cuda": 2}
+    entry = json.loads(next((store.root / "manifest").rglob("*.sha256")).read_text())
+    entry.pop("device")   # a chunk written before entries named the device
+    next((store.root / "manifest").rglob("*.sha256")).write_text(json.dumps(entry))
+    assert sum(store.computed_on().values()) == 9 and store.computed_on().get("not recorded") == 1
+    assert store.verify() == []

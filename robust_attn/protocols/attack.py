@@ -141,7 +141,7 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
     store = open_run(out_dir, with_provenance(model, run_info, model_info, dataset), protocol=PROTOCOL,
                      parameters={"units": "[0, 1] image units", "seed": int(seed), "targets": source,
                                  "chunk_seed": "config.seed * 2**32 + chunk start"},
-                     conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank)
+                     conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank, device=device)
     if rank == 0 and targets is not None:
         save_targets(out_dir, labels, targets)
     run_chunks(store, dataset, [c["name"] for c in conditions],

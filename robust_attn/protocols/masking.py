@@ -85,7 +85,7 @@ def write_checks(out: Path, model, images, labels, indices, eps: float, run_info
     store = open_run(out, run_info, protocol=PROTOCOL, parameters={"eps": eps, "unbounded_steps": 20,
                                                                    "sweep_images": 4, "seed": seed},
                      conditions=[{"name": "unbounded", "attack": "pgd", "eps": 1.0, "steps": 20}],
-                     num_images=len(images), chunk_size=len(images))
+                     num_images=len(images), chunk_size=len(images), device=images.device)
     if (out / CHECKS_FILE).is_file() and not store.missing():
         return json.loads((out / CHECKS_FILE).read_text())
     results = []

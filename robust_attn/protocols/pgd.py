@@ -289,7 +289,7 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
     store = open_run(out_dir, with_provenance(model, run_info, model_info, dataset), protocol=PROTOCOL,
                      parameters={"norm": "Linf", "units": "1/255", "targeted": True, "random_start": False,
                                  "backend": backend, "exact": exact, "seed": int(seed), "targets": source},
-                     conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank)
+                     conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank, device=device)
     if rank == 0:
         save_targets(out_dir, labels, targets)
     checks_path = Path(out_dir) / CHECKS_FILE

@@ -188,7 +188,7 @@ def run_rotation(model: nn.Module, dataset, out_dir, *, conditions: list[Rotatio
                      parameters={"angle_interpolation": "bilinear", "angle_fill": "zeros",
                                  "direction": "clockwise"},
                      conditions=[c.as_dict() for c in conditions], num_images=len(dataset),
-                     chunk_size=batch_size, rank=rank)
+                     chunk_size=batch_size, rank=rank, device=device)
     run_chunks(store, dataset, [c.name for c in conditions], make_evaluator(model, conditions, device),
                chunk_size=batch_size, rank=rank, world_size=world_size, num_workers=num_workers,
                progress=progress and rank == 0, desc="rotation")

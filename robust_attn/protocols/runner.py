@@ -176,15 +176,19 @@ def topk_hits(logits: torch.Tensor, labels: torch.Tensor, k: int = 5) -> torch.T
 
 def open_run(out_dir, run_info: dict, *, protocol: str, parameters: dict, conditions: list,
              num_images: int, chunk_size: int, rank: int = 0, extra: dict | None = None,
-             repair: bool = False) -> RunStore:
+             repair: bool = False, device=None) -> RunStore:
     """Create or resume the run directory ``out_dir``: rank 0 writes (or checks) ``run.json``,
     the other ranks wait for it and check it. ``run_info`` is the caller's part of the
     description (model, checkpoint, dataset, seed, command line, versions). ``repair``: rank 0
     deletes damaged record chunks (:meth:`~robust_attn.results.RunStore.repair`) so that they
-    are computed again."""
+    are computed again. ``device``: where this process computes, recorded in ``run.json`` (unless
+    ``run_info`` names one) and in each chunk it writes
+    (:meth:`~robust_attn.results.RunStore.computed_on`)."""
     from robust_attn.distributed import barrier
 
     description = dict(run_info)
+    if device is not None:
+        description.setdefault("device", str(device))
     description.update(protocol=protocol, parameters=parameters, conditions=conditions,
                        num_images=int(num_images), chunk_size=int(chunk_size), **(extra or {}))
     description.setdefault("versions", library_versions())

@@ -178,7 +178,7 @@ def run_transfer(source_name: str, source: nn.Module, targets: Mapping[str, nn.M
                      parameters={"source": source_name, "targets": target_source, "seed": int(seed),
                                  "attacks": attacks, "target_models": list(targets),
                                  "chunk_seed": "config.seed * 2**32 + chunk start"},
-                     conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank)
+                     conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank, device=device)
     if rank == 0 and attack_targets is not None:
         save_targets(out_dir, labels, attack_targets)
     run_chunks(store, dataset, [c["name"] for c in conditions],

@@ -3,21 +3,24 @@
 One row per model (the runs of the same weights on the same data share it), labelled as in the
 other tables: its source and spec (:mod:`robust_attn.sources`), where its weights came from with
 their sha256 (shortened), the preprocessing its images went through, and its parameter count,
-all read from the runs' ``run.json`` (:mod:`robust_attn.sources.provenance`). Runs recorded
-before these keys existed show what they have (a zoo entry, a checkpoint hash) and ``-``
-elsewhere.
+all read from the runs' ``run.json`` (:mod:`robust_attn.sources.provenance`), and the devices
+that computed its records (per chunk, :meth:`robust_attn.results.RunStore.computed_on`: a run
+started on a GPU and finished on a CPU says so). Runs recorded before these keys existed show
+what they have (a zoo entry, a checkpoint hash) and ``-`` or "not recorded" elsewhere.
 """
 from __future__ import annotations
 
 import pandas as pd
 
 from robust_attn.reports.tables import Run, run_labels
+from robust_attn.results import RunStore
 
-__all__ = ["model_table", "format_model_table", "MODELS_CAPTION", "describe_preprocessing"]
+__all__ = ["model_table", "format_model_table", "computed_on", "MODELS_CAPTION", "describe_preprocessing"]
 
 MODELS_CAPTION = ("Where each model came from: source and spec, weights (origin and sha256, first 12 hex "
                   "digits), the preprocessing of its images (resize of the shorter side, centre crop; the "
-                  "normalization is inside the model) and its parameters.")
+                  "normalization is inside the model), its parameters, and the devices that computed its "
+                  "records (record chunks per device where there are several).")
 
 
 def describe_preprocessing(preprocessing: dict | None) -> str:
@@ -50,9 +53,23 @@ def _weights(description: dict) -> tuple[str, str]:
     return str(origin), sha or ""
 
 
+def computed_on(runs: list[Run]) -> str:
+    """``cpu``, or ``cpu 4, cuda 1 chunks`` where several devices computed the runs' records;
+    ``not recorded`` for runs written before chunks named their device."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        for device, n in RunStore(run.path).computed_on().items():
+            counts[device] = counts.get(device, 0) + n
+    if not counts:
+        return "not recorded"
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{d} {n}" for d, n in sorted(counts.items())) + " chunks"
+
+
 def model_table(runs: list[Run]) -> pd.DataFrame:
     """One row per model of ``runs``: ``label, model, source, spec, weights_origin,
-    weights_sha256, preprocessing, params, protocols``."""
+    weights_sha256, preprocessing, params, protocols, computed_on``."""
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
         origin, sha = _weights(run.description)
@@ -67,9 +84,9 @@ def model_table(runs: list[Run]) -> pd.DataFrame:
                      "weights_origin": origin, "weights_sha256": sha,
                      "preprocessing": describe_preprocessing(d.get("preprocessing")),
                      "params": int(params) if params is not None else None,
-                     "protocols": ", ".join(sorted({r.protocol for r in group}))})
+                     "protocols": ", ".join(sorted({r.protocol for r in group})), "computed_on": computed_on(group)})
     return pd.DataFrame(rows, columns=["label", "model", "source", "spec", "weights_origin", "weights_sha256",
-                                       "preprocessing", "params", "protocols"])
+                                       "preprocessing", "params", "protocols", "computed_on"])
 
 
 def format_model_table(table: pd.DataFrame) -> pd.DataFrame:
@@ -80,4 +97,4 @@ def format_model_table(table: pd.DataFrame) -> pd.DataFrame:
         "Weights": [f"{o} {s[:12]}".strip() for o, s in zip(table["weights_origin"], table["weights_sha256"])],
         "Preprocessing": table["preprocessing"],
         "Params": table["params"].map(lambda p: "-" if pd.isna(p) else f"{p / 1e6:.2f}M" if p >= 1e5 else f"{int(p):,}"),
-        "Protocols": table["protocols"]})
+        "Protocols": table["protocols"], "Computed on": table["computed_on"]})

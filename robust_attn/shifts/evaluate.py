@@ -51,7 +51,7 @@ def run_shift(protocol: str, model: nn.Module, dataset, out_dir, *, conditions: 
     model = model.to(device).eval()
     store = open_run(out_dir, dict(run_info or {}), protocol=protocol, parameters=parameters,
                      conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank,
-                     repair=repair)
+                     repair=repair, device=device)
     run_chunks(store, dataset, [c["name"] for c in conditions], make_shift_evaluator(model, shift, device),
                chunk_size=batch_size, rank=rank, world_size=world_size, num_workers=num_workers,
                progress=progress and rank == 0, desc=protocol)
