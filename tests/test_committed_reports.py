@@ -161,7 +161,9 @@ def test_autoattack_at_every_radius_is_at_most_apgd_ce_alone_and_at_8_matches_th
     study = pd.read_csv(ROOT / "reports" / study_name / "robust_accuracy.csv").set_index(["model", "column"])
     models = sorted({m for m, _ in mine.index})
     assert len(models) == AUTOATTACK[report][1]
+    devices = pd.read_csv(ROOT / "reports" / report / "models.csv").set_index("model")["computed_on"]
     for model in models:
+        assert ("cuda" in devices[model]) == bool(flipped), devices[model]   # the device that may flip one
         assert mine.loc[(model, "clean"), "top1"] == pytest.approx(study.loc[(model, "clean"), "top1"],
                                                                    abs=flipped / 10 + 1e-9)
         for eps in radii:
