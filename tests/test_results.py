@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -10,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 from robust_attn.distributed import shard_indices
 from robust_attn.protocols.runner import chunk_grid, open_run, run_chunks
+from robust_attn.reports.models import computed_on
 from robust_attn.results import RunMismatchError, RunStore, load_records
 
 
@@ -207,6 +209,9 @@ def test_each_chunk_names_the_device_that_computed_it_and_a_packed_run_keeps_the
     assert store.verify() == []
     packed = store.pack(tmp_path / "packed")
     assert packed.verify() == [] and packed.computed_on() == {"cpu": 7, "cuda": 2}
+    # the report's model table, over a model's runs (here the run and its packed copy)
+    assert computed_on([SimpleNamespace(path=store.root), SimpleNamespace(path=packed.root)]) == "cpu 14, cuda 4 chunks"
+    assert computed_on([SimpleNamespace(path=tmp_path / "nothing")]) == "not recorded"
     entry = json.loads(next((store.root / "manifest").rglob("*.sha256")).read_text())
     entry.pop("device")   # a chunk written before entries named the device
     next((store.root / "manifest").rglob("*.sha256")).write_text(json.dumps(entry))
