@@ -342,14 +342,3 @@ def test_every_study_protocol_describes_itself_for_the_report():
         assert step.describe(config).strip(), name
     assert {n for n in list_study_protocols() if STUDY_PROTOCOLS[n].attack_subset} == {
         "apgd", "autoattack", "square", "transfer", "masking"}
-
-
-def test_several_study_workers_on_one_gpu_get_a_warning_that_names_the_fix():
-    """Processes sharing one GPU wait on each other's time slices (measured 20x slower): more than
-    one worker on a GPU is warned about, with the fix; on a CPU, or with one worker, nothing."""
-    from robust_attn.commands.study import shared_gpu_warning
-
-    note = shared_gpu_warning(on_cpu=False, workers=4)
-    assert "4 processes on one GPU" in note and "--workers 1" in note and "torchrun" in note
-    assert shared_gpu_warning(on_cpu=False, workers=1) is None
-    assert shared_gpu_warning(on_cpu=True, workers=2) is None

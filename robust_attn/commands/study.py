@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 from robust_attn.cli import UserError
@@ -124,17 +123,6 @@ def _config(args):
         raise UserError(str(err)) from None
 
 
-def shared_gpu_warning(on_cpu: bool, workers: int) -> str | None:
-    """The warning for ``--workers`` > 1 on a GPU: the processes would share it, and a GPU
-    time-slices between processes (measured on an H100: APGD-CE at 1/255 on san10_pairwise took
-    21 s in one process alone and 429 s beside three others; README, "The CIFAR-10 study")."""
-    if on_cpu or workers <= 1:
-        return None
-    return (f"warning: --workers {workers} starts {workers} processes on one GPU, which time-slices between "
-            f"them (measured 20x slower than one process alone, see the README); use --workers 1, or "
-            f"torchrun --nproc_per_node=N for N GPUs")
-
-
 def run_study_cmd(args) -> int:
     import torch
 
@@ -146,9 +134,6 @@ def run_study_cmd(args) -> int:
     workers = args.workers if args.workers is not None else (default_workers() if on_cpu else 1)
     if workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
-    note = shared_gpu_warning(on_cpu, workers)
-    if note:
-        print(note, file=sys.stderr)
     try:
         run_study(config, args.runs or f"runs/study-{name}", args.out or f"reports/study-{name}",
                   root=args.root, device=args.device, manifest=args.manifest, progress=not args.no_progress,
