@@ -65,6 +65,7 @@ import json
 import platform
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
@@ -422,14 +423,13 @@ class RunStore:
                 return dict(json.loads((self.root / PACKED_MANIFEST).read_text()).get("computed_on", {}))
             except (FileNotFoundError, ValueError):
                 return {}
-        counts: dict[str, int] = {}
+        counts = Counter()
         for c, a, b in self.chunks():
             try:
                 device = json.loads(self.checksum_path(self.chunk_path(c, a, b)).read_text()).get("device")
             except (FileNotFoundError, ValueError):
                 device = None
-            key = str(device) if device else "not recorded"
-            counts[key] = counts.get(key, 0) + 1
+            counts[str(device) if device else "not recorded"] += 1
         return dict(sorted(counts.items()))
 
     def _write_packed_manifest(self, rows: int, computed_on: dict[str, int] | None = None) -> None:

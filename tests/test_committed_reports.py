@@ -170,4 +170,3 @@ def test_autoattack_at_every_radius_is_at_most_apgd_ce_alone_and_at_8_matches_th
             assert mine.loc[(model, f"AutoAttack {eps}/255"), "top1"] <= \
                 study.loc[(model, f"APGD-CE {eps}/255"), "top1"] + 0.5, (model, eps)
         assert mine.loc[(model, "AutoAttack 8/255"), "top1"] == study.loc[(model, "AutoAttack 8/255"), "top1"] == 0
-

@@ -10,6 +10,8 @@ what they have (a zoo entry, a checkpoint hash) and ``-`` or "not recorded" else
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pandas as pd
 
 from robust_attn.reports.tables import Run, run_labels
@@ -56,10 +58,7 @@ def _weights(description: dict) -> tuple[str, str]:
 def computed_on(runs: list[Run]) -> str:
     """``cpu``, or ``cpu 4, cuda 1 chunks`` where several devices computed the runs' records;
     ``not recorded`` for runs written before chunks named their device."""
-    counts: dict[str, int] = {}
-    for run in runs:
-        for device, n in RunStore(run.path).computed_on().items():
-            counts[device] = counts.get(device, 0) + n
+    counts = sum((Counter(RunStore(run.path).computed_on()) for run in runs), Counter())
     if not counts:
         return "not recorded"
     if len(counts) == 1:
