@@ -46,7 +46,7 @@ complete before it trusts them.
 Where each chunk was computed. ``run.json`` keeps the description of the run's first start, so
 its ``device`` says where that start ran; a run resumed elsewhere (started on a GPU, finished on
 a CPU, where float rounding can flip a prediction) is more than that. So each chunk's manifest
-entry also names the device of the process that wrote it (``"device"``; an AutoAttack chunk
+entry also names the type of device of the process that wrote it (``"device"``: ``cpu``, ``cuda``; an AutoAttack chunk
 resumed from its saved state may have run its first members on another), and a packed run's
 ``checksums.json`` keeps the count per device (``"computed_on"``): :meth:`RunStore.computed_on`,
 shown in the report's model table. Chunks written before this existed count as ``"not recorded"``.
@@ -190,8 +190,8 @@ class RunStore:
         :class:`RunMismatchError` names the keys that differ. ``write=False`` (non-main ranks) only checks. Returns the stored description.
         """
         description = _jsonable(description)
-        if description.get("device") is not None:
-            self.device = str(description["device"])
+        if description.get("device") is not None:   # its type: "cuda:0" and "cuda" count as one
+            self.device = str(description["device"]).split(":")[0]
         if self.exists():
             stored = self.description()
             keys = (set(stored) | set(description)) - VOLATILE_KEYS - (LATER_KEYS - set(stored))

@@ -199,12 +199,12 @@ def test_each_chunk_names_the_device_that_computed_it_and_a_packed_run_keeps_the
     """A run started on one device and resumed on another (a GPU, then a CPU) says which chunks
     each computed: run.json keeps the first start's device, the chunk entries each their own,
     and packing keeps the counts (checksums still verify)."""
-    store = _open(tmp_path, device="cuda")
+    store = _open(tmp_path, device="cuda:0")   # what --device cuda resolves to: counted by type
     with pytest.raises(KeyboardInterrupt):
         run_chunks(store, _dataset(), ["a", "b", "c"], Counting(fail_after=2), chunk_size=4, progress=False)
     store = _open(tmp_path, device="cpu")   # resumed elsewhere: the same run (device is volatile)
     run_chunks(store, _dataset(), ["a", "b", "c"], Counting(), chunk_size=4, progress=False)
-    assert store.description()["device"] == "cuda"
+    assert store.description()["device"] == "cuda:0"
     assert store.computed_on() == {"cpu": 7, "cuda": 2} == RunStore(store.root).computed_on()
     assert store.verify() == []
     packed = store.pack(tmp_path / "packed")
