@@ -106,6 +106,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from robust_attn.attacks.base import Attack, AttackConfig, AttackInputError, AttackOutput, register_attack
+from robust_attn.attacks.progress import changed_rows, put_rows
 
 __all__ = ["APGDCE", "APGDT", "checkpoints", "dlr_loss", "dlr_loss_targeted", "random_start", "project",
            "apgd_single_run", "APGDRun", "DEFAULT_STEPS", "RHO", "ALPHA", "N_TARGET_CLASSES"]
@@ -290,29 +291,43 @@ class _APGDBase(Attack):
     def _attack(self, model: nn.Module, images: torch.Tensor, runs, success_fn_clean: torch.Tensor,
                 generator: torch.Generator) -> torch.Tensor:
         """Run ``runs`` (a list of ``(loss_fn(logits, idx), success_fn(logits, idx))``, each repeated
-        ``config.restarts`` times) on the images not yet done; keep first successes, else best loss."""
+        ``config.restarts`` times) on the images not yet done; keep first successes, else best loss.
+        With ``self.progress`` the state before a run is saved when due, and a saved state resumes
+        there (:mod:`robust_attn.attacks.progress`)."""
         c = self.config
         done = success_fn_clean.clone()
         adv = images.clone()
         best = images.clone()
         best_loss = torch.full((images.shape[0],), float("-inf"), dtype=images.dtype, device=images.device)
-        for loss_fn, success_fn in runs:
-            for _ in range(c.restarts):
-                start = random_start(images, c.norm, c.eps, generator)   # whole batch: position-wise draws
-                todo = (~done).nonzero().flatten()
-                if todo.numel() == 0:
-                    continue
-                res = apgd_single_run(model, images[todo], start[todo],
-                                      lambda z, j, i=todo, f=loss_fn: f(z, i[j]),
-                                      lambda z, j, i=todo, f=success_fn: f(z, i[j]),
-                                      c.norm, c.eps, self.steps,
-                                      stop_on_success=c.options.get("early_stop", True))
-                hit = todo[res.success]
-                adv[hit] = res.x_success[res.success]
-                done[hit] = True
-                better = res.loss_best > best_loss[todo]
-                best[todo[better]] = res.x_best[better]
-                best_loss[todo[better]] = res.loss_best[better]
+        saved = self.progress.state if self.progress is not None else None
+        if saved is not None:   # a killed run: continue after the last run it saved
+            done, best_loss = saved["done"].to(done), saved["best_loss"].to(best_loss)
+            put_rows(adv, saved["adv"])
+            put_rows(best, saved["best"])
+            generator.set_state(saved["gen"].cpu())
+        order = [(loss_fn, success_fn) for loss_fn, success_fn in runs for _ in range(c.restarts)]
+        for position, (loss_fn, success_fn) in enumerate(order):
+            if saved is not None and position < saved["runs_done"]:
+                continue
+            if position and self.progress is not None and self.progress.due():
+                self.progress.save({"runs_done": position, "done": done, "best_loss": best_loss,
+                                    "adv": changed_rows(adv, images), "best": changed_rows(best, images),
+                                    "gen": generator.get_state()})
+            start = random_start(images, c.norm, c.eps, generator)   # whole batch: position-wise draws
+            todo = (~done).nonzero().flatten()
+            if todo.numel() == 0:
+                continue
+            res = apgd_single_run(model, images[todo], start[todo],
+                                  lambda z, j, i=todo, f=loss_fn: f(z, i[j]),
+                                  lambda z, j, i=todo, f=success_fn: f(z, i[j]),
+                                  c.norm, c.eps, self.steps,
+                                  stop_on_success=c.options.get("early_stop", True))
+            hit = todo[res.success]
+            adv[hit] = res.x_success[res.success]
+            done[hit] = True
+            better = res.loss_best > best_loss[todo]
+            best[todo[better]] = res.x_best[better]
+            best_loss[todo[better]] = res.loss_best[better]
         adv[~done] = best[~done]
         return adv
 

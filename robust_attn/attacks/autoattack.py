@@ -23,7 +23,9 @@ member (``state_path``, set by the attack protocol per chunk): the adversarial i
 far (only those: the rest of the chunk is its inputs), who fooled each image and the queries,
 keyed by the images, labels and config. A run killed
 mid-chunk then resumes at the next member with the same result, since each member is seeded on
-its own and sees only the images still robust.
+its own and sees only the images still robust. Square and APGD also save their progress within
+their run in the same file (every ``progress_every_s`` seconds; :mod:`robust_attn.attacks.progress`),
+so a killed member resumes where it was rather than from its beginning.
 
 Each member is seeded from the ensemble's ``seed``; its other settings are the member's own
 defaults (the standard version's), except ``steps``, ``restarts`` and ``queries`` when the
@@ -40,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from robust_attn.attacks.base import Attack, AttackConfig, AttackInputError, AttackOutput, make_attack, register_attack
+from robust_attn.attacks.progress import EVERY_S, Progress
 
 #: what a saved state holds (``_save_state``)
 STATE_KEYS = frozenset({"key", "done", "fooled", "fooled_adv", "robust", "by", "queries"})
@@ -82,6 +85,8 @@ class AutoAttack(Attack):
 
     #: a file to save the state in after each member and to resume from (module docstring); None: none
     state_path: Path | None = None
+    #: seconds between two saves of a member's progress within its run (with ``state_path``)
+    progress_every_s: float = EVERY_S
 
     def _state_key(self, images: torch.Tensor, labels: torch.Tensor) -> str:
         digest = hashlib.sha256(images.detach().cpu().contiguous().numpy().tobytes())
@@ -110,7 +115,9 @@ class AutoAttack(Attack):
         adv[saved["fooled"]] = saved["fooled_adv"].to(adv.dtype)
         return adv
 
-    def _save_state(self, key: str, done: int, adv, robust, by, queries) -> None:
+    def _save_state(self, key: str, done: int, adv, robust, by, queries, member: dict | None = None) -> None:
+        """Save the state after ``done`` members; ``member``: the progress of member ``done`` within
+        its run (:mod:`robust_attn.attacks.progress`)."""
         if self.state_path is None:
             return
         from robust_attn.utils.io import atomic_path
@@ -118,8 +125,9 @@ class AutoAttack(Attack):
         Path(self.state_path).parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(self.state_path) as tmp:
             fooled = torch.tensor([i for i, b in enumerate(by) if b not in ("", "clean")], dtype=torch.long)
-            torch.save({"key": key, "done": done, "fooled": fooled, "fooled_adv": adv[fooled.to(adv.device)].cpu(),
-                        "robust": robust.cpu(), "by": list(by), "queries": queries.cpu()}, tmp)
+            state = {"key": key, "done": done, "fooled": fooled, "fooled_adv": adv[fooled.to(adv.device)].cpu(),
+                     "robust": robust.cpu(), "by": list(by), "queries": queries.cpu()}
+            torch.save(state if member is None else {**state, "member": member}, tmp)
 
     def _run(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
              targets: torch.Tensor | None) -> AttackOutput:
@@ -145,6 +153,11 @@ class AutoAttack(Attack):
             if todo.numel() == 0:
                 break
             attack = make_attack(self.member_config(member, position, logits.shape[1]))
+            if self.state_path is not None:   # the member may save its progress within its run, in the state
+                attack.progress = Progress(
+                    saved.get("member") if saved is not None and position == first else None,
+                    lambda m, p=position: self._save_state(key, p, adv, robust, by, queries, member=m),
+                    attack=member, device=images.device, every_s=self.progress_every_s)
             out = attack.run(model, images[todo], labels[todo])
             with torch.no_grad():
                 fooled = model(out.adv).argmax(1) != labels[todo]

@@ -140,6 +140,9 @@ class Attack:
     targeted_modes: ClassVar[tuple[bool, ...]] = (False, True)
     gradient_free: ClassVar[bool] = False
     paper: ClassVar[str] = ""
+    #: where an attack that can save its progress mid-run reads and writes it (set by AutoAttack;
+    #: :mod:`robust_attn.attacks.progress`); None: it runs without
+    progress = None
 
     def __init__(self, config: AttackConfig):
         if config.norm not in self.norms:

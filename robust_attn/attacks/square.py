@@ -50,6 +50,10 @@ initial point and one per iteration, ``config.queries`` (default 5000) in all, i
 lowest-loss point over all restarts. ``config.steps`` is ignored (Square's budget is
 ``queries``), so that AutoAttack can pass the same ``steps`` to every member.
 
+Progress: with ``attack.progress`` (set by AutoAttack) the state after an iteration is saved when
+due, generator included, and a saved state resumes there with the same result
+(:mod:`robust_attn.attacks.progress`).
+
 Randomness: a local ``torch.Generator`` seeded by ``config.seed`` (the global RNG is neither used
 nor reseeded). Every draw is made for the whole batch (also for images already done), so the
 random numbers an image gets do not depend on when the other images of the batch were fooled
@@ -80,6 +84,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from robust_attn.attacks.base import Attack, AttackConfig, AttackInputError, AttackOutput, register_attack
+from robust_attn.attacks.progress import changed_rows, put_rows
 
 __all__ = ["Square", "p_schedule", "square_side", "eta_pattern", "square_run", "SquareRun", "DEFAULT_QUERIES",
            "P_INIT", "P_BREAKS"]
@@ -175,32 +180,43 @@ class SquareRun:
 
 
 def square_run(model: nn.Module, images: torch.Tensor, active: torch.Tensor, loss_fn, success_fn, norm: str,
-               eps: float, budget: int, p_init: float, gen: torch.Generator, record: bool = False) -> SquareRun:
+               eps: float, budget: int, p_init: float, gen: torch.Generator, record: bool = False,
+               resume: dict | None = None, save=None) -> SquareRun:
     """One restart of Algorithm 1 on the ``active`` images (all draws are made for the whole batch).
 
     ``loss_fn(logits, idx)`` / ``success_fn(logits, idx)``: per-image loss to minimize and success,
     for the images ``idx``. ``budget`` queries per image: the initial point and ``budget - 1``
-    iterations."""
+    iterations. ``save(state)``, when given, is called after every iteration with a function that
+    returns what the rest of the run depends on besides ``gen`` (a dict); ``resume`` (such a dict,
+    with ``gen`` restored by the caller) continues from there."""
     n, c, h, w = images.shape
     x_best = images.clone()
     loss = torch.full((n,), float("inf"), dtype=images.dtype, device=images.device)
     success = torch.zeros(n, dtype=torch.bool, device=images.device)
     queries = torch.zeros(n, dtype=torch.long, device=images.device)
     history = []
-    if norm == "linf":
-        start = (images + eps * _signs((n, c, 1, w), gen, images)).clamp(0, 1)
+    first = 0
+    if resume is not None:
+        put_rows(x_best, resume["x_best"])
+        loss.copy_(resume["loss"])
+        success.copy_(resume["success"])
+        queries.copy_(resume["queries"])
+        first = resume["it"]
     else:
-        start = _l2_init(images, eps, gen)
-    idx = active.nonzero().flatten()
-    if idx.numel():
-        logits = model(start[idx])
-        x_best[idx] = start[idx]
-        loss[idx] = loss_fn(logits, idx)
-        success[idx] = success_fn(logits, idx)
-        queries[idx] += 1
-    if record:
-        history.append(loss.clone())
-    for it in range(budget - 1):
+        if norm == "linf":
+            start = (images + eps * _signs((n, c, 1, w), gen, images)).clamp(0, 1)
+        else:
+            start = _l2_init(images, eps, gen)
+        idx = active.nonzero().flatten()
+        if idx.numel():
+            logits = model(start[idx])
+            x_best[idx] = start[idx]
+            loss[idx] = loss_fn(logits, idx)
+            success[idx] = success_fn(logits, idx)
+            queries[idx] += 1
+        if record:
+            history.append(loss.clone())
+    for it in range(first, budget - 1):
         p = p_schedule(p_init, it, budget)
         s = square_side(p, h, w, norm)
         rows = torch.randint(0, h - s + 1, (n,), generator=gen, device=images.device)
@@ -245,6 +261,9 @@ def square_run(model: nn.Module, images: torch.Tensor, active: torch.Tensor, los
         success[todo[ok]] = True
         if record:
             history.append(loss.clone())
+        if save is not None:
+            save(lambda it=it: {"it": it + 1, "x_best": changed_rows(x_best, images), "loss": loss,
+                                "success": success, "queries": queries})
     return SquareRun(x_best, loss, success, queries, history)
 
 
@@ -292,12 +311,27 @@ class Square(Attack):
             queries = torch.ones(len(images), dtype=torch.long, device=images.device)
             adv, best = images.clone(), images.clone()
             best_loss = torch.full((len(images),), float("inf"), dtype=images.dtype, device=images.device)
-            for _ in range(c.restarts):
+            saved = self.progress.state if self.progress is not None else None
+            if saved is not None:   # a killed run: continue its restart at the iteration it saved
+                done, queries = saved["done"].to(done), saved["queries"].to(queries)
+                best_loss = saved["best_loss"].to(best_loss)
+                put_rows(adv, saved["adv"])
+                put_rows(best, saved["best"])
+                gen.set_state(saved["gen"].cpu())
+            for r in range(saved["restart"] if saved is not None else 0, c.restarts):
                 active = ~done
                 if not active.any():
                     break
+
+                def save(run_state, r=r):
+                    if self.progress.due():
+                        self.progress.save({"restart": r, "done": done, "queries": queries, "best_loss": best_loss,
+                                            "adv": changed_rows(adv, images), "best": changed_rows(best, images),
+                                            "gen": gen.get_state(), "run": run_state()})
                 res = square_run(model, images, active, loss_fn, success_fn, c.norm, c.eps, self.budget,
-                                 self.p_init, gen)
+                                 self.p_init, gen, resume=saved["run"] if saved is not None else None,
+                                 save=save if self.progress is not None else None)
+                saved = None
                 queries += res.queries
                 hit = active & res.success
                 adv[hit] = res.x_best[hit]

@@ -1,0 +1,85 @@
+"""Saving an attack's progress in the middle of its run, so that a run killed after hours resumes
+where it was, with the same result (issue #14).
+
+On a CPU one member of AutoAttack on one chunk can take hours (Square's 5000 queries, or APGD-T's
+nine target runs, on the images still robust at a small eps), longer than the process may live.
+:class:`~robust_attn.attacks.autoattack.AutoAttack` saves its own state after each member; an
+attack that can also save *within* its run reads and writes its progress through the
+:class:`Progress` the ensemble sets on it (``attack.progress``; ``None``: the attack runs
+without):
+
+* ``Square`` after an iteration of its random search (:mod:`robust_attn.attacks.square`);
+* ``APGD-CE`` / ``APGD-T`` after each of their runs (one per target class and restart;
+  :mod:`robust_attn.attacks.apgd`).
+
+An attack saves only when :meth:`Progress.due` (``every_s`` seconds since the last save), and
+saves everything its remaining work depends on, its random generator's state included, so a
+resumed run returns what an uninterrupted one returns, bit for bit on the same device. A
+generator's state is the device's own (a CUDA generator's state means nothing to a CPU one), so
+progress saved on another device type is not used: the member starts again (a warning says so).
+FAB-T (torchattacks') runs in one call and has no progress.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+__all__ = ["Progress", "rows", "put_rows", "changed_rows", "to_cpu"]
+
+#: seconds between two saves of an attack's progress
+EVERY_S = 300.0
+
+
+class Progress:
+    """An attack's saved progress (``state``: what it saved last, for these inputs; ``None``: start
+    afresh) and where to save more (``save_fn``, called with a dict of tensors and numbers)."""
+
+    def __init__(self, state: dict | None, save_fn: Callable[[dict], None], attack: str, device: torch.device,
+                 every_s: float = EVERY_S):
+        if state is not None and (state.get("attack") != attack or state.get("device") != device.type):
+            warnings.warn(f"saved progress of {state.get('attack')!r} on {state.get('device')!r} does not fit "
+                          f"{attack!r} on {device.type!r}: {attack} starts again from its beginning", stacklevel=2)
+            state = None
+        self.state, self.attack, self.device = state, attack, device.type
+        self._save_fn, self.every_s, self._last = save_fn, every_s, time.monotonic()
+
+    def due(self) -> bool:
+        """Whether ``every_s`` seconds have passed since the last save (or the start)."""
+        return time.monotonic() - self._last >= self.every_s
+
+    def save(self, state: dict) -> None:
+        """Save ``state`` (moved to the CPU), tagged with the attack and the device type."""
+        self._save_fn(to_cpu({**state, "attack": self.attack, "device": self.device}))
+        self._last = time.monotonic()
+
+
+def to_cpu(obj):
+    """``obj`` with every tensor in it (in dicts and lists) moved to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def rows(t: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The rows of ``t`` where ``mask`` holds, with their indices (a state keeps only what differs)."""
+    index = mask.nonzero().flatten()
+    return {"index": index, "values": t[index]}
+
+
+def changed_rows(t: torch.Tensor, base: torch.Tensor) -> dict:
+    """:func:`rows` of ``t`` where it differs from ``base`` (e.g. adversarial images from the inputs)."""
+    return rows(t, (t != base).flatten(1).any(1))
+
+
+def put_rows(t: torch.Tensor, saved: dict) -> torch.Tensor:
+    """``t`` with the rows :func:`rows` saved written back (in place; returned)."""
+    index = saved["index"].to(t.device)
+    t[index] = saved["values"].to(t.device, t.dtype)
+    return t

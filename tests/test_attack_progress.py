@@ -1,0 +1,116 @@
+"""Attacks that save their progress within a run (robust_attn.attacks.progress): killed at any
+point and resumed from what they saved, they return what an uninterrupted run returns."""
+import pytest
+import torch
+import torch.nn as nn
+
+from robust_attn.attacks import AttackConfig, make_attack
+from robust_attn.attacks.progress import Progress
+
+
+class Killed(Exception):
+    pass
+
+
+class Net(nn.Module):
+    """A tiny random CNN; ``kill_after`` forward calls, it raises :class:`Killed`."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                                  nn.Linear(32, 10))
+        self.calls, self.kill_after = 0, None
+
+    def forward(self, x):
+        self.calls += 1
+        if self.kill_after is not None and self.calls > self.kill_after:
+            raise Killed
+        return self.body(x)
+
+
+def _data(n=12):
+    g = torch.Generator().manual_seed(1)
+    images = torch.rand(n, 3, 8, 8, generator=g)
+    net = Net().eval()
+    with torch.no_grad():
+        labels = net(images).argmax(1)   # every image correct: all are attacked
+    labels[0] = (labels[0] + 1) % 10     # but one, which the attacks leave alone
+    return net, images, labels
+
+
+def _killed_then_resumed(config, kill_after):
+    """Run ``config`` killed after ``kill_after`` forward calls, saving at every chance, then resume
+    from the last save; returns (whole, resumed, saves, calls of the whole run, calls resumed)."""
+    net, images, labels = _data()
+    whole = make_attack(config).run(net, images, labels)
+    calls_whole = net.calls
+    saves = []
+    attack = make_attack(config)
+    attack.progress = Progress(None, saves.append, attack=config.attack, device=images.device, every_s=0)
+    net.calls, net.kill_after = 0, kill_after
+    with pytest.raises(Killed):
+        attack.run(net, images, labels)
+    assert saves, "nothing was saved before the kill"
+    again = make_attack(config)
+    again.progress = Progress(saves[-1], lambda _: None, attack=config.attack, device=images.device, every_s=0)
+    net.calls, net.kill_after = 0, None
+    resumed = again.run(net, images, labels)
+    return whole, resumed, saves, calls_whole, net.calls
+
+
+@pytest.mark.parametrize("kill_after", [7, 29, 41])   # in the first restart, early and late; in the second
+def test_square_killed_anywhere_resumes_to_the_uninterrupted_result(kill_after):
+    config = AttackConfig("square", eps=64 / 255, queries=20, restarts=2, seed=3)
+    whole, resumed, saves, calls_whole, calls_resumed = _killed_then_resumed(config, kill_after)
+    assert torch.equal(resumed.adv, whole.adv) and torch.equal(resumed.queries, whole.queries)
+    assert saves[-1]["restart"] == (1 if kill_after > 22 else 0) and saves[-1]["attack"] == "square"
+    assert calls_resumed < calls_whole - kill_after + 5   # the work before the last save was not done again
+    fooled = (1 < whole.queries) & (whole.queries < 41)   # some images fooled (in either restart), some not
+    assert 3 <= fooled.sum() <= 9 and (whole.queries > 21).any() and fooled[whole.queries > 21].any()
+
+
+@pytest.mark.parametrize("kill_after", [9, 20])
+def test_apgd_t_killed_between_target_runs_resumes_to_the_uninterrupted_result(kill_after):
+    """Each target run is 1 + 3 forward-backward passes here; the state is saved before each."""
+    config = AttackConfig("apgd-t", eps=16 / 255, steps=3, seed=5, options={"n_target_classes": 6})
+    whole, resumed, saves, calls_whole, calls_resumed = _killed_then_resumed(config, kill_after)
+    assert torch.equal(resumed.adv, whole.adv)
+    assert saves[-1]["runs_done"] >= 1 and calls_resumed < calls_whole
+    net, images, labels = _data()
+    assert 3 <= (net(whole.adv).argmax(1) != labels).sum() <= 10   # some fooled, some not
+
+
+def test_autoattack_keeps_a_members_progress_in_its_state_and_resumes_inside_the_member(tmp_path):
+    """The ensemble's state file carries Square's progress; a chunk killed in the middle of
+    Square resumes there. Progress saved on another device type is not used (a warning), and
+    the member starts again: the result is the same."""
+    config = AttackConfig("autoattack", eps=24 / 255, steps=3, queries=25, seed=2,
+                          options={"attacks": ["apgd-ce", "square"]})
+    net, images, labels = _data()
+    whole = make_attack(config).run(net, images, labels)
+    calls_whole = net.calls
+    state = tmp_path / "state.pt"
+    aa = make_attack(config)
+    aa.state_path, aa.progress_every_s = state, 0
+    net.calls, net.kill_after = 0, 25   # APGD-CE: 1 + 1 + 4 calls; Square then 1 + its queries
+    with pytest.raises(Killed):
+        aa.run(net, images, labels)
+    saved = torch.load(state, weights_only=True)
+    assert saved["done"] == 1 and saved["member"]["attack"] == "square" and saved["member"]["run"]["it"] >= 10
+    again = make_attack(config)
+    again.state_path = state
+    net.calls, net.kill_after = 0, None
+    resumed = again.run(net, images, labels)
+    assert resumed.by == whole.by and torch.equal(resumed.adv, whole.adv)
+    assert torch.equal(resumed.queries, whole.queries)
+    assert net.calls < calls_whole - 15
+    saved["member"]["device"] = "cuda"   # a GPU's generator state: useless here
+    torch.save(saved, state)
+    other = make_attack(config)
+    other.state_path = state
+    net.calls = 0
+    with pytest.warns(UserWarning, match="starts again"):
+        rerun = other.run(net, images, labels)
+    assert rerun.by == whole.by and torch.equal(rerun.adv, whole.adv)
+    assert net.calls > calls_whole - 10   # Square ran from its beginning (APGD-CE did not)
