@@ -5,6 +5,10 @@ import torch
 import torch.nn as nn
 
 from robust_attn.attacks import AttackConfig, make_attack
+from robust_attn.data import build_dataset
+from robust_attn.protocols.attack import run_attack
+from robust_attn.registry import create_model
+from robust_attn.wrapper import NormalizedModel
 from robust_attn.attacks.progress import Progress
 
 
@@ -92,12 +96,18 @@ def test_autoattack_keeps_a_members_progress_in_its_state_and_resumes_inside_the
     calls_whole = net.calls
     state = tmp_path / "state.pt"
     aa = make_attack(config)
-    aa.state_path, aa.progress_every_s = state, 0
+    aa.state_path, aa.progress_every_s, lines = state, 0, []
+    aa.log = lines.append
     net.calls, net.kill_after = 0, 25   # APGD-CE: 1 + 1 + 4 calls; Square then 1 + its queries
     with pytest.raises(Killed):
         aa.run(net, images, labels)
     saved = torch.load(state, weights_only=True)
     assert saved["done"] == 1 and saved["member"]["attack"] == "square" and saved["member"]["run"]["it"] >= 10
+    robust = sum(b == "" for b in whole.by)   # Square fools none of APGD-CE's survivors here
+    assert lines[0] == f"autoattack linf eps=24/255: apgd-ce done, {robust} of 12 images still robust"
+    it = saved["member"]["run"]["it"]
+    assert lines[-1] == (f"autoattack linf eps=24/255: square: query {it + 1} of 25 (restart 1 of 1), {robust} "
+                         f"images not fooled yet (progress saved)")
     again = make_attack(config)
     again.state_path = state
     net.calls, net.kill_after = 0, None
@@ -114,3 +124,17 @@ def test_autoattack_keeps_a_members_progress_in_its_state_and_resumes_inside_the
         rerun = other.run(net, images, labels)
     assert rerun.by == whole.by and torch.equal(rerun.adv, whole.adv)
     assert net.calls > calls_whole - 10   # Square ran from its beginning (APGD-CE did not)
+
+
+def test_the_attack_protocol_prints_autoattacks_progress_with_its_bar(tmp_path, capsys):
+    data = build_dataset("synthetic", split="test", limit=4)
+    model = NormalizedModel(create_model("resnet26", num_classes=10, resolution="cifar", width=0.25,
+                                         stem_downsample=4), (0.5,) * 3, (0.5,) * 3).eval()
+    config = AttackConfig("autoattack", eps=8 / 255, steps=2, queries=5)
+    run_attack(model, data, tmp_path / "run", configs=[config], num_classes=10, batch_size=4, checks=False,
+               progress=True)
+    err = capsys.readouterr().err
+    assert "chunk 0: autoattack linf eps=8/255: finished, " in err, err
+    run_attack(model, data, tmp_path / "quiet", configs=[config], num_classes=10, batch_size=4, checks=False,
+               progress=False)
+    assert "autoattack" not in capsys.readouterr().err

@@ -312,7 +312,9 @@ class _APGDBase(Attack):
             if position and self.progress is not None and self.progress.due():
                 self.progress.save({"runs_done": position, "done": done, "best_loss": best_loss,
                                     "adv": changed_rows(adv, images), "best": changed_rows(best, images),
-                                    "gen": generator.get_state()})
+                                    "gen": generator.get_state()},
+                                   note=f"run {position} of {len(order)} done, {int((~done).sum())} images "
+                                        f"not fooled yet")
             start = random_start(images, c.norm, c.eps, generator)   # whole batch: position-wise draws
             todo = (~done).nonzero().flatten()
             if todo.numel() == 0:

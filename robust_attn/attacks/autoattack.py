@@ -37,6 +37,7 @@ import hashlib
 import json
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -87,6 +88,9 @@ class AutoAttack(Attack):
     state_path: Path | None = None
     #: seconds between two saves of a member's progress within its run (with ``state_path``)
     progress_every_s: float = EVERY_S
+    #: told where the ensemble stands after each member and at each save of a member's progress
+    #: (lines for the user: the attack protocol prints them with its progress bar); None: silent
+    log: Callable[[str], None] | None = None
 
     def _state_key(self, images: torch.Tensor, labels: torch.Tensor) -> str:
         digest = hashlib.sha256(images.detach().cpu().contiguous().numpy().tobytes())
@@ -157,7 +161,7 @@ class AutoAttack(Attack):
                 attack.progress = Progress(
                     saved.get("member") if saved is not None and position == first else None,
                     lambda m, p=position: self._save_state(key, p, adv, robust, by, queries, member=m),
-                    attack=member, device=images.device, every_s=self.progress_every_s)
+                    attack=member, device=images.device, every_s=self.progress_every_s, log=self._log)
             out = attack.run(model, images[todo], labels[todo])
             with torch.no_grad():
                 fooled = model(out.adv).argmax(1) != labels[todo]
@@ -169,4 +173,11 @@ class AutoAttack(Attack):
             for i in hit.tolist():
                 by[i] = member
             self._save_state(key, position + 1, adv, robust, by, queries)
+            self._log(f"{member} done, {int(robust.sum())} of {len(images)} images still robust")
+        self._log(f"finished, {int(robust.sum())} of {len(images)} images robust")
         return AttackOutput(adv, queries=queries, by=by)
+
+    def _log(self, line: str) -> None:
+        if self.log is not None:
+            c = self.config
+            self.log(f"autoattack {c.norm} eps={c.eps * 255:.4g}/255: {line}")

@@ -35,25 +35,29 @@ EVERY_S = 300.0
 
 class Progress:
     """An attack's saved progress (``state``: what it saved last, for these inputs; ``None``: start
-    afresh) and where to save more (``save_fn``, called with a dict of tensors and numbers)."""
+    afresh) and where to save more (``save_fn``, called with a dict of tensors and numbers).
+    ``log``: told, at each save, where the run stands (a line for the user)."""
 
     def __init__(self, state: dict | None, save_fn: Callable[[dict], None], attack: str, device: torch.device,
-                 every_s: float = EVERY_S):
+                 every_s: float = EVERY_S, log: Callable[[str], None] | None = None):
         if state is not None and (state.get("attack") != attack or state.get("device") != device.type):
             warnings.warn(f"saved progress of {state.get('attack')!r} on {state.get('device')!r} does not fit "
                           f"{attack!r} on {device.type!r}: {attack} starts again from its beginning", stacklevel=2)
             state = None
         self.state, self.attack, self.device = state, attack, device.type
-        self._save_fn, self.every_s, self._last = save_fn, every_s, time.monotonic()
+        self._save_fn, self.every_s, self._last, self.log = save_fn, every_s, time.monotonic(), log
 
     def due(self) -> bool:
         """Whether ``every_s`` seconds have passed since the last save (or the start)."""
         return time.monotonic() - self._last >= self.every_s
 
-    def save(self, state: dict) -> None:
-        """Save ``state`` (moved to the CPU), tagged with the attack and the device type."""
+    def save(self, state: dict, note: str = "") -> None:
+        """Save ``state`` (moved to the CPU), tagged with the attack and the device type; ``note``
+        (where the run stands) goes to ``log``."""
         self._save_fn(to_cpu({**state, "attack": self.attack, "device": self.device}))
         self._last = time.monotonic()
+        if self.log is not None and note:
+            self.log(f"{self.attack}: {note} (progress saved)")
 
 
 def to_cpu(obj):

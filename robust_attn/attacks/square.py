@@ -325,9 +325,13 @@ class Square(Attack):
 
                 def save(run_state, r=r):
                     if self.progress.due():
+                        run = run_state()
+                        left = int((~done & ~run["success"]).sum())
                         self.progress.save({"restart": r, "done": done, "queries": queries, "best_loss": best_loss,
                                             "adv": changed_rows(adv, images), "best": changed_rows(best, images),
-                                            "gen": gen.get_state(), "run": run_state()})
+                                            "gen": gen.get_state(), "run": run},
+                                           note=f"query {run['it'] + 1} of {self.budget} (restart {r + 1} of "
+                                                f"{c.restarts}), {left} images not fooled yet")
                 res = square_run(model, images, active, loss_fn, success_fn, c.norm, c.eps, self.budget,
                                  self.p_init, gen, resume=saved["run"] if saved is not None else None,
                                  save=save if self.progress is not None else None)

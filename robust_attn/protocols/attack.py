@@ -26,6 +26,8 @@ chunk size). Targets for targeted attacks are drawn like Table 10's
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -73,12 +75,20 @@ def attack_records(indices: torch.Tensor, labels: torch.Tensor, targets: torch.T
         "by": [b or "none" for b in by] if by is not None else ["none"] * n})
 
 
+def _log_line(line: str) -> None:
+    """A line on a long attack's progress, printed above the progress bar (stderr), with the time."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr)
+
+
 def make_evaluator(model: nn.Module, configs: Sequence[AttackConfig], targets: torch.Tensor | None,
-                   device: torch.device, state_dir: Path | None = None):
+                   device: torch.device, state_dir: Path | None = None, log=None):
     """The ``evaluate`` callback of :func:`robust_attn.protocols.runner.run_chunks`: the clean
     forward once per chunk, then every missing attack condition. ``state_dir``: where an attack
     that can save its state within a chunk (AutoAttack, after each member) keeps it, one file per
-    condition and chunk, deleted once the chunk's records are written."""
+    condition and chunk, deleted once the chunk's records are written. ``log``: where such an
+    attack's lines on its progress go (None: nowhere)."""
     by_name = {c.name: c for c in configs}
 
     def evaluate(images, labels, indices, todo) -> Iterator[tuple[str, pd.DataFrame]]:
@@ -95,6 +105,8 @@ def make_evaluator(model: nn.Module, configs: Sequence[AttackConfig], targets: t
             state = None
             if state_dir is not None and hasattr(attack, "state_path"):
                 state = attack.state_path = Path(state_dir) / f"{name}-{start:09d}.pt"
+                if log is not None:
+                    attack.log = lambda line, start=start: log(f"chunk {start}: {line}")
             tgt = targets[indices].to(device) if config.targeted else None
             out = attack.run(model, images, labels, tgt)
             with torch.no_grad():
@@ -145,7 +157,8 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
     if rank == 0 and targets is not None:
         save_targets(out_dir, labels, targets)
     run_chunks(store, dataset, [c["name"] for c in conditions],
-               make_evaluator(model, configs, targets, device, state_dir=store.root / STATE_DIR),
+               make_evaluator(model, configs, targets, device, state_dir=store.root / STATE_DIR,
+                              log=_log_line if progress and rank == 0 else None),
                chunk_size=batch_size, rank=rank, world_size=world_size, num_workers=num_workers,
                progress=progress and rank == 0, desc="attack",
                claim_each_condition=True)   # an attack's radii are split among processes sharing the run
