@@ -5,10 +5,6 @@ import torch
 import torch.nn as nn
 
 from robust_attn.attacks import AttackConfig, make_attack
-from robust_attn.data import build_dataset
-from robust_attn.protocols.attack import run_attack
-from robust_attn.registry import create_model
-from robust_attn.wrapper import NormalizedModel
 from robust_attn.attacks.progress import Progress
 
 
@@ -125,16 +121,3 @@ def test_autoattack_keeps_a_members_progress_in_its_state_and_resumes_inside_the
     assert rerun.by == whole.by and torch.equal(rerun.adv, whole.adv)
     assert net.calls > calls_whole - 10   # Square ran from its beginning (APGD-CE did not)
 
-
-def test_the_attack_protocol_prints_autoattacks_progress_with_its_bar(tmp_path, capsys):
-    data = build_dataset("synthetic", split="test", limit=4)
-    model = NormalizedModel(create_model("resnet26", num_classes=10, resolution="cifar", width=0.25,
-                                         stem_downsample=4), (0.5,) * 3, (0.5,) * 3).eval()
-    config = AttackConfig("autoattack", eps=8 / 255, steps=2, queries=5)
-    run_attack(model, data, tmp_path / "run", configs=[config], num_classes=10, batch_size=4, checks=False,
-               progress=True)
-    err = capsys.readouterr().err
-    assert "chunk 0: autoattack linf eps=8/255: finished, " in err, err
-    run_attack(model, data, tmp_path / "quiet", configs=[config], num_classes=10, batch_size=4, checks=False,
-               progress=False)
-    assert "autoattack" not in capsys.readouterr().err

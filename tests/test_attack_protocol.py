@@ -158,15 +158,26 @@ def test_a_killed_autoattack_chunk_resumes_after_its_last_finished_member(regist
     assert [name for name, _ in calls][0] == "test-a" and rerun.by == whole.by
 
 
-def test_the_attack_protocol_deletes_autoattack_state_once_the_chunk_is_written(tmp_path):
+def _tiny_autoattack_run(out, progress=False):
     data = build_dataset("synthetic", split="test", limit=4)
     model = NormalizedModel(create_model("resnet26", num_classes=10, resolution="cifar", width=0.25,
                                          stem_downsample=4), (0.5,) * 3, (0.5,) * 3).eval()
     config = AttackConfig("autoattack", eps=8 / 255, steps=2, queries=5)
-    run_attack(model, data, tmp_path / "run", configs=[config], num_classes=10, batch_size=4, checks=False,
-               progress=False)
+    run_attack(model, data, out, configs=[config], num_classes=10, batch_size=4, checks=False, progress=progress)
+
+
+def test_the_attack_protocol_deletes_autoattack_state_once_the_chunk_is_written(tmp_path):
+    _tiny_autoattack_run(tmp_path / "run")
     assert not list((tmp_path / "run").rglob("*.pt"))   # nothing left of the per-member state
     assert len(load_records(tmp_path / "run")) == 8
+
+
+def test_the_attack_protocol_prints_autoattacks_progress_with_its_bar(tmp_path, capsys):
+    _tiny_autoattack_run(tmp_path / "run", progress=True)
+    err = capsys.readouterr().err
+    assert "chunk 0: autoattack linf eps=8/255: finished, " in err, err
+    _tiny_autoattack_run(tmp_path / "quiet")
+    assert "autoattack" not in capsys.readouterr().err
 
 
 def test_autoattack_rejects_targeted_and_unknown_members():
