@@ -81,6 +81,17 @@ def test_apgd_t_killed_between_target_runs_resumes_to_the_uninterrupted_result(k
     assert 3 <= (net(whole.adv).argmax(1) != labels).sum() <= 10   # some fooled, some not
 
 
+@pytest.mark.parametrize("kill_after", [20, 30])
+def test_fab_t_killed_between_target_classes_resumes_to_the_uninterrupted_result(kill_after):
+    """About 10 forward calls per target class here; the state is saved before each class but the first."""
+    config = AttackConfig("fab-t", eps=16 / 255, steps=3, seed=5, options={"n_target_classes": 4})
+    whole, resumed, saves, calls_whole, calls_resumed = _killed_then_resumed(config, kill_after)
+    assert torch.equal(resumed.adv, whole.adv)
+    assert saves[-1]["target_class"] >= 3 and calls_resumed < calls_whole - 5
+    net, images, labels = _data()
+    assert 3 <= (net(whole.adv).argmax(1) != labels).sum() <= 10   # some fooled, some not
+
+
 def test_autoattack_keeps_a_members_progress_in_its_state_and_resumes_inside_the_member(tmp_path):
     """The ensemble's state file carries Square's progress; a chunk killed in the middle of
     Square resumes there. Progress saved on another device type is not used (a warning), and

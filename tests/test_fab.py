@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 from robust_attn.attacks.base import AttackConfig, AttackInputError, make_attack
+from robust_attn.attacks.fab import multi_targeted
 from robust_attn.registry import create_model
 from robust_attn.wrapper import NormalizedModel
 
@@ -137,3 +138,36 @@ def test_clear_errors(tiny):
         make_attack(AttackConfig("fab-t", options={"n_target_classes": 0}))
     with pytest.raises(AttackInputError, match="only 9 wrong classes"):
         make_attack(AttackConfig("fab-t", steps=1, options={"n_target_classes": 12})).run(model, images, labels)
+
+
+
+
+@pytest.mark.parametrize("norm,eps,restarts", [("linf", 2 / 255, 1), ("l2", 0.1, 1), ("l2", 0.2, 2)])
+def test_the_written_out_target_loop_equals_torchattacks_perturb(tiny, norm, eps, restarts):
+    """fab-t runs torchattacks' single targeted runs in its own loop over target classes
+    (``multi_targeted``, so it can save progress between them); torchattacks' ``FAB(multi_targeted=
+    True)`` called whole, from the same seed, must give the same images bit for bit: before the
+    eps filter and after it (through ``run``). Small radii, so that images survive the first
+    target classes; at L2 0.2 the second restart (a random start) fools one image more."""
+    import torchattacks
+
+    model = tiny[0]
+    images = torch.rand(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        labels = model(images).argmax(1)
+
+    def fab_ta():
+        return torchattacks.FAB(model, norm="Linf" if norm == "linf" else "L2", eps=eps, steps=4, n_restarts=restarts,
+                                alpha_max=0.1, eta=1.05, beta=0.9, seed=3, multi_targeted=True, n_classes=4)
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        theirs = fab_ta()(images, labels)
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(3)
+        ours = multi_targeted(fab_ta(), model, images, labels, 3, restarts, norm, eps)
+    assert torch.equal(ours, theirs)
+    changed = (theirs != images).flatten(1).any(1)
+    assert 1 <= changed.sum() < len(images)   # some fooled, some resisted every target class
+    adv = make_attack(AttackConfig("fab-t", norm=norm, eps=eps, steps=4, restarts=restarts, seed=3,
+                                   options={"n_target_classes": 3})).run(model, images, labels).adv
+    assert torch.equal(adv, torch.where(changed.view(-1, 1, 1, 1), theirs, images))

@@ -40,6 +40,11 @@ Deviations of torchattacks (and where the official code differs), handled here:
    (default 100).
 4. torchattacks keeps an adversarial only if its norm is ``<= eps`` (strict ``>`` rejects); we
    check again (model prediction and norm) on the returned images.
+
+The loop of ``FAB.perturb`` over the target classes and restarts is written out here
+(:func:`multi_targeted`, around torchattacks' ``attack_single_run_targeted``; the same images bit
+for bit, tested), so that the attack can save its progress after each target class
+(:mod:`robust_attn.attacks.progress`).
 """
 from __future__ import annotations
 
@@ -48,8 +53,9 @@ import torch
 import torch.nn as nn
 
 from robust_attn.attacks.base import Attack, AttackConfig, AttackOutput, register_attack
+from robust_attn.attacks.progress import changed_rows, put_rows
 
-__all__ = ["FABT", "DEFAULT_STEPS", "N_TARGET_CLASSES", "ALPHA_MAX", "ETA", "BETA"]
+__all__ = ["FABT", "multi_targeted", "DEFAULT_STEPS", "N_TARGET_CLASSES", "ALPHA_MAX", "ETA", "BETA"]
 
 DEFAULT_STEPS = 100
 N_TARGET_CLASSES = 9
@@ -89,11 +95,48 @@ class FABT(Attack):
                                   n_restarts=c.restarts, alpha_max=ALPHA_MAX, eta=ETA, beta=BETA, seed=c.seed,
                                   multi_targeted=True, n_classes=n + 1)
         devices = [images.device] if images.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(c.seed)
-            raw = attack(images, labels).detach().to(images.dtype)
-        with torch.no_grad():
+            raw = multi_targeted(attack, model, images, labels, n, c.restarts, c.norm, c.eps, self.progress)
             fooled = model(raw).argmax(1) != labels
         keep = fooled & (_size(raw - images, c.norm) <= c.eps)
         adv = torch.where(keep.view(-1, 1, 1, 1), raw, images)
         return AttackOutput(adv)
+
+
+def multi_targeted(attack, model: nn.Module, images: torch.Tensor, labels: torch.Tensor, n: int, restarts: int,
+                   norm: str, eps: float, progress=None) -> torch.Tensor:
+    """torchattacks' ``FAB.perturb`` with ``multi_targeted=True``, its loop over the ``n`` target
+    classes and the ``restarts`` written out around torchattacks' single targeted runs
+    (``attack``: a ``torchattacks.FAB``; the global RNG seeded as ``perturb`` seeds it), so that the
+    progress can be saved before each target class (``progress``: :mod:`robust_attn.attacks.progress`).
+    Returns the images with each adversarial found within ``eps`` (the others unchanged), as
+    ``perturb`` does; ``tests/test_fab.py`` checks that they are the same, bit for bit."""
+    raw = images.clone()
+    robust = model(images).argmax(1) == labels
+    first = 2   # torchattacks' target_class: 2 is the most likely wrong class
+    saved = progress.state if progress is not None else None
+    if saved is not None:   # a killed run: continue at the target class it saved before
+        robust = saved["robust"].to(robust)
+        put_rows(raw, saved["raw"])
+        torch.set_rng_state(saved["rng"].cpu())   # restarts after the first draw their start from it
+        first = saved["target_class"]
+    for target_class in range(first, n + 2):
+        if target_class > first and progress is not None and progress.due():
+            progress.save({"target_class": target_class, "robust": robust, "raw": changed_rows(raw, images),
+                           "rng": torch.get_rng_state()},
+                          note=f"target class {target_class - 2} of {n} done, {int(robust.sum())} images "
+                               f"not fooled yet")
+        attack.target_class = target_class
+        for restart in range(restarts):
+            todo = robust.nonzero().flatten()
+            if todo.numel() == 0:
+                continue
+            x, y = images[todo].clone(), labels[todo].clone()
+            found = attack.attack_single_run_targeted(x, y, use_rand_start=restart > 0)
+            flat = (x - found).flatten(1)   # measured as torchattacks measures it
+            size = flat.abs().max(1)[0] if norm == "linf" else (flat ** 2).sum(-1).sqrt()
+            hit = (model(found).argmax(1) != y) & ~(size > eps)
+            robust[todo[hit]] = False
+            raw[todo[hit]] = found[hit].clone().to(raw.dtype)
+    return raw

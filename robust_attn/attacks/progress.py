@@ -10,14 +10,14 @@ without):
 
 * ``Square`` after an iteration of its random search (:mod:`robust_attn.attacks.square`);
 * ``APGD-CE`` / ``APGD-T`` after each of their runs (one per target class and restart;
-  :mod:`robust_attn.attacks.apgd`).
+  :mod:`robust_attn.attacks.apgd`);
+* ``FAB-T`` after each target class (:func:`robust_attn.attacks.fab.multi_targeted`).
 
 An attack saves only when :meth:`Progress.due` (``every_s`` seconds since the last save), and
 saves everything its remaining work depends on, its random generator's state included, so a
 resumed run returns what an uninterrupted one returns, bit for bit on the same device. A
 generator's state is the device's own (a CUDA generator's state means nothing to a CPU one), so
 progress saved on another device type is not used: the member starts again (a warning says so).
-FAB-T (torchattacks') runs in one call and has no progress.
 """
 from __future__ import annotations
 
