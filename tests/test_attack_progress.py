@@ -132,3 +132,20 @@ def test_autoattack_keeps_a_members_progress_in_its_state_and_resumes_inside_the
     assert rerun.by == whole.by and torch.equal(rerun.adv, whole.adv)
     assert net.calls > calls_whole - 10   # Square ran from its beginning (APGD-CE did not)
 
+
+
+def test_progress_saved_on_another_device_is_used_only_by_an_attack_whose_progress_is_portable():
+    """FAB-T's random starts come from the CPU's global generator on any device, so AutoAttack lets
+    its progress move from a GPU to a CPU; Square's and APGD's hold a device generator's state."""
+    from robust_attn.attacks.base import ATTACKS
+
+    state = {"attack": "fab-t", "device": "cuda", "target_class": 4}
+    assert Progress(state, lambda _: None, attack="fab-t", device=None).state is state
+    with pytest.warns(UserWarning, match="starts again"):
+        assert Progress(state, lambda _: None, attack="fab-t", device=torch.device("cpu")).state is None
+    with pytest.warns(UserWarning, match="starts again"):   # another attack's progress never fits
+        assert Progress(state, lambda _: None, attack="square", device=None).state is None
+    assert [n for n in ("apgd-ce", "apgd-t", "fab-t", "square") if ATTACKS[n].portable_progress] == ["fab-t"]
+    saves = []
+    Progress(None, saves.append, attack="fab-t", device=None).save({"k": torch.ones(1)})
+    assert saves[0]["device"] is None and saves[0]["attack"] == "fab-t"

@@ -161,7 +161,8 @@ class AutoAttack(Attack):
                 attack.progress = Progress(
                     saved.get("member") if saved is not None and position == first else None,
                     lambda m, p=position: self._save_state(key, p, adv, robust, by, queries, member=m),
-                    attack=member, device=images.device, every_s=self.progress_every_s, log=self._log)
+                    attack=member, device=None if attack.portable_progress else images.device,
+                    every_s=self.progress_every_s, log=self._log)
             out = attack.run(model, images[todo], labels[todo])
             with torch.no_grad():
                 fooled = model(out.adv).argmax(1) != labels[todo]

@@ -75,6 +75,7 @@ class FABT(Attack):
 
     name = "fab-t"
     targeted_modes = (False,)
+    portable_progress = True   # its random starts come from the CPU's global generator on any device
     paper = "Croce & Hein, ICML 2020, FAB, Algorithm 1 (targeted, as AutoAttack's FAB-T)"
 
     def __init__(self, config: AttackConfig):

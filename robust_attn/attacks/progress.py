@@ -17,7 +17,10 @@ An attack saves only when :meth:`Progress.due` (``every_s`` seconds since the la
 saves everything its remaining work depends on, its random generator's state included, so a
 resumed run returns what an uninterrupted one returns, bit for bit on the same device. A
 generator's state is the device's own (a CUDA generator's state means nothing to a CPU one), so
-progress saved on another device type is not used: the member starts again (a warning says so).
+Square's and APGD's progress saved on another device type is not used: the member starts again
+(a warning says so). FAB-T draws from the CPU's global generator on any device
+(``Attack.portable_progress``), so its progress moves between devices (started on a GPU,
+finished on a CPU).
 """
 from __future__ import annotations
 
@@ -38,13 +41,14 @@ class Progress:
     afresh) and where to save more (``save_fn``, called with a dict of tensors and numbers).
     ``log``: told, at each save, where the run stands (a line for the user)."""
 
-    def __init__(self, state: dict | None, save_fn: Callable[[dict], None], attack: str, device: torch.device,
-                 every_s: float = EVERY_S, log: Callable[[str], None] | None = None):
-        if state is not None and (state.get("attack") != attack or state.get("device") != device.type):
+    def __init__(self, state: dict | None, save_fn: Callable[[dict], None], attack: str,
+                 device: torch.device | None, every_s: float = EVERY_S, log: Callable[[str], None] | None = None):
+        here = device.type if device is not None else None   # None: progress that fits any device
+        if state is not None and (state.get("attack") != attack or (here is not None and state.get("device") != here)):
             warnings.warn(f"saved progress of {state.get('attack')!r} on {state.get('device')!r} does not fit "
-                          f"{attack!r} on {device.type!r}: {attack} starts again from its beginning", stacklevel=2)
+                          f"{attack!r} on {here!r}: {attack} starts again from its beginning", stacklevel=2)
             state = None
-        self.state, self.attack, self.device = state, attack, device.type
+        self.state, self.attack, self.device = state, attack, here
         self._save_fn, self.every_s, self._last, self.log = save_fn, every_s, time.monotonic(), log
 
     def due(self) -> bool:
