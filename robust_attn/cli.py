@@ -7,7 +7,7 @@ import importlib
 import sys
 import warnings
 
-COMMANDS = ["zoo", "train", "eval", "report", "study"]
+COMMANDS = ["zoo", "train", "eval", "report", "study", "status"]
 
 
 class UserError(Exception):

@@ -178,6 +178,18 @@ class AutoAttack(Attack):
         self._log(f"finished, {int(robust.sum())} of {len(images)} images robust")
         return AttackOutput(adv, queries=queries, by=by)
 
+    def describe_state(self, state: dict) -> str:
+        """One line on a state saved within a chunk (``robust-attn status``): the members finished,
+        the images still robust and where the member under way stands."""
+        done, robust = int(state["done"]), state["robust"]
+        line = (f"{done} of {len(self.member_names)} members done, {int(robust.sum())} of {len(robust)} "
+                f"images robust")
+        if done < len(self.member_names):
+            member = state.get("member")
+            where = "not started" if member is None else member.get("note") or "under way, progress saved"
+            line += f"; {self.member_names[done]}: {where}"
+        return line
+
     def _log(self, line: str) -> None:
         if self.log is not None:
             c = self.config

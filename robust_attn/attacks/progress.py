@@ -56,9 +56,9 @@ class Progress:
         return time.monotonic() - self._last >= self.every_s
 
     def save(self, state: dict, note: str = "") -> None:
-        """Save ``state`` (moved to the CPU), tagged with the attack and the device type; ``note``
-        (where the run stands) goes to ``log``."""
-        self._save_fn(to_cpu({**state, "attack": self.attack, "device": self.device}))
+        """Save ``state`` (moved to the CPU), tagged with the attack, the device type and ``note``
+        (where the run stands, e.g. for ``robust-attn status``), which also goes to ``log``."""
+        self._save_fn(to_cpu({**state, "attack": self.attack, "device": self.device, "note": note}))
         self._last = time.monotonic()
         if self.log is not None and note:
             self.log(f"{self.attack}: {note} (progress saved)")

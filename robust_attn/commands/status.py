@@ -1,0 +1,74 @@
+"""``robust-attn status DIR...``: how far stored runs are. Per run: the chunks written of those
+its description asks for (the rest are what running its command again computes) and, for a chunk
+under way, the state an attack saved within it (AutoAttack: the members finished, the images
+still robust, where the member under way stands, and when that was saved). A folder of runs (a
+study's ``--runs``) stands for each run in it. Reads only; safe beside the processes writing."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from robust_attn.cli import UserError
+
+__all__ = ["add_parser", "run_status", "run_lines"]
+
+SHOWN = 4   # missing chunks named per run
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="how far stored runs are: chunks written, attack state saved within a chunk")
+    p.add_argument("runs", nargs="+", metavar="DIR", help="run directories, or folders of them (a study's --runs)")
+    p.set_defaults(func=run_status)
+
+
+def _run_dirs(paths: list[str]) -> list[Path]:
+    out = []
+    for p in map(Path, paths):
+        if (p / "run.json").is_file():
+            out.append(p)
+        elif p.is_dir() and any((c / "run.json").is_file() for c in p.iterdir()):
+            out.extend(sorted(c for c in p.iterdir() if (c / "run.json").is_file()))
+        else:
+            raise UserError(f"{p} is neither a run directory (no run.json) nor a folder of runs; pass what "
+                            f"`robust-attn eval ... --out` or `robust-attn study --runs` wrote")
+    return out
+
+
+def run_lines(run: Path) -> list[str]:
+    """The status of one run, as lines (the first names the run)."""
+    import torch
+
+    from robust_attn.attacks.base import make_attack
+    from robust_attn.protocols.attack import STATE_DIR, config_from_condition
+    from robust_attn.results import RunStore
+
+    store = RunStore(run)
+    desc = store.description()
+    head = f"{run}: {desc.get('protocol', '?')}, {desc.get('model', '?')}"
+    if store.packed:
+        return [f"{head}: finished (packed)"]
+    missing = store.missing()
+    total = len(store.chunks()) + len(missing)
+    lines = [f"{head}: {total - len(missing)} of {total} chunks written"
+             + ("" if missing else " (finished)")]
+    if missing:
+        named = ", ".join(f"{c}[{a}:{b}]" for c, a, b in missing[:SHOWN])
+        lines.append(f"  to compute: {named}" + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""))
+    conditions = {c["name"]: c for c in desc.get("conditions", []) if isinstance(c, dict) and "name" in c}
+    for path in sorted((run / STATE_DIR).glob("*.pt")):
+        name, _, start = path.stem.rpartition("-")
+        saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+        attack = make_attack(config_from_condition(conditions[name])) if name in conditions else None
+        if attack is None or not hasattr(attack, "describe_state"):
+            lines.append(f"  {name}[{int(start)}:]: a saved state ({saved})")
+            continue
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        lines.append(f"  {name}[{int(start)}:]: {attack.describe_state(state)} (saved {saved})")
+    return lines
+
+
+def run_status(args) -> int:
+    for run in _run_dirs(args.runs):
+        print("\n".join(run_lines(run)))
+    return 0
