@@ -23,9 +23,11 @@ member (``state_path``, set by the attack protocol per chunk): the adversarial i
 far (only those: the rest of the chunk is its inputs), who fooled each image and the queries,
 keyed by the images, labels and config. A run killed
 mid-chunk then resumes at the next member with the same result, since each member is seeded on
-its own and sees only the images still robust. Square and APGD also save their progress within
+its own and sees only the images still robust. The members also save their progress within
 their run in the same file (every ``progress_every_s`` seconds; :mod:`robust_attn.attacks.progress`),
-so a killed member resumes where it was rather than from its beginning.
+so a killed member resumes where it was rather than from its beginning; ``log`` is told of each
+finished member and each save, and :meth:`AutoAttack.describe_state` reads a saved state back
+(``robust-attn status``).
 
 Each member is seeded from the ensemble's ``seed``; its other settings are the member's own
 defaults (the standard version's), except ``steps``, ``restarts`` and ``queries`` when the
