@@ -149,3 +149,4 @@ def test_progress_saved_on_another_device_is_used_only_by_an_attack_whose_progre
     saves = []
     Progress(None, saves.append, attack="fab-t", device=None).save({"k": torch.ones(1)})
     assert saves[0]["device"] is None and saves[0]["attack"] == "fab-t"
+

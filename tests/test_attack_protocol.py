@@ -371,3 +371,27 @@ def test_a_model_with_nan_logits_is_refused():
     with pytest.raises(ValueError, match="NaN or inf logits"):
         make_attack(AttackConfig("pgd", steps=2)).run(
             Broken().eval(), torch.rand(2, 3, 8, 8), torch.tensor([0, 1]))
+
+
+class BatchDependent(nn.Module):
+    """A linear model whose logits move by 1e-3 with the batch size, as float rounding does on a
+    borderline image: at batch 1 image 0 is misclassified, in a batch of two it is not."""
+
+    def forward(self, x):
+        z = torch.stack([x.flatten(1).mean(1), torch.full((len(x),), 0.5)], 1)
+        return z + torch.tensor([0.0, 1e-3]) * (len(x) == 1)
+
+
+def test_autoattack_judges_each_member_in_the_whole_batch_as_the_records_are():
+    """A member that fools an image only in a sub-batch has not fooled it in the chunk's records:
+    the ensemble checks in the whole batch, so ``by`` and the final prediction agree, and the
+    image stays in play for the next member."""
+    images = torch.full((2, 1, 2, 2), 0.5005)   # class 0 by a margin of 5e-4: flipped at batch 1 only
+    images[1] = 0.1                             # misclassified anyway (class 1): not attacked
+    labels = torch.tensor([0, 0])
+    model = BatchDependent().eval()
+    out = make_attack(AttackConfig("autoattack", eps=1e-6, steps=1, queries=2,
+                                   options={"attacks": ["apgd-ce"]})).run(model, images, labels)
+    with torch.no_grad():
+        final = model(out.adv).argmax(1)
+    assert out.by == ["", "clean"] and final.tolist() == [0, 1]

@@ -166,8 +166,10 @@ class AutoAttack(Attack):
                     attack=member, device=None if attack.portable_progress else images.device,
                     every_s=self.progress_every_s, log=self._log)
             out = attack.run(model, images[todo], labels[todo])
-            with torch.no_grad():
-                fooled = model(out.adv).argmax(1) != labels[todo]
+            found = adv.clone()
+            found[todo] = out.adv
+            with torch.no_grad():   # checked in the whole chunk's batch, as its records are: float rounding
+                fooled = (model(found).argmax(1) != labels)[todo]   # depends on the batch (borderline images)
             if out.queries is not None:
                 queries[todo] += out.queries.to(queries.device, torch.long)
             hit = todo[fooled]
