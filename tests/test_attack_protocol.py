@@ -395,3 +395,24 @@ def test_autoattack_judges_each_member_in_the_whole_batch_as_the_records_are():
     with torch.no_grad():
         final = model(out.adv).argmax(1)
     assert out.by == ["", "clean"] and final.tolist() == [0, 1]
+
+
+def test_a_state_saved_with_a_member_judged_in_a_sub_batch_is_judged_again_on_resume(tmp_path):
+    """States written before members were judged in the whole batch may mark an image fooled that
+    the chunk's batch classifies correctly; resuming one puts such an image back in play."""
+    images = torch.full((2, 1, 2, 2), 0.5005)
+    images[1] = 0.1
+    labels = torch.tensor([0, 0])
+    model = BatchDependent().eval()
+    config = AttackConfig("autoattack", eps=1e-6, steps=1, queries=2, options={"attacks": ["apgd-ce", "square"]})
+    aa = make_attack(config)
+    aa.state_path = tmp_path / "state.pt"
+    # what the old check saved after APGD-CE: image 0 "fooled" (it is, at batch 1), with progress of
+    # Square over the images then in play (none): it no longer fits and must not be used
+    aa._save_state(aa._state_key(images, labels), 1, images.clone(), torch.tensor([False, False]),
+                   ["apgd-ce", "clean"], torch.zeros(2, dtype=torch.long),
+                   member={"attack": "square", "device": "cpu", "note": "stale"})
+    out = aa.run(model, images, labels)
+    with torch.no_grad():
+        final = model(out.adv).argmax(1)
+    assert out.by == ["", "clean"] and final.tolist() == [0, 1]

@@ -144,6 +144,13 @@ class AutoAttack(Attack):
         if saved is not None:   # a killed run of this chunk: resume after its last finished member
             adv, robust, by, queries, first = (self._restore_adv(images, saved), saved["robust"], saved["by"],
                                                saved["queries"], saved["done"])
+            with torch.no_grad():   # states saved before members were judged in the whole batch: judge again
+                kept = (model(adv).argmax(1) != labels).tolist()
+            back = [i for i, b in enumerate(by) if b not in ("", "clean") and not kept[i]]
+            for i in back:   # not fooled in the chunk's batch: back in play
+                by[i], robust[i], adv[i] = "", True, images[i]
+            if back:   # the member under way saw other images: its progress does not fit, it starts again
+                saved = {k: v for k, v in saved.items() if k != "member"}
         else:
             adv = images.clone()
             by = [""] * len(images)
