@@ -317,6 +317,36 @@ def test_early_stop_fools_the_same_images(model, config):
     assert torch.equal(out[True], out[False]) and out[True].any()
 
 
+class _BatchDependent(torch.nn.Module):
+    """Two classes; the logits move by 1e-3 when the batch holds one image, as float rounding does
+    on a borderline image: image 0 below is misclassified at batch 1 only. Counts its forwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def forward(self, x):
+        self.sizes.append(len(x))
+        z = torch.stack([x.flatten(1).mean(1), torch.full((len(x),), 0.5)], 1)
+        return z + torch.tensor([0.0, 1e-3]) * (len(x) == 1)
+
+
+def test_an_image_fooled_only_in_a_sub_batch_stays_in_play():
+    """A run fools image 0 in its sub-batch (image 1 is misclassified already, so not attacked) but
+    the whole batch, as the records see it, classifies it correctly: the next restart attacks it
+    again, instead of APGD counting it done. Without the whole-batch check restart 2 never runs."""
+    images = torch.full((2, 1, 2, 2), 0.5005)   # class 0 by 5e-4 in a batch of two
+    images[1] = 0.1
+    labels = torch.tensor([0, 0])
+    forwards_of_image_0 = {}
+    for restarts in (1, 2):   # each run on image 0 stops at its first iterate: one forward of batch 1
+        model = _BatchDependent().eval()
+        out = make_attack(AttackConfig("apgd-ce", eps=1e-6, steps=2, restarts=restarts)).run(model, images, labels)
+        forwards_of_image_0[restarts] = model.sizes.count(1)
+        assert _predict(model, out.adv).tolist() == [0, 1]
+    assert forwards_of_image_0[2] == forwards_of_image_0[1] + 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CASES, ids=lambda c: c.name)
 def test_attack_matches_reference_100_steps(model, config):

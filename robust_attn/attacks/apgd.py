@@ -47,7 +47,11 @@ What is implemented (Algorithm 1, section 3):
   iterates are the same function either way (its loss and gradient depend on it alone), so the
   same images are fooled; the points kept may differ in float rounding (smaller batches).
   ``early_stop=False`` iterates every image to the end, as Algorithm 1 and the reference loop of
-  the tests (which it matches bit for bit).
+  the tests (which it matches bit for bit). After each run the images it fooled are judged again
+  with one forward of the whole batch (the others at their current points), as the records are:
+  float rounding depends on the batch, and an image fooled only in a sub-batch (a borderline
+  margin) would otherwise count as done here yet be classified correctly in the records; so it
+  stays in play for the next restart or target class.
 * restarts (``config.restarts``): each restart runs only on images not yet fooled; per image the
   first successful iterate found is returned (an image the model already gets wrong, or already
   puts in the target class, is returned unchanged), else the highest-loss point over all runs.
@@ -306,6 +310,7 @@ class _APGDBase(Attack):
             put_rows(best, saved["best"])
             generator.set_state(saved["gen"].cpu())
         order = [(loss_fn, success_fn) for loss_fn, success_fn in runs for _ in range(c.restarts)]
+        all_idx = torch.arange(images.shape[0], device=images.device)
         for position, (loss_fn, success_fn) in enumerate(order):
             if saved is not None and position < saved["runs_done"]:
                 continue
@@ -324,12 +329,19 @@ class _APGDBase(Attack):
                                   lambda z, j, i=todo, f=success_fn: f(z, i[j]),
                                   c.norm, c.eps, self.steps,
                                   stop_on_success=c.options.get("early_stop", True))
-            hit = todo[res.success]
-            adv[hit] = res.x_success[res.success]
-            done[hit] = True
             better = res.loss_best > best_loss[todo]
             best[todo[better]] = res.x_best[better]
             best_loss[todo[better]] = res.loss_best[better]
+            found = res.x_success[res.success]
+            hit = todo[res.success]
+            if hit.numel():   # judged again in the whole batch, as the records are (module docstring)
+                batch = torch.where(_per_image(done, images), adv, best)
+                batch[hit] = found
+                with torch.no_grad():
+                    fooled = success_fn(model(batch), all_idx)[hit]
+                hit, found = hit[fooled], found[fooled]
+            adv[hit] = found
+            done[hit] = True
         adv[~done] = best[~done]
         return adv
 
