@@ -128,6 +128,8 @@ def test_robust_accuracy_and_autoattack_members_are_what_the_attack_records_say(
                     for who in ("clean", "apgd-ce", "apgd-t", "fab-t", "square", "none"):
                         assert mine[who] == counts.get(who, 0), (run.model, who)
                     assert (group.loc[group["by"] == "none", "top1"] == 1).all()
+                    # and an image a member fooled is misclassified in its record (no borderline flip)
+                    assert (group.loc[~group["by"].isin(["clean", "none"]), "top1"] == 0).all(), run.model
                 seen.add((protocol, run.model))
     assert len({m for _, m in seen}) == num_models
 

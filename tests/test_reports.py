@@ -185,3 +185,27 @@ def test_pgd_runs_of_one_model_merge_into_one_table10_row(runs, tmp_path):
                            checks=False, run_info={**_info("resnet26", "imagenet"),
                                                    "dataset": {"name": "imagenet", "split": "test", "limit": 4}})
     assert (pgd_table(load_runs([runs[1], other_images.root]))["source"] == "ours").sum() == 2
+
+
+def test_autoattack_by_that_disagrees_with_the_record_is_reported(tmp_path):
+    """An AutoAttack record whose ``by`` names a member while the record classifies the image
+    correctly (or ``none`` while it misclassifies it) is listed, and the report says so; the
+    robust accuracy stays the records' top-1. Consistent records add no such section."""
+    from robust_attn.reports.attacks import attack_sections, autoattack_disagreements
+    from robust_attn.reports.tables import Run
+
+    condition = {"name": "autoattack_linf_eps1", "attack": "autoattack", "norm": "linf", "eps": 1 / 255}
+    description = {"protocol": "attack", "model": "m", "dataset": {"name": "synthetic"},
+                   "conditions": [{"name": "clean", "attack": "none", "eps": 0.0}, condition]}
+    records = pd.DataFrame({"condition": "autoattack_linf_eps1", "index": range(6), "label": 0,
+                            "clean_pred": [0, 0, 0, 0, 0, 1], "top1": [0, 1, 1, 0, 1, 0],
+                            "by": ["apgd-ce", "apgd-t", "none", "none", "none", "clean"]})
+    bad = autoattack_disagreements([Run(tmp_path, description, records)])
+    assert bad.to_dict("records") == [{"model": "m", "attack": "AutoAttack 1/255", "named_but_correct": 1,
+                                       "none_but_wrong": 1, "indices": "1 3"}]
+    md, _ = attack_sections([Run(tmp_path, description, records)], tmp_path, n_boot=10, plots=False)
+    assert any("2 images' `by` disagrees with their record" in line for line in md)
+    fixed = records.assign(top1=[0, 0, 1, 1, 1, 0])
+    assert autoattack_disagreements([Run(tmp_path, description, fixed)]).empty
+    md, _ = attack_sections([Run(tmp_path, description, fixed)], tmp_path, n_boot=10, plots=False)
+    assert not any("disagrees" in line for line in md)

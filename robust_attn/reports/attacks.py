@@ -23,8 +23,8 @@ import pandas as pd
 
 from robust_attn.reports.stats import bootstrap_mean_ci
 
-__all__ = ["ATTACK_LABELS", "robust_accuracy_table", "autoattack_members_table", "format_robust_accuracy",
-           "transfer_matrix", "plot_transfer_matrix", "masking_table", "eps_label"]
+__all__ = ["ATTACK_LABELS", "robust_accuracy_table", "autoattack_members_table", "autoattack_disagreements",
+           "format_robust_accuracy", "transfer_matrix", "plot_transfer_matrix", "masking_table", "eps_label"]
 
 
 #: how the report names the attacks of the study's attack protocols
@@ -98,6 +98,29 @@ def autoattack_members_table(runs) -> pd.DataFrame:
             rows.append({"model": run.model, "attack": eps_label(by_name[condition]), "images": len(group),
                          **{m: int(counts.get(m, 0)) for m in ("clean", *STANDARD, *members, "none")}})
     return pd.DataFrame(rows).fillna(0) if rows else pd.DataFrame()
+
+
+def autoattack_disagreements(runs) -> pd.DataFrame:
+    """Per model and AutoAttack condition with any: the images whose ``by`` and record disagree
+    (a member named but the record classifies the image correctly, or ``none`` but the record
+    misclassifies it). The ensemble judges each member in the chunk's batch, yet a later member's
+    images change that batch, and float rounding depends on it, so a borderline image can still
+    flip; the robust accuracy is the records' (``top1``) either way. Columns: ``model, attack,
+    named_but_correct, none_but_wrong, indices`` (the first few)."""
+    rows = []
+    for run in (r for r in runs if r.protocol == "attack"):
+        by_name = {c["name"]: c for c in run.description["conditions"]}
+        for condition, group in run.records.groupby("condition", sort=False):
+            if by_name.get(condition, {}).get("attack") != "autoattack":
+                continue
+            by = group["by"].fillna("none").replace("", "none")
+            named = ~by.isin(("clean", "none")) & (group["top1"] == 1)
+            unnamed = (by == "none") & (group["top1"] == 0)
+            if named.any() or unnamed.any():
+                rows.append({"model": run.model, "attack": eps_label(by_name[condition]),
+                             "named_but_correct": int(named.sum()), "none_but_wrong": int(unnamed.sum()),
+                             "indices": " ".join(map(str, group["index"][named | unnamed].head(10)))})
+    return pd.DataFrame(rows)
 
 
 def transfer_matrix(runs, attack: str | None = None) -> pd.DataFrame:
@@ -189,6 +212,12 @@ def attack_sections(runs, out: Path, n_boot: int = 1000, seed: int = 0, level: f
                "Images per model counted by who fooled them first: misclassified already (`clean`), each member "
                "in the ensemble's order, or none (`none`: robust to all four). What the members after APGD-CE "
                "fool is what APGD-CE alone would have missed.", "", to_markdown(members), ""]
+        disagree = autoattack_disagreements(runs)
+        if not disagree.empty:
+            md += [f"**{int(disagree[['named_but_correct', 'none_but_wrong']].sum().sum())} images' `by` disagrees "
+                   "with their record** (float rounding depends on the batch, and a later member changed the "
+                   "batch a borderline image was judged in); the top-1 above is the records':", "",
+                   to_markdown(disagree), ""]
     matrix = transfer_matrix(runs)
     if not matrix.empty:
         write_csv(matrix.reset_index(), "transfer_matrix.csv")
