@@ -416,3 +416,35 @@ def test_a_state_saved_with_a_member_judged_in_a_sub_batch_is_judged_again_on_re
     with torch.no_grad():
         final = model(out.adv).argmax(1)
     assert out.by == ["", "clean"] and final.tolist() == [0, 1]
+
+
+class _Linear(nn.Module):
+    """Class 0 by the image's mean, class 1 by 0.5: an image of 0.5005 is class 0 by 5e-4."""
+
+    def forward(self, x):
+        return torch.stack([x.flatten(1).mean(1), torch.full((len(x),), 0.5)], 1)
+
+
+def test_an_image_put_back_in_play_on_resume_faces_the_finished_members_again(tmp_path):
+    """A state written elsewhere (another device's rounding) marks image 0 fooled by APGD-CE, but
+    its saved adversarial image is classified correctly here: on resume the image is back in play
+    and APGD-CE runs again on it (it fools it: eps 0.01 moves the mean by far more than 5e-4),
+    before the members after it. Without that it would face Square alone, whose single query
+    here does not fool it."""
+    images = torch.full((2, 1, 2, 2), 0.5005)
+    images[1] = 0.1
+    labels = torch.tensor([0, 0])
+    config = AttackConfig("autoattack", eps=0.01, steps=5, queries=1, options={"attacks": ["apgd-ce", "square"]})
+    aa = make_attack(config)
+    aa.state_path = tmp_path / "state.pt"
+    lines = []
+    aa.log = lines.append
+    aa._save_state(aa._state_key(images, labels), 1, images.clone(), torch.tensor([False, False]),
+                   ["apgd-ce", "clean"], torch.zeros(2, dtype=torch.long))
+    out = aa.run(_Linear().eval(), images, labels)
+    assert out.by == ["apgd-ce", "clean"]
+    assert (_Linear()(out.adv).argmax(1) == 1).all()
+    assert any("apgd-ce again on the 1 images put back in play: fooled 1" in line for line in lines)
+    # the same state without APGD-CE's second chance: Square alone (one query) leaves image 0 robust
+    sq = make_attack(AttackConfig("autoattack", eps=0.01, queries=1, options={"attacks": ["square"]}))
+    assert sq.run(_Linear().eval(), images, labels).by == ["", "clean"]

@@ -23,8 +23,11 @@ member (``state_path``, set by the attack protocol per chunk): the adversarial i
 far (only those: the rest of the chunk is its inputs), who fooled each image and the queries,
 keyed by the images, labels and config. A run killed
 mid-chunk then resumes at the next member with the same result, since each member is seeded on
-its own and sees only the images still robust. The members also save their progress within
-their run in the same file (every ``progress_every_s`` seconds; :mod:`robust_attn.attacks.progress`),
+its own and sees only the images still robust. On resuming, the images the state marks fooled are
+judged again in the chunk's batch (a state written on another device, or before members were
+judged in the whole batch, may mark one that this forward classifies correctly); such an image is
+back in play and first faces the members already finished (on those images alone), then the
+rest. The members also save their progress within their run in the same file (every ``progress_every_s`` seconds; :mod:`robust_attn.attacks.progress`),
 so a killed member resumes where it was rather than from its beginning; ``log`` is told of each
 finished member and each save, and :meth:`AutoAttack.describe_state` reads a saved state back
 (``robust-attn status``).
@@ -152,6 +155,7 @@ class AutoAttack(Attack):
             if back:   # the member under way saw other images: its progress does not fit, it starts again
                 saved = {k: v for k, v in saved.items() if k != "member"}
         else:
+            back = []
             adv = images.clone()
             by = [""] * len(images)
             queries = torch.zeros(len(images), dtype=torch.long, device=images.device)
@@ -159,14 +163,16 @@ class AutoAttack(Attack):
             for i in (~robust).nonzero().flatten().tolist():
                 by[i] = "clean"
             first = 0
+        back = torch.tensor(back, dtype=torch.long, device=images.device)
         for position, member in enumerate(self.member_names):
-            if position < first:
-                continue
-            todo = robust.nonzero().flatten()
+            catch_up = position < first   # a resumed run: only the images put back in play, which face
+            todo = back[robust[back]] if catch_up else robust.nonzero().flatten()   # every member again
             if todo.numel() == 0:
+                if catch_up:
+                    continue
                 break
             attack = make_attack(self.member_config(member, position, logits.shape[1]))
-            if self.state_path is not None:   # the member may save its progress within its run, in the state
+            if self.state_path is not None and not catch_up:   # the member may save its progress in the state
                 attack.progress = Progress(
                     saved.get("member") if saved is not None and position == first else None,
                     lambda m, p=position: self._save_state(key, p, adv, robust, by, queries, member=m),
@@ -184,6 +190,9 @@ class AutoAttack(Attack):
             robust[hit] = False
             for i in hit.tolist():
                 by[i] = member
+            if catch_up:   # the state stays at `first` (killed here, the few images are judged and caught up again)
+                self._log(f"{member} again on the {todo.numel()} images put back in play: fooled {hit.numel()}")
+                continue
             self._save_state(key, position + 1, adv, robust, by, queries)
             self._log(f"{member} done, {int(robust.sum())} of {len(images)} images still robust")
         self._log(f"finished, {int(robust.sum())} of {len(images)} images robust")
