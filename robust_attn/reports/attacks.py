@@ -88,16 +88,22 @@ def autoattack_members_table(runs) -> pd.DataFrame:
     from robust_attn.attacks.autoattack import STANDARD
 
     rows = []
+    for run, label, group, by in _autoattack_groups(runs):
+        counts = by.value_counts()
+        members = [m for m in counts.index if m not in ("clean", "none", *STANDARD)]
+        rows.append({"model": run.model, "attack": label, "images": len(group),
+                     **{m: int(counts.get(m, 0)) for m in ("clean", *STANDARD, *members, "none")}})
+    return pd.DataFrame(rows).fillna(0) if rows else pd.DataFrame()
+
+
+def _autoattack_groups(runs):
+    """``(run, label, records, by)`` per AutoAttack condition of the attack runs; ``by`` with
+    empty entries as ``"none"``."""
     for run in (r for r in runs if r.protocol == "attack"):
         by_name = {c["name"]: c for c in run.description["conditions"]}
         for condition, group in run.records.groupby("condition", sort=False):
-            if by_name.get(condition, {}).get("attack") != "autoattack":
-                continue
-            counts = group["by"].fillna("none").replace("", "none").value_counts()
-            members = [m for m in counts.index if m not in ("clean", "none", *STANDARD)]
-            rows.append({"model": run.model, "attack": eps_label(by_name[condition]), "images": len(group),
-                         **{m: int(counts.get(m, 0)) for m in ("clean", *STANDARD, *members, "none")}})
-    return pd.DataFrame(rows).fillna(0) if rows else pd.DataFrame()
+            if by_name.get(condition, {}).get("attack") == "autoattack":
+                yield run, eps_label(by_name[condition]), group, group["by"].fillna("none").replace("", "none")
 
 
 def autoattack_disagreements(runs) -> pd.DataFrame:
@@ -108,18 +114,13 @@ def autoattack_disagreements(runs) -> pd.DataFrame:
     flip; the robust accuracy is the records' (``top1``) either way. Columns: ``model, attack,
     named_but_correct, none_but_wrong, indices`` (the first few)."""
     rows = []
-    for run in (r for r in runs if r.protocol == "attack"):
-        by_name = {c["name"]: c for c in run.description["conditions"]}
-        for condition, group in run.records.groupby("condition", sort=False):
-            if by_name.get(condition, {}).get("attack") != "autoattack":
-                continue
-            by = group["by"].fillna("none").replace("", "none")
-            named = ~by.isin(("clean", "none")) & (group["top1"] == 1)
-            unnamed = (by == "none") & (group["top1"] == 0)
-            if named.any() or unnamed.any():
-                rows.append({"model": run.model, "attack": eps_label(by_name[condition]),
-                             "named_but_correct": int(named.sum()), "none_but_wrong": int(unnamed.sum()),
-                             "indices": " ".join(map(str, group["index"][named | unnamed].head(10)))})
+    for run, label, group, by in _autoattack_groups(runs):
+        named = ~by.isin(("clean", "none")) & (group["top1"] == 1)
+        unnamed = (by == "none") & (group["top1"] == 0)
+        if named.any() or unnamed.any():
+            rows.append({"model": run.model, "attack": label, "named_but_correct": int(named.sum()),
+                         "none_but_wrong": int(unnamed.sum()),
+                         "indices": " ".join(map(str, group["index"][named | unnamed].head(10)))})
     return pd.DataFrame(rows)
 
 
