@@ -9,9 +9,13 @@ eval forward of san10_pairwise dispatches 7,456 aten operators on the PyTorch pa
 (counted on this CPU with ``ROBUST_ATTN_CPU_KERNELS=0``, batch 8; views included), against 654
 for resnet26. On a lent H100, AutoAttack's Square ran san10_pairwise's 5,000 queries on its 306
 robust CIFAR-10 images in about 250 s, 20 forwards a second, with the GPU 99% "busy" (README,
-"The CIFAR-10 study"): what a launch-bound model looks like, though that was not measured. The reference paths do the same
+"The CIFAR-10 study"): what a launch-bound model looks like. The reference paths do the same
 work in fewer, larger operators on the attention itself, at more memory. This script measures
-which path is faster where; on a CPU the lean paths win (benchmarks/results/layer_paths_cpu.json):
+which path is faster where (``robust_attn.layers.paths``; ``--attention-path`` of ``study`` and
+``eval`` chooses). On this CPU the lean paths win (benchmarks/results/layer_paths_cpu.json); on a
+lent H200 (batch 512, benchmarks/results/layer_paths_cuda.json) the reference paths' attack step
+is 2.0x, 1.5x and 10.8x faster (san10_pairwise, san10_patchwise, sasa_resnet26) at 3-8x the peak
+memory, their eval forward 0.44x, 0.47x and 5.0x:
 
     python benchmarks/bench_layer_paths.py --device cuda --batch 512
     python benchmarks/bench_layer_paths.py --batch 16 --repeats 2      # CPU
@@ -29,24 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _measure import machine_description, time_interleaved_ms, write_json  # noqa: E402
 
-from robust_attn.layers.san import SelfAttention2d  # noqa: E402
-from robust_attn.layers.sasa import SASAttention2d  # noqa: E402
+from robust_attn.layers.paths import set_attention_path as set_path  # noqa: E402
 from robust_attn.zoo import load_model  # noqa: E402
 
 MODELS = ("san10_pairwise", "san10_patchwise", "sasa_resnet26")
-
-
-def set_path(model: torch.nn.Module, path: str) -> int:
-    """Put every SAN / SASA layer of ``model`` on ``path`` ("lean" or "reference"); returns how many."""
-    n = 0
-    for m in model.modules():
-        if isinstance(m, SelfAttention2d):
-            m.implementation = "lean" if path == "lean" else "unfold"
-            n += 1
-        elif isinstance(m, SASAttention2d):
-            m.impl = path
-            n += 1
-    return n
 
 
 def operator_count(model: torch.nn.Module, x: torch.Tensor) -> int:

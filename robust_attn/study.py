@@ -43,6 +43,7 @@ import pandas as pd
 import torch
 
 from robust_attn.distributed import init_distributed, world_size as process_count
+from robust_attn.layers.paths import ATTENTION_PATHS, set_attention_path
 from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
 from robust_attn.protocols.registry import STUDY_PROTOCOLS, StudyContext, list_study_protocols
 from robust_attn.results import RunStore, library_versions
@@ -179,14 +180,16 @@ def default_workers() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def _study_worker(config: StudyConfig, runs_dir: str, root, device, manifest_path: str) -> None:
+def _study_worker(config: StudyConfig, runs_dir: str, root, device, manifest_path: str,
+                  attention_path: str) -> None:
     torch.set_num_threads(1)
     run_study(config, runs_dir, None, root=root, device=device, manifest=manifest_path, progress=False,
-              log=lambda *_: None, _worker=True)
+              log=lambda *_: None, workers=1, attention_path=attention_path, _worker=True)
 
 
 def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=None, manifest=None,
-              progress: bool = True, log=print, workers: int = 1, _worker: bool = False) -> list[Path]:
+              progress: bool = True, log=print, workers: int = 1, attention_path: str = "lean",
+              _worker: bool = False) -> list[Path]:
     """Run (or resume) the study and write the report; returns the report's files.
 
     The protocols run in the order of ``config.protocols``: every per-model step
@@ -196,13 +199,19 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     working through the same runs: every record chunk is claimed before it is computed
     (:mod:`robust_attn.results`), so they share each run's chunks and finish it together before
     the next. Only this process runs the steps that are not chunked (the masking checks), logs
-    the timings and writes the report."""
+    the timings and writes the report.
+
+    ``attention_path``: the implementation the SAN and SASA layers compute with
+    (:mod:`robust_attn.layers.paths`: ``"reference"`` is the faster on a GPU), recorded in each
+    run's ``run.json`` as how it ran."""
     from robust_attn.data import dataset_info, locate_dataset
     from robust_attn.protocols.registry import replace
     from robust_attn.reports import make_report
     from robust_attn.sources.inputs import record_preprocessing
     from robust_attn.zoo import Manifest
 
+    if attention_path not in ATTENTION_PATHS:
+        raise ValueError(f"attention_path must be one of {', '.join(ATTENTION_PATHS)}, got {attention_path!r}")
     manifest = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
     chosen = study_models(config, manifest)
     root = root if root is not None else config.root
@@ -211,6 +220,9 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
     rank, world_size, device = init_distributed(device)   # under torchrun: each rank a shard of the images
     loaded = load_models(chosen, info, device, manifest, config.seed, log)
+    for name, entry in loaded.items():
+        if set_attention_path(entry.model, attention_path) and attention_path != "lean":
+            log(f"{name}: its attention layers compute on the {attention_path} path")
     inputs = model_inputs(config, root, loaded, [s for s in steps if not s.per_model])
     dataset, attack_dataset, _ = next(iter(inputs.values()))
     runs_dir = Path(runs_dir)
@@ -219,7 +231,8 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     if workers > 1 and world_size == 1 and not _worker:
         spawn = multiprocessing.get_context("spawn")
         helpers = [spawn.Process(target=_study_worker, args=(config, str(runs_dir), root, str(device),
-                                                            str(manifest.path)), name=f"study-worker-{w}")
+                                                            str(manifest.path), attention_path),
+                                     name=f"study-worker-{w}")
                    for w in range(1, workers)]
         for helper in helpers:
             helper.start()
@@ -228,7 +241,8 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     base_info = {"dataset": {"name": config.dataset, "split": config.split, "limit": config.limit},
                  "data_root": str(root) if root else None, "data_source": getattr(dataset, "source", None),
                  "data_variant": getattr(dataset, "variant", config.dataset), "command": list(sys.argv),
-                 "device": str(device), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                 "device": str(device), "attention_path": attention_path,
+                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     ctx = StudyContext(config=config, info=info, dataset=dataset, attack_dataset=attack_dataset, runs_dir=runs_dir,
                        device=device, rank=rank, world_size=world_size, progress=progress, base_info=base_info,
                        log=log)

@@ -342,3 +342,41 @@ def test_every_study_protocol_describes_itself_for_the_report():
         assert step.describe(config).strip(), name
     assert {n for n in list_study_protocols() if STUDY_PROTOCOLS[n].attack_subset} == {
         "apgd", "autoattack", "square", "transfer", "masking"}
+
+
+def test_a_study_on_the_reference_attention_path_records_it_and_resumes_on_the_lean_one(tmp_path, tiny_zoo,
+                                                                                        monkeypatch):
+    from robust_attn.layers import sasa
+
+    calls = []
+    reference = sasa.local_attention_reference
+    monkeypatch.setattr(sasa, "local_attention_reference", lambda *a, **k: calls.append(1) or reference(*a, **k))
+    config = StudyConfig(dataset="synthetic", limit=8, angle_step=90, batch_size=4, bootstrap=20,
+                         protocols=("rotation",), models=("sasa_resnet26",))
+    quiet = dict(manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    with pytest.raises(ValueError, match="one of lean, reference"):
+        run_study(config, tmp_path / "bad", tmp_path / "bad-report", attention_path="unfold", **quiet)
+    runs = tmp_path / "runs"
+    run_study(config, runs, tmp_path / "report", attention_path="reference", **quiet)
+    assert calls, "the SASA layers did not compute on the reference path"
+    run = runs / "rotation-sasa_resnet26"
+    assert json.loads((run / "run.json").read_text())["attention_path"] == "reference"
+    # the same records as on the lean path (one function; float rounding only)
+    lean_runs = tmp_path / "lean"
+    run_study(config, lean_runs, tmp_path / "lean-report", **quiet)
+    assert json.loads((lean_runs / "rotation-sasa_resnet26" / "run.json").read_text())["attention_path"] == "lean"
+
+    def records(root):
+        files = sorted((root / "rotation-sasa_resnet26" / "records").rglob("*.csv"))
+        return pd.concat(pd.read_csv(f) for f in files).reset_index(drop=True)
+
+    pd.testing.assert_frame_equal(records(runs), records(lean_runs))
+    # the path is how a run ran, not what it computes: a chunk lost from the reference run is
+    # computed again on the lean path, and run.json keeps its first start's path
+    chunk = sorted((run / "records").rglob("*.csv"))[0]
+    chunk.unlink()
+    calls.clear()
+    run_study(config, runs, tmp_path / "report", **quiet)
+    assert chunk.is_file() and not calls
+    assert json.loads((run / "run.json").read_text())["attention_path"] == "reference"
+    pd.testing.assert_frame_equal(records(runs), records(lean_runs))

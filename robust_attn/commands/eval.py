@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from robust_attn.cli import UserError
+from robust_attn.layers.paths import ATTENTION_PATHS
 
 __all__ = ["add_parser", "parse_model_args", "parse_list", "load_eval_model", "run_rotation_cmd", "run_pgd_cmd"]
 
@@ -74,6 +75,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="evaluate a fixed-seed subset of this many images")
     p.add_argument("--batch-size", type=int, default=64, help="images per batch and per record chunk")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean",
+                   help="how SAN and SASA layers compute (the same function): lean (default; faster on a CPU) "
+                        "or reference (faster attack steps on a GPU, more memory); recorded in run.json")
     p.add_argument("--num-workers", type=int, default=0, help="data loader workers")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights without --checkpoint "
                                                        "(and of the PGD targets)")
@@ -145,6 +149,7 @@ def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
 def _setup(args, protocol: str):
     from robust_attn.data import dataset_info
     from robust_attn.distributed import init_distributed
+    from robust_attn.layers.paths import set_attention_path
     from robust_attn.sources.inputs import model_dataset, record_preprocessing
 
     if args.batch_size < 1:
@@ -154,6 +159,7 @@ def _setup(args, protocol: str):
     info = dataset_info(args.dataset, root=args.root)  # imagefolder: the class count of --root's folders
     rank, world_size, device = init_distributed(args.device)
     model, model_desc = load_eval_model(args, info)   # checked to output the dataset's classes (issue #18)
+    set_attention_path(model, args.attention_path)
     # issue #15: the weights' own preprocessing (resize/crop) where the dataset decodes image files
     dataset, applied = model_dataset(args.dataset, model_desc.get("preprocessing"), root=args.root,
                                      split=args.split, limit=args.limit)
@@ -163,7 +169,8 @@ def _setup(args, protocol: str):
     run_info = dict(model_desc, dataset={"name": args.dataset, "split": args.split, "limit": args.limit},
                     data_root=str(args.root) if args.root else None, data_source=getattr(dataset, "source", None),
                     data_variant=getattr(dataset, "variant", args.dataset), command=list(sys.argv),
-                    device=str(device), world_size=world_size, host=socket.gethostname(),
+                    device=str(device), attention_path=args.attention_path, world_size=world_size,
+                    host=socket.gethostname(),
                     created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     return info, rank, world_size, device, model, dataset, out, run_info
 

@@ -21,6 +21,7 @@ _ITEM_TYPES = {"tuple[float, ...]": float, "tuple[int, ...]": int, "tuple[str, .
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from robust_attn.layers.paths import ATTENTION_PATHS
     from robust_attn.study import BACKENDS, StudyConfig
 
     d = StudyConfig()
@@ -69,6 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bootstrap", type=int, help=f"bootstrap resamples (default {d.bootstrap})")
     p.add_argument("--baseline", help=f"convolutional reference model (default {d.baseline})")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean",
+                   help="how the SAN and SASA layers compute (the same function): lean (default; faster on "
+                        "a CPU) or reference (faster attack steps on a GPU, more memory); recorded in run.json")
     p.add_argument("--manifest", help="zoo manifest (default zoo/manifest.json)")
     p.add_argument("--runs", default=None, help="run directories (default runs/study-<dataset or config name>)")
     p.add_argument("--out", default=None, help="report folder (default reports/study-<dataset or config name>)")
@@ -137,7 +141,7 @@ def run_study_cmd(args) -> int:
     try:
         run_study(config, args.runs or f"runs/study-{name}", args.out or f"reports/study-{name}",
                   root=args.root, device=args.device, manifest=args.manifest, progress=not args.no_progress,
-                  workers=workers)
+                  workers=workers, attention_path=args.attention_path)
     finally:
         cleanup()   # leave the torchrun process group, also on errors
     return 0

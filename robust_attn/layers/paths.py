@@ -1,0 +1,51 @@
+"""Which implementation a model's local-attention layers compute with: one function, two paths.
+
+SAN (:class:`~robust_attn.layers.san.SelfAttention2d`, Zhao et al. 2020, Eq. 3-5) and SASA
+(:class:`~robust_attn.layers.sasa.SASAttention2d`, Ramachandran et al. 2019, Eq. 2-3) each have a
+reference and a memory-lean implementation of the same function (their modules' docstrings; the
+tests check they agree):
+
+* ``"lean"`` (default): loops over the footprint's offsets, a few operators per offset, so no
+  ``k^2``-expanded activation is kept. On a CPU it is the faster path as well, 1.2-5x
+  (``benchmarks/results/layer_paths_cpu.json``).
+* ``"reference"``: SAN's ``unfold``, SASA's ``reference``: the same work in fewer, larger operators,
+  at 3-8x the memory. On a GPU the lean paths are launch-bound, and there the reference paths are
+  the faster for what attacks cost: on a lent H200, batch 512 of 32x32 images, an attack step
+  (forward and input gradient) 2.0x (san10_pairwise), 1.5x (san10_patchwise) and 10.8x
+  (sasa_resnet26) faster, an eval forward 0.44x, 0.47x and 5.0x
+  (``benchmarks/results/layer_paths_cuda.json``, ``benchmarks/bench_layer_paths.py``).
+
+The path changes float rounding only (largest logit difference there 1.2e-3 to 3.3e-3), as a
+device does, so a run records it as how it ran, not what it computes (``attention_path`` in
+``run.json``, among :data:`robust_attn.results.VOLATILE_KEYS`): a run started on one path resumes on
+the other.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["ATTENTION_PATHS", "set_attention_path"]
+
+ATTENTION_PATHS = ("lean", "reference")
+
+
+def set_attention_path(model: nn.Module, path: str) -> int:
+    """Put every SAN and SASA layer of ``model`` on ``path`` (:data:`ATTENTION_PATHS`); returns how
+    many layers it set (0 for a model without such layers, which then computes as before)."""
+    from robust_attn.layers.san import SelfAttention2d
+    from robust_attn.layers.sasa import SASAttention2d
+
+    if path not in ATTENTION_PATHS:
+        raise ValueError(f"attention path must be one of {', '.join(ATTENTION_PATHS)}, got {path!r}")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, SelfAttention2d):
+            m.implementation = "lean" if path == "lean" else "unfold"
+            n += 1
+        elif isinstance(m, SASAttention2d):
+            m.impl = path
+            n += 1
+    return n
