@@ -45,6 +45,21 @@ def test_rotation_cli_writes_a_run_and_prints_a_summary(tmp_path, capsys):
     assert before == {p: p.stat().st_mtime_ns for p in (out / "records").rglob("*.csv")}
 
 
+def test_attention_path_reaches_the_model_and_run_json(tmp_path, monkeypatch):
+    from robust_attn.layers import san
+
+    calls = []
+    unfold = san.san_attention_unfold
+    monkeypatch.setattr(san, "san_attention_unfold", lambda *a, **k: calls.append(1) or unfold(*a, **k))
+    args = ["eval", "rotation", "--model", "san10_pairwise", "--model-args", "width=0.25", "stem_downsample=4",
+            "--dataset", "synthetic", "--no-progress", "--limit", "2", "--batch-size", "2", "--angle-step", "0"]
+    assert main([*args, "--out", str(tmp_path / "lean")]) == 0
+    assert not calls and json.loads((tmp_path / "lean" / "run.json").read_text())["attention_path"] == "lean"
+    assert main([*args, "--attention-path", "reference", "--out", str(tmp_path / "ref")]) == 0
+    assert calls and json.loads((tmp_path / "ref" / "run.json").read_text())["attention_path"] == "reference"
+    pd.testing.assert_series_equal(load_records(tmp_path / "ref")["pred"], load_records(tmp_path / "lean")["pred"])
+
+
 def test_pgd_cli_sweep_lists(tmp_path, capsys):
     out = tmp_path / "pgd"
     assert main(["eval", "pgd", *TINY, "--limit", "2", "--batch-size", "2", "--eps", "2,8", "--steps", "1",
