@@ -212,6 +212,10 @@ def test_each_chunk_names_the_device_that_computed_it_and_a_packed_run_keeps_the
     # the report's model table, over a model's runs (here the run and its packed copy)
     assert computed_on([SimpleNamespace(path=store.root), SimpleNamespace(path=packed.root)]) == "cpu 14, cuda 4 chunks"
     assert computed_on([SimpleNamespace(path=tmp_path / "nothing")]) == "not recorded"
+    # a run whose first start put the attention layers on the reference path says so
+    started = [SimpleNamespace(path=store.root, description={"attention_path": "reference"}),
+               SimpleNamespace(path=packed.root, description={"attention_path": "lean"})]
+    assert computed_on(started) == "cpu 14, cuda 4 chunks; started on the reference attention path"
     entry = json.loads(next((store.root / "manifest").rglob("*.sha256")).read_text())
     entry.pop("device")   # a chunk written before entries named the device
     next((store.root / "manifest").rglob("*.sha256")).write_text(json.dumps(entry))

@@ -22,7 +22,8 @@ __all__ = ["model_table", "format_model_table", "computed_on", "MODELS_CAPTION",
 MODELS_CAPTION = ("Where each model came from: source and spec, weights (origin and sha256, first 12 hex "
                   "digits), the preprocessing of its images (resize of the shorter side, centre crop; the "
                   "normalization is inside the model), its parameters, and the devices that computed its "
-                  "records (record chunks per device where there are several).")
+                  "records (record chunks per device where there are several; runs started with the SAN "
+                  "and SASA layers on their reference path say so).")
 
 
 def describe_preprocessing(preprocessing: dict | None) -> str:
@@ -57,13 +58,19 @@ def _weights(description: dict) -> tuple[str, str]:
 
 def computed_on(runs: list[Run]) -> str:
     """``cpu``, or ``cpu 4, cuda 1 chunks`` where several devices computed the runs' records;
-    ``not recorded`` for runs written before chunks named their device."""
+    ``not recorded`` for runs written before chunks named their device. Runs whose first start
+    put the SAN / SASA layers on another than the default lean path (``attention_path`` in
+    run.json, :mod:`robust_attn.layers.paths`) add ``; started on the reference attention path``."""
     counts = sum((Counter(RunStore(run.path).computed_on()) for run in runs), Counter())
     if not counts:
-        return "not recorded"
-    if len(counts) == 1:
-        return next(iter(counts))
-    return ", ".join(f"{d} {n}" for d, n in sorted(counts.items())) + " chunks"
+        where = "not recorded"
+    elif len(counts) == 1:
+        where = next(iter(counts))
+    else:
+        where = ", ".join(f"{d} {n}" for d, n in sorted(counts.items())) + " chunks"
+    paths = sorted({str(p) for p in (getattr(run, "description", {}).get("attention_path") for run in runs)}
+                   - {"None", "lean"})
+    return where + "".join(f"; started on the {p} attention path" for p in paths)
 
 
 def model_table(runs: list[Run]) -> pd.DataFrame:
