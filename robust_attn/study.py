@@ -43,7 +43,7 @@ import pandas as pd
 import torch
 
 from robust_attn.distributed import init_distributed, world_size as process_count
-from robust_attn.layers.paths import ATTENTION_PATHS, set_attention_path
+from robust_attn.layers.paths import check_attention_path, set_attention_path
 from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
 from robust_attn.protocols.registry import STUDY_PROTOCOLS, StudyContext, list_study_protocols
 from robust_attn.results import RunStore, library_versions
@@ -184,7 +184,7 @@ def _study_worker(config: StudyConfig, runs_dir: str, root, device, manifest_pat
                   attention_path: str) -> None:
     torch.set_num_threads(1)
     run_study(config, runs_dir, None, root=root, device=device, manifest=manifest_path, progress=False,
-              log=lambda *_: None, workers=1, attention_path=attention_path, _worker=True)
+              log=lambda *_: None, attention_path=attention_path, _worker=True)
 
 
 def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=None, manifest=None,
@@ -210,8 +210,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     from robust_attn.sources.inputs import record_preprocessing
     from robust_attn.zoo import Manifest
 
-    if attention_path not in ATTENTION_PATHS:
-        raise ValueError(f"attention_path must be one of {', '.join(ATTENTION_PATHS)}, got {attention_path!r}")
+    check_attention_path(attention_path)   # before any model is loaded
     manifest = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
     chosen = study_models(config, manifest)
     root = root if root is not None else config.root

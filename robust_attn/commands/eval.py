@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from robust_attn.cli import UserError
-from robust_attn.layers.paths import ATTENTION_PATHS
+from robust_attn.layers.paths import ATTENTION_PATH_HELP, ATTENTION_PATHS
 
 __all__ = ["add_parser", "parse_model_args", "parse_list", "load_eval_model", "run_rotation_cmd", "run_pgd_cmd"]
 
@@ -75,9 +75,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="evaluate a fixed-seed subset of this many images")
     p.add_argument("--batch-size", type=int, default=64, help="images per batch and per record chunk")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean",
-                   help="how SAN and SASA layers compute (the same function): lean (default; faster on a CPU) "
-                        "or reference (faster attack steps on a GPU, more memory); recorded in run.json")
+    p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean", help=ATTENTION_PATH_HELP)
     p.add_argument("--num-workers", type=int, default=0, help="data loader workers")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights without --checkpoint "
                                                        "(and of the PGD targets)")

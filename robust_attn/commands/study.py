@@ -21,7 +21,7 @@ _ITEM_TYPES = {"tuple[float, ...]": float, "tuple[int, ...]": int, "tuple[str, .
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from robust_attn.layers.paths import ATTENTION_PATHS
+    from robust_attn.layers.paths import ATTENTION_PATH_HELP, ATTENTION_PATHS
     from robust_attn.study import BACKENDS, StudyConfig
 
     d = StudyConfig()
@@ -70,9 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bootstrap", type=int, help=f"bootstrap resamples (default {d.bootstrap})")
     p.add_argument("--baseline", help=f"convolutional reference model (default {d.baseline})")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean",
-                   help="how the SAN and SASA layers compute (the same function): lean (default; faster on "
-                        "a CPU) or reference (faster attack steps on a GPU, more memory); recorded in run.json")
+    p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean", help=ATTENTION_PATH_HELP)
     p.add_argument("--manifest", help="zoo manifest (default zoo/manifest.json)")
     p.add_argument("--runs", default=None, help="run directories (default runs/study-<dataset or config name>)")
     p.add_argument("--out", default=None, help="report folder (default reports/study-<dataset or config name>)")

@@ -27,9 +27,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["ATTENTION_PATHS", "set_attention_path"]
+__all__ = ["ATTENTION_PATHS", "ATTENTION_PATH_HELP", "check_attention_path", "set_attention_path"]
 
 ATTENTION_PATHS = ("lean", "reference")
+#: the ``--attention-path`` option's help, for every command that has it
+ATTENTION_PATH_HELP = ("how the SAN and SASA layers compute (the same function): lean (default; faster on a CPU) "
+                       "or reference (faster attack steps on a GPU, more memory); recorded in run.json")
+
+
+def check_attention_path(path: str) -> str:
+    """``path`` if it is one of :data:`ATTENTION_PATHS`, else a ValueError naming them."""
+    if path not in ATTENTION_PATHS:
+        raise ValueError(f"attention path must be one of {', '.join(ATTENTION_PATHS)}, got {path!r}")
+    return path
 
 
 def set_attention_path(model: nn.Module, path: str) -> int:
@@ -38,8 +48,7 @@ def set_attention_path(model: nn.Module, path: str) -> int:
     from robust_attn.layers.san import SelfAttention2d
     from robust_attn.layers.sasa import SASAttention2d
 
-    if path not in ATTENTION_PATHS:
-        raise ValueError(f"attention path must be one of {', '.join(ATTENTION_PATHS)}, got {path!r}")
+    check_attention_path(path)
     n = 0
     for m in model.modules():
         if isinstance(m, SelfAttention2d):

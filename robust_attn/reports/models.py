@@ -68,8 +68,7 @@ def computed_on(runs: list[Run]) -> str:
         where = next(iter(counts))
     else:
         where = ", ".join(f"{d} {n}" for d, n in sorted(counts.items())) + " chunks"
-    paths = sorted({str(p) for p in (getattr(run, "description", {}).get("attention_path") for run in runs)}
-                   - {"None", "lean"})
+    paths = sorted({getattr(run, "description", {}).get("attention_path") for run in runs} - {None, "lean"})
     return where + "".join(f"; started on the {p} attention path" for p in paths)
 
 
