@@ -58,6 +58,13 @@ def _run(parser: argparse.ArgumentParser, args, extra: list[str]) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"robust-attn {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:
+        from robust_attn.attacks.stopping import StopRequested
+
+        if not isinstance(err, StopRequested):
+            raise
+        print(f"robust-attn {args.command}: {err}", file=sys.stderr)
+        return 128 + err.signum   # as a process killed by the signal reports it
 
 
 if __name__ == "__main__":

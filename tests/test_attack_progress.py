@@ -1,11 +1,18 @@
 """Attacks that save their progress within a run (robust_attn.attacks.progress): killed at any
-point and resumed from what they saved, they return what an uninterrupted run returns."""
+point and resumed from what they saved, they return what an uninterrupted run returns; a stop
+signal makes them save first (robust_attn.attacks.stopping)."""
+import argparse
+import os
+import signal
+import time
+
 import pytest
 import torch
 import torch.nn as nn
 
 from robust_attn.attacks import AttackConfig, make_attack
 from robust_attn.attacks.progress import Progress
+from robust_attn.attacks.stopping import StopRequested, stop_deferred, stop_requested
 
 
 class Killed(Exception):
@@ -150,3 +157,74 @@ def test_progress_saved_on_another_device_is_used_only_by_an_attack_whose_progre
     Progress(None, saves.append, attack="fab-t", device=None).save({"k": torch.ones(1)})
     assert saves[0]["device"] is None and saves[0]["attack"] == "fab-t"
 
+
+
+class Signalled(Net):
+    """:class:`Net` that sends itself SIGTERM once, at its ``signal_at``-th forward call (what
+    ``timeout`` or a scheduler's preemption does to a study)."""
+
+    signal_at = None
+
+    def forward(self, x):
+        if self.calls + 1 == self.signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().forward(x)
+
+
+def test_a_stop_signal_saves_the_members_progress_then_stops_and_the_rerun_gives_the_uninterrupted_result(tmp_path):
+    """SIGTERM in the middle of Square, long before a periodic save is due: the ensemble saves
+    Square's progress at its next query, raises StopRequested (the CLI exits 143), puts the
+    signal handlers back, and running it again resumes there with the uninterrupted result."""
+    config = AttackConfig("autoattack", eps=24 / 255, steps=3, queries=25, seed=2,
+                          options={"attacks": ["apgd-ce", "square"]})
+    net, images, labels = _data()
+    whole = make_attack(config).run(net, images, labels)
+    calls_whole = net.calls
+    net = Signalled()
+    net.load_state_dict(_data()[0].state_dict())
+    net.eval().signal_at = 20   # APGD-CE: 1 + 1 + 4 calls; Square then 1 + its queries
+    state, before = tmp_path / "state.pt", signal.getsignal(signal.SIGTERM)
+    aa = make_attack(config)
+    aa.state_path, aa.progress_every_s = state, 1e9   # no periodic save: only the signal makes one
+    with pytest.raises(StopRequested) as stopped:
+        aa.run(net, images, labels)
+    assert stopped.value.signum == signal.SIGTERM and "run the same command again" in str(stopped.value)
+    assert signal.getsignal(signal.SIGTERM) is before and not stop_requested()
+    assert net.calls <= 22   # stopped at the first save point after the signal, not at the end
+    saved = torch.load(state, weights_only=True)
+    assert saved["done"] == 1 and saved["member"]["attack"] == "square" and saved["member"]["run"]["it"] >= 5
+    again = make_attack(config)
+    again.state_path = state
+    net.calls, net.signal_at = 0, None
+    resumed = again.run(net, images, labels)
+    assert resumed.by == whole.by and torch.equal(resumed.adv, whole.adv)
+    assert torch.equal(resumed.queries, whole.queries) and net.calls < calls_whole - 15
+
+
+def test_a_second_stop_signal_stops_at_once_and_a_block_left_with_a_signal_noted_raises():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(StopRequested):
+        with stop_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop_requested() and Progress(None, lambda _: None, attack="x", device=None, every_s=1e9).due()
+            with pytest.raises(KeyboardInterrupt, match="second SIGTERM") as second:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)   # the handler runs in the main thread before this returns
+            assert not isinstance(second.value, StopRequested)
+    assert signal.getsignal(signal.SIGTERM) is before and not stop_requested()
+    with stop_deferred():   # without a signal the block changes nothing
+        pass
+
+
+def test_the_cli_reports_a_stop_and_exits_as_if_killed_by_the_signal(capsys):
+    from robust_attn.cli import _run
+
+    def stopped(args):
+        raise StopRequested(signal.SIGTERM)
+
+    args = argparse.Namespace(command="study", func=stopped)
+    assert _run(argparse.ArgumentParser(), args, []) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM after saving the attack's progress" in capsys.readouterr().err
+    args.func = lambda a: (_ for _ in ()).throw(KeyboardInterrupt())   # Ctrl-C elsewhere: as before
+    with pytest.raises(KeyboardInterrupt):
+        _run(argparse.ArgumentParser(), args, [])

@@ -28,7 +28,9 @@ judged again in the chunk's batch (a state written on another device, or before 
 judged in the whole batch, may mark one that this forward classifies correctly); such an image is
 back in play and first faces the members already finished (on those images alone), then the
 rest. The members also save their progress within their run in the same file (every ``progress_every_s`` seconds; :mod:`robust_attn.attacks.progress`),
-so a killed member resumes where it was rather than from its beginning; ``log`` is told of each
+so a killed member resumes where it was rather than from its beginning; a stop signal (SIGTERM,
+SIGINT) during a run with a state saves at the next chance and then stops
+(:mod:`robust_attn.attacks.stopping`); ``log`` is told of each
 finished member and each save, and :meth:`AutoAttack.describe_state` reads a saved state back
 (``robust-attn status``).
 
@@ -49,6 +51,7 @@ import torch.nn as nn
 
 from robust_attn.attacks.base import Attack, AttackConfig, AttackInputError, AttackOutput, make_attack, register_attack
 from robust_attn.attacks.progress import EVERY_S, Progress
+from robust_attn.attacks.stopping import raise_if_stop_requested, stop_deferred
 
 #: what a saved state holds (``_save_state``)
 STATE_KEYS = frozenset({"key", "done", "fooled", "fooled_adv", "robust", "by", "queries"})
@@ -140,6 +143,12 @@ class AutoAttack(Attack):
 
     def _run(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
              targets: torch.Tensor | None) -> AttackOutput:
+        if self.state_path is None:
+            return self._ensemble(model, images, labels)
+        with stop_deferred():   # SIGTERM / SIGINT: the progress is saved, then the run stops
+            return self._ensemble(model, images, labels)
+
+    def _ensemble(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> AttackOutput:
         with torch.no_grad():
             logits = model(images)
         key = self._state_key(images, labels) if self.state_path is not None else ""
@@ -195,6 +204,7 @@ class AutoAttack(Attack):
                 continue
             self._save_state(key, position + 1, adv, robust, by, queries)
             self._log(f"{member} done, {int(robust.sum())} of {len(images)} images still robust")
+            raise_if_stop_requested()
         self._log(f"finished, {int(robust.sum())} of {len(images)} images robust")
         return AttackOutput(adv, queries=queries, by=by)
 

@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from robust_attn.attacks.stopping import raise_if_stop_requested, stop_requested
+
 __all__ = ["Progress", "rows", "put_rows", "changed_rows", "to_cpu"]
 
 #: seconds between two saves of an attack's progress
@@ -52,16 +54,19 @@ class Progress:
         self._save_fn, self.every_s, self._last, self.log = save_fn, every_s, time.monotonic(), log
 
     def due(self) -> bool:
-        """Whether ``every_s`` seconds have passed since the last save (or the start)."""
-        return time.monotonic() - self._last >= self.every_s
+        """Whether ``every_s`` seconds have passed since the last save (or the start), or a stop
+        signal arrived (:mod:`robust_attn.attacks.stopping`: save now, then stop)."""
+        return stop_requested() or time.monotonic() - self._last >= self.every_s
 
     def save(self, state: dict, note: str = "") -> None:
         """Save ``state`` (moved to the CPU), tagged with the attack, the device type and ``note``
-        (where the run stands, e.g. for ``robust-attn status``), which also goes to ``log``."""
+        (where the run stands, e.g. for ``robust-attn status``), which also goes to ``log``; then,
+        if a stop signal arrived, raises :class:`~robust_attn.attacks.stopping.StopRequested`."""
         self._save_fn(to_cpu({**state, "attack": self.attack, "device": self.device, "note": note}))
         self._last = time.monotonic()
         if self.log is not None and note:
             self.log(f"{self.attack}: {note} (progress saved)")
+        raise_if_stop_requested()
 
 
 def to_cpu(obj):
