@@ -129,7 +129,9 @@ def test_autoattack_keeps_a_members_progress_in_its_state_and_resumes_inside_the
     assert resumed.by == whole.by and torch.equal(resumed.adv, whole.adv)
     assert torch.equal(resumed.queries, whole.queries)
     assert net.calls < calls_whole - 15
-    saved["member"]["device"] = "cuda"   # a GPU's generator state: useless here
+    assert saved["member"]["device"] == "cpu"   # Square's generator is a CPU one on every device
+    torch.Generator().set_state(saved["member"]["gen"])   # which a GPU run would resume from too
+    saved["member"]["device"] = "cuda"   # a CUDA generator's state (saved before robust_attn.attacks.rng)
     torch.save(saved, state)
     other = make_attack(config)
     other.state_path = state
@@ -141,9 +143,11 @@ def test_autoattack_keeps_a_members_progress_in_its_state_and_resumes_inside_the
 
 
 
-def test_progress_saved_on_another_device_is_used_only_by_an_attack_whose_progress_is_portable():
-    """FAB-T's random starts come from the CPU's global generator on any device, so AutoAttack lets
-    its progress move from a GPU to a CPU; Square's and APGD's hold a device generator's state."""
+def test_progress_fits_where_the_generator_it_holds_lives():
+    """A progress is tagged with the device type of the generator whose state it holds: APGD and
+    Square draw from a CPU generator on every device and FAB-T from the CPU's global one, so all
+    four members' progress is tagged ``cpu`` and moves between a GPU and a CPU; a state tagged
+    ``cuda`` (a CUDA generator's, saved before) does not fit them, one tagged None fits anywhere."""
     from robust_attn.attacks.base import ATTACKS
 
     state = {"attack": "fab-t", "device": "cuda", "target_class": 4}
@@ -152,7 +156,9 @@ def test_progress_saved_on_another_device_is_used_only_by_an_attack_whose_progre
         assert Progress(state, lambda _: None, attack="fab-t", device=torch.device("cpu")).state is None
     with pytest.warns(UserWarning, match="starts again"):   # another attack's progress never fits
         assert Progress(state, lambda _: None, attack="square", device=None).state is None
-    assert [n for n in ("apgd-ce", "apgd-t", "fab-t", "square") if ATTACKS[n].portable_progress] == ["fab-t"]
+    untagged = {"attack": "fab-t", "device": None, "target_class": 4}   # FAB-T's, saved before the tag
+    assert Progress(untagged, lambda _: None, attack="fab-t", device=torch.device("cpu")).state is untagged
+    assert all(ATTACKS[n].portable_progress for n in ("apgd-ce", "apgd-t", "fab-t", "square"))
     saves = []
     Progress(None, saves.append, attack="fab-t", device=None).save({"k": torch.ones(1)})
     assert saves[0]["device"] is None and saves[0]["attack"] == "fab-t"
@@ -228,3 +234,32 @@ def test_the_cli_reports_a_stop_and_exits_as_if_killed_by_the_signal(capsys):
     args.func = lambda a: (_ for _ in ()).throw(KeyboardInterrupt())   # Ctrl-C elsewhere: as before
     with pytest.raises(KeyboardInterrupt):
         _run(argparse.ArgumentParser(), args, [])
+
+
+@pytest.mark.parametrize("config", [AttackConfig("apgd-t", eps=16 / 255, steps=3, seed=5, options={"n_target_classes": 6}),
+                                    AttackConfig("square", eps=64 / 255, queries=20, restarts=2, seed=3),
+                                    AttackConfig("square", norm="l2", eps=1.0, queries=20, seed=3)],
+                         ids=["apgd-t", "square", "square-l2"])
+def test_apgd_and_square_draw_every_random_number_from_a_cpu_generator(config, monkeypatch):
+    """Every random number APGD and Square use is drawn through robust_attn.attacks.rng, from a CPU
+    generator (whatever device the images are on: then moved there), so the generator state in a
+    saved progress resumes on any device. A draw made anywhere else, or from a device's own
+    generator, fails here; the result is unchanged (bit for bit) by the spying."""
+    import sys
+
+    net, images, labels = _data()
+    plain = make_attack(config).run(net, images, labels)
+    draws = []
+
+    def spy(draw):
+        def wrapped(*args, generator=None, **kw):
+            draws.append((sys._getframe(1).f_globals["__name__"], generator.device.type if generator else None))
+            return draw(*args, generator=generator, **kw)
+        return wrapped
+
+    for name in ("rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",
+                 "multinomial", "normal"):
+        monkeypatch.setattr(torch, name, spy(getattr(torch, name)))
+    spied = make_attack(config).run(net, images, labels)
+    assert draws and set(draws) == {("robust_attn.attacks.rng", "cpu")}
+    assert torch.equal(spied.adv, plain.adv)

@@ -34,8 +34,8 @@ What is implemented (Algorithm 1, section 3):
   every pixel toward the clean image, which is in [0, 1]); both code versions do the same.
 * ``x(0)``: a random start on the boundary of the ball (the paper leaves it open; as the official
   code): L-inf ``eps * u / ||u||_inf``, ``u ~ U[-1, 1]``; L2 ``eps * g / ||g||_2``, ``g ~ N(0, I)``;
-  then clipped to [0, 1]. Drawn from a local ``torch.Generator`` seeded by ``config.seed``
-  (the global RNG is neither used nor reseeded), for the whole batch at every restart, so an
+  then clipped to [0, 1]. Drawn from a local CPU ``torch.Generator`` seeded by ``config.seed``
+  on every device (:mod:`robust_attn.attacks.rng`; the global RNG is neither used nor reseeded), for the whole batch at every restart, so an
   image's start depends only on its position, the seed and the restart.
 * losses: cross-entropy (APGD-CE); DLR, eq. 5, ``-(z_y - max_{i != y} z_i) / (z_pi1 - z_pi3)``
   (:func:`dlr_loss`); targeted DLR, eq. 6, ``-(z_y - z_t) / (z_pi1 - (z_pi3 + z_pi4) / 2)``
@@ -109,6 +109,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from robust_attn.attacks import rng
 from robust_attn.attacks.base import Attack, AttackConfig, AttackInputError, AttackOutput, register_attack
 from robust_attn.attacks.progress import changed_rows, put_rows
 
@@ -173,10 +174,10 @@ def _per_image(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def random_start(images: torch.Tensor, norm: str, eps: float, generator: torch.Generator) -> torch.Tensor:
     """``x(0)``: a point on the eps-sphere of the norm around each image, clipped to [0, 1]."""
     if norm == "linf":
-        u = 2 * torch.rand(images.shape, generator=generator, device=images.device, dtype=images.dtype) - 1
+        u = 2 * rng.rand(images.shape, generator, images.device, images.dtype) - 1
         size = u.flatten(1).abs().amax(1)
     else:
-        u = torch.randn(images.shape, generator=generator, device=images.device, dtype=images.dtype)
+        u = rng.randn(images.shape, generator, images.device, images.dtype)
         size = u.flatten(1).norm(dim=1)
     return (images + eps * u / (_per_image(size, images) + 1e-12)).clamp(0, 1)
 
@@ -286,6 +287,7 @@ def apgd_single_run(model: nn.Module, images: torch.Tensor, x_init: torch.Tensor
 
 class _APGDBase(Attack):
     paper = PAPER
+    portable_progress = True   # its generator is a CPU one on every device (robust_attn.attacks.rng)
 
     def __init__(self, config: AttackConfig):
         super().__init__(config)
@@ -355,7 +357,7 @@ class APGDCE(_APGDBase):
 
     def _run(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
              targets: torch.Tensor | None) -> AttackOutput:
-        gen = torch.Generator(device=images.device).manual_seed(self.config.seed)
+        gen = rng.generator(self.config.seed)   # a CPU generator: progress portable across devices
         with torch.no_grad():
             clean = model(images).argmax(1) != labels
         runs = [(lambda z, i: F.cross_entropy(z, labels[i], reduction="none"),
@@ -376,7 +378,7 @@ class APGDT(_APGDBase):
 
     def _run(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
              targets: torch.Tensor | None) -> AttackOutput:
-        gen = torch.Generator(device=images.device).manual_seed(self.config.seed)
+        gen = rng.generator(self.config.seed)   # a CPU generator: progress portable across devices
         with torch.no_grad():
             logits = model(images)
         _check_classes(logits, 4, "apgd-t (targeted DLR loss, eq. 6)")

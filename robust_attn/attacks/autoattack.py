@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from robust_attn.attacks import rng
 from robust_attn.attacks.base import Attack, AttackConfig, AttackInputError, AttackOutput, make_attack, register_attack
 from robust_attn.attacks.progress import EVERY_S, Progress
 from robust_attn.attacks.stopping import raise_if_stop_requested, stop_deferred
@@ -185,7 +186,7 @@ class AutoAttack(Attack):
                 attack.progress = Progress(
                     saved.get("member") if saved is not None and position == first else None,
                     lambda m, p=position: self._save_state(key, p, adv, robust, by, queries, member=m),
-                    attack=member, device=None if attack.portable_progress else images.device,
+                    attack=member, device=rng.GENERATOR_DEVICE if attack.portable_progress else images.device,
                     every_s=self.progress_every_s, log=self._log)
             out = attack.run(model, images[todo], labels[todo])
             found = adv.clone()

@@ -143,7 +143,8 @@ class Attack:
     #: where an attack that can save its progress mid-run reads and writes it (set by AutoAttack;
     #: :mod:`robust_attn.attacks.progress`); None: it runs without
     progress = None
-    #: whether that progress may be resumed on another device type (no device generator in it)
+    #: whether that progress may be resumed on another device type: its random numbers come from a
+    #: CPU generator on every device (:mod:`robust_attn.attacks.rng`), not from the device's own
     portable_progress: ClassVar[bool] = False
 
     def __init__(self, config: AttackConfig):

@@ -16,11 +16,14 @@ without):
 An attack saves only when :meth:`Progress.due` (``every_s`` seconds since the last save), and
 saves everything its remaining work depends on, its random generator's state included, so a
 resumed run returns what an uninterrupted one returns, bit for bit on the same device. A
-generator's state is the device's own (a CUDA generator's state means nothing to a CPU one), so
-Square's and APGD's progress saved on another device type is not used: the member starts again
-(a warning says so). FAB-T draws from the CPU's global generator on any device
-(``Attack.portable_progress``), so its progress moves between devices (started on a GPU,
-finished on a CPU).
+generator's state is its device's own (a CUDA generator's state means nothing to a CPU one), so
+a progress is tagged with its generator's device type and used only where the attack's generator
+is of that type (else the member starts again; a warning says so). APGD and Square draw from a
+CPU generator on every device (:mod:`robust_attn.attacks.rng`), FAB-T from the CPU's global one
+(``Attack.portable_progress``): their progress is tagged ``cpu`` and moves between devices
+(started on a lent GPU, finished on a CPU, with the random numbers of an uninterrupted run).
+Progress that APGD and Square saved on a GPU before they did so holds a CUDA generator's state
+(tagged ``cuda``) and starts the member again; FAB-T's, tagged ``None`` then, fits any device.
 """
 from __future__ import annotations
 
@@ -41,12 +44,15 @@ EVERY_S = 300.0
 class Progress:
     """An attack's saved progress (``state``: what it saved last, for these inputs; ``None``: start
     afresh) and where to save more (``save_fn``, called with a dict of tensors and numbers).
-    ``log``: told, at each save, where the run stands (a line for the user)."""
+    ``device``: where the attack's random generator lives (its state's tag); ``None``: it saves no
+    generator state of a device's own. ``log``: told, at each save, where the run stands (a line
+    for the user)."""
 
     def __init__(self, state: dict | None, save_fn: Callable[[dict], None], attack: str,
                  device: torch.device | None, every_s: float = EVERY_S, log: Callable[[str], None] | None = None):
         here = device.type if device is not None else None   # None: progress that fits any device
-        if state is not None and (state.get("attack") != attack or (here is not None and state.get("device") != here)):
+        theirs = state.get("device") if state is not None else None
+        if state is not None and (state.get("attack") != attack or None not in (here, theirs) and theirs != here):
             warnings.warn(f"saved progress of {state.get('attack')!r} on {state.get('device')!r} does not fit "
                           f"{attack!r} on {here!r}: {attack} starts again from its beginning", stacklevel=2)
             state = None

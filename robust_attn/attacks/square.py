@@ -54,8 +54,9 @@ Progress: with ``attack.progress`` (set by AutoAttack) the state after an iterat
 due, generator included, and a saved state resumes there with the same result
 (:mod:`robust_attn.attacks.progress`).
 
-Randomness: a local ``torch.Generator`` seeded by ``config.seed`` (the global RNG is neither used
-nor reseeded). Every draw is made for the whole batch (also for images already done), so the
+Randomness: a local CPU ``torch.Generator`` seeded by ``config.seed`` on every device (the global
+RNG is neither used nor reseeded; :mod:`robust_attn.attacks.rng`: a saved progress resumes on
+another device type). Every draw is made for the whole batch (also for images already done), so the
 random numbers an image gets do not depend on when the other images of the batch were fooled
 (they do depend on the batch size).
 
@@ -83,6 +84,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from robust_attn.attacks import rng
 from robust_attn.attacks.base import Attack, AttackConfig, AttackInputError, AttackOutput, register_attack
 from robust_attn.attacks.progress import changed_rows, put_rows
 
@@ -149,7 +151,7 @@ def _window(rows: torch.Tensor, cols: torch.Tensor, s: int, height: int, width: 
 
 
 def _signs(shape, gen: torch.Generator, like: torch.Tensor) -> torch.Tensor:
-    return torch.randint(0, 2, shape, generator=gen, device=like.device).to(like.dtype) * 2 - 1
+    return rng.randint(0, 2, shape, gen, like.device).to(like.dtype) * 2 - 1
 
 
 def _norm(v: torch.Tensor) -> torch.Tensor:
@@ -164,7 +166,7 @@ def _l2_init(images: torch.Tensor, eps: float, gen: torch.Generator) -> torch.Te
     eta = eta_pattern(s, images.dtype, images.device)
     for i in range(5):
         for j in range(5):
-            flip = torch.rand(n, generator=gen, device=images.device) < 0.5
+            flip = rng.rand(n, gen, images.device) < 0.5
             pat = torch.where(flip[:, None, None], eta.t()[None], eta[None])           # (n, s, s)
             sign = _signs((n, c), gen, images)[:, :, None, None]
             delta[:, :, top + i * s: top + (i + 1) * s, left + j * s: left + (j + 1) * s] += pat[:, None] * sign
@@ -219,13 +221,13 @@ def square_run(model: nn.Module, images: torch.Tensor, active: torch.Tensor, los
     for it in range(first, budget - 1):
         p = p_schedule(p_init, it, budget)
         s = square_side(p, h, w, norm)
-        rows = torch.randint(0, h - s + 1, (n,), generator=gen, device=images.device)
-        cols = torch.randint(0, w - s + 1, (n,), generator=gen, device=images.device)
+        rows = rng.randint(0, h - s + 1, (n,), gen, images.device)
+        cols = rng.randint(0, w - s + 1, (n,), gen, images.device)
         rho = _signs((n, c), gen, images)[:, :, None, None]
         if norm == "l2":
-            rows2 = torch.randint(0, h - s + 1, (n,), generator=gen, device=images.device)
-            cols2 = torch.randint(0, w - s + 1, (n,), generator=gen, device=images.device)
-            flip = torch.rand(n, generator=gen, device=images.device) < 0.5
+            rows2 = rng.randint(0, h - s + 1, (n,), gen, images.device)
+            cols2 = rng.randint(0, w - s + 1, (n,), gen, images.device)
+            flip = rng.rand(n, gen, images.device) < 0.5
         todo = (active & ~success).nonzero().flatten()
         if todo.numel() == 0:
             if record:
@@ -275,6 +277,7 @@ class Square(Attack):
     name = "square"
     gradient_free = True
     paper = PAPER
+    portable_progress = True   # its generator is a CPU one on every device (robust_attn.attacks.rng)
 
     def __init__(self, config: AttackConfig):
         super().__init__(config)
@@ -297,7 +300,7 @@ class Square(Attack):
         if c.norm == "l2" and min(images.shape[-2:]) < 5:
             raise AttackInputError(f"square L2 tiles the image in a 5 x 5 grid: it needs images of at least 5 x 5 "
                                    f"pixels, got {tuple(images.shape[-2:])}; use the linf norm or larger images")
-        gen = torch.Generator(device=images.device).manual_seed(c.seed)
+        gen = rng.generator(c.seed)   # a CPU generator: progress portable across devices
         with torch.no_grad():
             logits = model(images)
             if c.targeted:
