@@ -13,12 +13,11 @@ Layout of a run directory::
     targets.csv                       (PGD) the attack target of every image
     ...                               anything else a protocol saves (e.g. sanity checks)
 
-A finished run can be *packed* (:meth:`RunStore.pack`): the same directory with all records
-merged into one ``records.csv.gz`` instead of ``records/``, small enough to commit beside a
-report so that the report can be derived again from what was saved. A packed run reads like
-the original and cannot be written to. Its ``checksums.json`` (written last, atomically) holds
-the sha256 of every file of the packed run and the row count of ``records.csv.gz``, so a report
-re-derived from committed runs is verified end to end.
+A finished run can be *packed* (:meth:`RunStore.pack`, :mod:`robust_attn.packing`): the same
+directory with all records merged into one ``records.csv.gz`` instead of ``records/``, and a
+``checksums.json``, small enough to commit beside a report so that the report can be derived
+again, verified end to end, from what was saved. A packed run reads like the original and cannot
+be written to.
 
 A chunk file is written atomically (temporary file, fsync, rename), so its existence is the
 completion marker: a run killed at any point leaves only whole chunks, and starting the same
@@ -40,8 +39,8 @@ files and the fix: ``--repair`` (:meth:`RunStore.repair` deletes the damaged chu
 command computes them again) or restoring the files. A deleted chunk is a missing chunk (the
 run is unfinished; running the command again computes it). A report therefore never computes
 from damaged records. Runs written before checksums existed are adopted with :meth:`RunStore.seal`
-(``python -m robust_attn.results seal DIR...``), which checks that the records parse and are
-complete before it trusts them.
+(``python -m robust_attn.results seal DIR...``; :mod:`robust_attn.sealing`), which checks that the
+records parse and are complete before it trusts them.
 
 Where each chunk was computed. ``run.json`` keeps the description of the run's first start, so
 its ``device`` says where that start ran; a run resumed elsewhere (started on a GPU, finished on
@@ -59,7 +58,6 @@ Aggregates (accuracies, success rates, drops) are always computed from the recor
 """
 from __future__ import annotations
 
-import gzip
 import io
 import json
 import platform
@@ -71,15 +69,14 @@ from pathlib import Path
 import pandas as pd
 
 from robust_attn.claims import Claim, claim_chunk
-from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes, sha256_file
+from robust_attn.packing import PACKED, csv_rows, is_packed, packed_computed_on, verify_packed, write_packed
+from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes
 
 __all__ = ["RunStore", "RunMismatchError", "DamagedRecordsError", "Claim", "load_records", "load_description",
            "library_versions", "VOLATILE_KEYS"]
 
 DESCRIPTION = "run.json"
 RECORDS = "records"
-PACKED = "records.csv.gz"
-PACKED_MANIFEST = "checksums.json"
 CHECKSUM_SUFFIX = ".sha256"
 MANIFEST = "manifest"
 # Keys of run.json that may differ between a run and its resumption (where and how it ran,
@@ -144,11 +141,6 @@ def library_versions() -> dict[str, str]:
 
 def _jsonable(obj):
     return json.loads(json.dumps(obj, sort_keys=True, default=str))
-
-
-def _csv_rows(data: bytes) -> int:
-    """Data rows of a CSV written by pandas (one header line, no embedded newlines)."""
-    return max(data.count(b"\n") - 1, 0) if data.endswith(b"\n") else -1
 
 
 def _damaged_message(root: Path, problems: list[tuple[Path, str]], packed: bool) -> str:
@@ -225,7 +217,7 @@ class RunStore:
 
     @property
     def packed(self) -> bool:
-        return (self.root / PACKED).is_file() or (self.root / PACKED_MANIFEST).is_file()
+        return is_packed(self.root)
 
     def has_chunk(self, condition: str, start: int, stop: int) -> bool:
         return self.packed or self.chunk_path(condition, start, stop).is_file()
@@ -286,12 +278,12 @@ class RunStore:
         except ValueError:
             return data, f"unreadable checksum file {self.checksum_path(path).name}"
         if sha256_bytes(data) != entry.get("sha256"):
-            rows, recorded = _csv_rows(data), entry.get("rows")
+            rows, recorded = csv_rows(data), entry.get("rows")
             how = "truncated" if rows < 0 or (isinstance(recorded, int) and rows < recorded) else "altered"
             shown = "a cut line" if rows < 0 else f"{rows} rows"
             return data, f"sha256 differs from the recorded one ({how}: {shown}, recorded {recorded} rows)"
-        if entry.get("rows") != stop - start or _csv_rows(data) != stop - start:
-            return data, f"{_csv_rows(data)} rows, expected {stop - start}"
+        if entry.get("rows") != stop - start or csv_rows(data) != stop - start:
+            return data, f"{csv_rows(data)} rows, expected {stop - start}"
         return data, None
 
     def verify(self) -> list[tuple[Path, str]]:
@@ -368,9 +360,7 @@ class RunStore:
         return frame.drop(columns="_order").reset_index(drop=True)
 
     def _condition_names(self) -> list[str]:
-        if not self.exists():
-            return []
-        return [c["name"] if isinstance(c, dict) else c for c in self.description().get("conditions", [])]
+        return condition_names(self.description()) if self.exists() else []
 
     def missing(self) -> list[tuple[str, int, int]]:
         """Chunks the description asks for that are not written yet."""
@@ -382,49 +372,17 @@ class RunStore:
         return [(c, a, min(a + size, n)) for c in self._condition_names() for a in range(0, n, size)
                 if (c, a, min(a + size, n)) not in done]
 
-    # --- packed runs -----------------------------------------------------------------------------
+    # --- packed runs (robust_attn.packing) ------------------------------------------------------
     def _verify_packed(self) -> tuple[list[tuple[Path, str]], bytes | None]:
         """Problems of a packed run against its ``checksums.json``, and the verified records bytes."""
-        manifest_path = self.root / PACKED_MANIFEST
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            files = manifest["files"]
-        except FileNotFoundError:
-            return [(manifest_path, f"missing: the packed run has no checksums (packed before checksums "
-                                    f"existed, or deleted); `python -m robust_attn.results seal {self.root}` "
-                                    f"checks and adopts an intact old packed run")], None
-        except (ValueError, KeyError, TypeError):
-            return [(manifest_path, "unreadable")], None
-        problems, records = [], None
-        if PACKED not in files:
-            problems.append((manifest_path, f"lists no {PACKED}"))
-        for name, entry in sorted(files.items()):
-            path = self.root / name
-            try:
-                data = path.read_bytes()
-            except FileNotFoundError:
-                problems.append((path, "deleted"))
-                continue
-            if sha256_bytes(data) != entry.get("sha256"):
-                problems.append((path, "sha256 differs from the recorded one (altered or truncated)"))
-                continue
-            if name == PACKED:
-                rows = _csv_rows(gzip.decompress(data))
-                if rows != entry.get("rows"):
-                    problems.append((path, f"{rows} rows, recorded {entry.get('rows')}"))
-                else:
-                    records = data
-        return problems, records
+        return verify_packed(self.root, f"python -m robust_attn.results seal {self.root}")
 
     def computed_on(self) -> dict[str, int]:
         """How many record chunks each device computed (module docstring), e.g. ``{"cpu": 4,
         "cuda": 1}``; chunks whose entry names none count as ``"not recorded"``. A packed run
         answers from its ``checksums.json`` (empty for a run packed before this existed)."""
         if self.packed:
-            try:
-                return dict(json.loads((self.root / PACKED_MANIFEST).read_text()).get("computed_on", {}))
-            except (FileNotFoundError, ValueError):
-                return {}
+            return packed_computed_on(self.root)
         counts = Counter()
         for c, a, b in self.chunks():
             try:
@@ -434,21 +392,9 @@ class RunStore:
             counts[str(device) if device else "not recorded"] += 1
         return dict(sorted(counts.items()))
 
-    def _write_packed_manifest(self, rows: int, computed_on: dict[str, int] | None = None) -> None:
-        files = {}
-        for item in sorted(self.root.iterdir()):
-            if item.is_file() and item.name != PACKED_MANIFEST and not item.name.startswith("."):
-                files[item.name] = {"sha256": sha256_file(item)}
-        files[PACKED]["rows"] = rows
-        manifest = {"files": files}
-        if computed_on:
-            manifest["computed_on"] = computed_on
-        atomic_write_json(self.root / PACKED_MANIFEST, manifest)
-
     def pack(self, dest: str | Path) -> "RunStore":
-        """Write this finished run to ``dest`` packed: ``run.json`` and the protocol's other
-        files copied, the records merged into one gzip CSV (byte-reproducible: no timestamp in
-        the gzip header), then ``checksums.json`` (sha256 of every file, rows of the records).
+        """Write this finished run to ``dest`` packed (:func:`robust_attn.packing.write_packed`:
+        its other files copied, the records merged into one gzip CSV, then ``checksums.json``).
         Returns the packed store."""
         missing = self.missing()
         if missing:
@@ -456,73 +402,20 @@ class RunStore:
         dest = Path(dest)
         if dest.resolve() == self.root.resolve():
             raise ValueError("pack into another directory than the run itself")
-        records = self.records()  # verified
-        (dest / PACKED_MANIFEST).unlink(missing_ok=True)  # a half-rewritten pack must not pass as sealed
-        for item in sorted(self.root.iterdir()):
-            if item.is_file() and item.name not in (PACKED, PACKED_MANIFEST) and not item.name.startswith("."):
-                with atomic_path(dest / item.name) as tmp:
-                    tmp.write_bytes(item.read_bytes())
-        with atomic_path(dest / PACKED) as tmp:
-            tmp.write_bytes(gzip.compress(records.to_csv(index=False).encode(), mtime=0))
-        packed = RunStore(dest)
-        packed._write_packed_manifest(len(records), self.computed_on())
-        return packed
+        write_packed(self.root, dest, self.records(), self.computed_on())   # records(): verified
+        return RunStore(dest)
 
     def seal(self) -> list[Path]:
-        """Adopt a run written before checksums existed: check that its records parse and are
-        complete and consistent, then write the missing checksums (a packed run's
-        ``checksums.json``, a chunk's sidecar). Existing checksums are verified, never rewritten.
-        Returns the checksum files written."""
-        desc = self.description()
-        if self.packed:
-            manifest = self.root / PACKED_MANIFEST
-            if manifest.is_file():
-                self.repair()  # verifies; raises on damage
-                return []
-            try:
-                frame = pd.read_csv(self.root / PACKED)
-            except (OSError, EOFError, ValueError) as err:
-                raise DamagedRecordsError(f"cannot seal {self.root}: {PACKED} does not read ({err}); restore it "
-                                          f"or pack it again", [(self.root / PACKED, str(err))]) from None
-            _check_complete(frame, desc, self.root / PACKED)
-            rows = _csv_rows(gzip.decompress((self.root / PACKED).read_bytes()))
-            if rows != len(frame):
-                raise DamagedRecordsError(f"cannot seal {self.root}: {PACKED} has {rows} lines but {len(frame)} "
-                                          f"records; restore it or pack it again")
-            self._write_packed_manifest(rows)
-            return [manifest]
-        written = []
-        for c, a, b in self.chunks():
-            path = self.chunk_path(c, a, b)
-            side = self.checksum_path(path)
-            if side.is_file():
-                continue
-            data = path.read_bytes()
-            try:
-                frame = pd.read_csv(io.BytesIO(data))
-            except ValueError as err:
-                raise DamagedRecordsError(f"cannot seal {path}: {err}; delete it and run the command again",
-                                          [(path, str(err))]) from None
-            ok = (len(frame) == b - a == _csv_rows(data) and "index" in frame
-                  and sorted(frame["index"].tolist()) == list(range(a, b)) and (frame["condition"] == c).all())
-            if not ok:
-                raise DamagedRecordsError(f"cannot seal {path}: its rows are not the images [{a}, {b}) of {c}; "
-                                          f"delete it and run the command again", [(path, "incomplete")])
-            atomic_write_json(side, {"rows": len(frame), "sha256": sha256_bytes(data)})
-            written.append(side)
-        return written
+        """Adopt a run written before checksums existed (:func:`robust_attn.sealing.seal`);
+        returns the checksum files written."""
+        from robust_attn.sealing import seal
+
+        return seal(self)
 
 
-def _check_complete(frame: pd.DataFrame, desc: dict, path: Path) -> None:
-    """Every (condition, image) of the description once, no NaN index."""
-    names = [c["name"] if isinstance(c, dict) else c for c in desc.get("conditions", [])]
-    n = int(desc.get("num_images", 0))
-    want = {(c, i) for c in names for i in range(n)}
-    have = list(zip(frame["condition"], frame["index"])) if {"condition", "index"} <= set(frame) else []
-    if len(have) != len(set(have)) or set(have) != want:
-        raise DamagedRecordsError(f"cannot seal {path}: it does not hold each of the {len(names)} conditions x "
-                                  f"{n} images once ({len(have)} records); restore it or pack it again",
-                                  [(path, "incomplete")])
+def condition_names(description: dict) -> list[str]:
+    """The names of a run description's conditions, in order."""
+    return [c["name"] if isinstance(c, dict) else c for c in description.get("conditions", [])]
 
 
 def _with_later_defaults(stored: dict, description: dict) -> dict:
