@@ -336,6 +336,34 @@ def test_a_killed_claimant_is_taken_over_and_a_live_one_is_respected(tmp_path):
     assert not list(root.rglob("*.claim.*"))
 
 
+class Stopping(Counting):
+    """:class:`Counting` that is stopped by a signal (StopRequested: the attack saved its progress)
+    in the middle of its second chunk, after writing condition "a" of it."""
+
+    def __call__(self, images, labels, indices, todo):
+        for cond, records in super().__call__(images, labels, indices, todo):
+            if int(indices[0]) == SIZE and cond == "b":
+                from robust_attn.attacks.stopping import StopRequested
+
+                raise StopRequested(signal.SIGTERM)
+            yield cond, records
+
+
+def test_a_run_stopped_by_a_signal_drops_its_claims_and_resumes_anywhere_at_once(tmp_path):
+    """Unlike a killed process (above), a stopped one leaves no claim: its run folder can be copied
+    to another host, where a claim would be honoured for hours, and resumed there at once."""
+    from robust_attn.attacks.stopping import StopRequested
+
+    root = tmp_path / "run"
+    with pytest.raises(StopRequested):
+        _run(root, Stopping())
+    assert RunStore(root).chunks() == [("a", 0, 4), ("a", 4, 8), ("b", 0, 4), ("c", 0, 4)]
+    assert not list(root.rglob("*.claim.*"))
+    stats, ev = _run(root, claim_timeout=1e9)   # another host's claim would block for 1e9 s
+    assert stats.computed == 5 and sorted(ev.calls) == [("a", 8), ("b", 4), ("b", 8), ("c", 4), ("c", 8)]
+    assert len(load_records(root)) == 33
+
+
 def test_a_claim_from_another_host_expires_after_the_timeout(tmp_path):
     store = _open(tmp_path / "run")
     foreign = tmp_path / "run" / "claims" / "a" / "000000000-000000004.csv.claim.0"

@@ -52,7 +52,7 @@ class Progress:
                  device: torch.device | None, every_s: float = EVERY_S, log: Callable[[str], None] | None = None):
         here = device.type if device is not None else None   # None: progress that fits any device
         theirs = state.get("device") if state is not None else None
-        if state is not None and (state.get("attack") != attack or None not in (here, theirs) and theirs != here):
+        if state is not None and (state.get("attack") != attack or (None not in (here, theirs) and theirs != here)):
             warnings.warn(f"saved progress of {state.get('attack')!r} on {state.get('device')!r} does not fit "
                           f"{attack!r} on {here!r}: {attack} starts again from its beginning", stacklevel=2)
             state = None
