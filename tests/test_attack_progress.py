@@ -263,3 +263,14 @@ def test_apgd_and_square_draw_every_random_number_from_a_cpu_generator(config, m
     spied = make_attack(config).run(net, images, labels)
     assert draws and set(draws) == {("robust_attn.attacks.rng", "cpu")}
     assert torch.equal(spied.adv, plain.adv)
+
+
+@pytest.mark.parametrize("kill_after", [17, 27])   # within the second target class, within the third
+def test_fab_t_killed_within_a_target_class_resumes_at_the_iteration_it_saved(kill_after):
+    """FAB-T saves after any iteration of a targeted run (fab_run.py), not only between target
+    classes: killed in the middle of one, it resumes at its last iteration, not at the class's start."""
+    config = AttackConfig("fab-t", eps=16 / 255, steps=3, seed=5, options={"n_target_classes": 4})
+    whole, resumed, saves, calls_whole, calls_resumed = _killed_then_resumed(config, kill_after)
+    assert torch.equal(resumed.adv, whole.adv)
+    assert "run" in saves[-1] and saves[-1]["run"]["it"] >= 1 and saves[-1]["attack"] == "fab-t"
+    assert calls_resumed <= calls_whole - kill_after + 3   # at most one iteration (3 calls) done again

@@ -171,3 +171,40 @@ def test_the_written_out_target_loop_equals_torchattacks_perturb(tiny, norm, eps
     adv = make_attack(AttackConfig("fab-t", norm=norm, eps=eps, steps=4, restarts=restarts, seed=3,
                                    options={"n_target_classes": 3})).run(model, images, labels).adv
     assert torch.equal(adv, torch.where(changed.view(-1, 1, 1, 1), theirs, images))
+
+
+@pytest.mark.parametrize("norm,eps", [("linf", 4 / 255), ("l2", 0.3)])
+@pytest.mark.parametrize("rand_start", [False, True], ids=["clean start", "random start"])
+def test_the_written_out_iterations_equal_torchattacks_single_run_and_resume_anywhere(tiny, norm, eps, rand_start):
+    """``targeted_run`` (fab_run.py) against torchattacks' ``attack_single_run_targeted``, the same
+    seed: the same images bit for bit, an image the model already gets wrong included (returned
+    unchanged); resumed from the state it saves after iteration 1, 3 or 5 of 6 (the global RNG
+    restored as the progress restores it), the same images again."""
+    import torchattacks
+
+    from robust_attn.attacks.fab_run import targeted_run
+
+    model = tiny[0]
+    images = torch.rand(8, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        labels = model(images).argmax(1)
+    labels[0] = (labels[0] + 1) % K
+    attack = torchattacks.FAB(model, norm="Linf" if norm == "linf" else "L2", eps=eps, steps=6, multi_targeted=True,
+                              n_classes=4, seed=0)
+    attack.target_class = 2
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(7)
+        theirs = attack.attack_single_run_targeted(images, labels, use_rand_start=rand_start)
+        torch.manual_seed(7)
+        states = []
+        ours = targeted_run(attack, images, labels, use_rand_start=rand_start,
+                            save=lambda state: states.append((state(), torch.get_rng_state())))
+        assert torch.equal(ours, theirs)
+        fooled = (theirs != images).flatten(1).any(1)
+        assert 2 <= fooled.sum() < 7 and not fooled[0]   # some found, some not; the wrong one untouched
+        assert [s["it"] for s, _ in states] == [1, 2, 3, 4, 5]
+        for state, rng in (states[0], states[2], states[4]):
+            torch.set_rng_state(rng)
+            again = targeted_run(attack, images, labels, use_rand_start=rand_start,
+                                 resume=state)
+            assert torch.equal(again, theirs), state["it"]

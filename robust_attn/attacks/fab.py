@@ -42,8 +42,9 @@ Deviations of torchattacks (and where the official code differs), handled here:
    check again (model prediction and norm) on the returned images.
 
 The loop of ``FAB.perturb`` over the target classes and restarts is written out here
-(:func:`multi_targeted`, around torchattacks' ``attack_single_run_targeted``; the same images bit
-for bit, tested), so that the attack can save its progress after each target class
+(:func:`multi_targeted`), and the iterations of torchattacks' ``attack_single_run_targeted`` in
+:mod:`robust_attn.attacks.fab_run` (the same images bit for bit, tested), so that the attack can
+save its progress before each target class and after any iteration of a run
 (:mod:`robust_attn.attacks.progress`).
 """
 from __future__ import annotations
@@ -53,6 +54,7 @@ import torch
 import torch.nn as nn
 
 from robust_attn.attacks.base import Attack, AttackConfig, AttackOutput, register_attack
+from robust_attn.attacks.fab_run import targeted_run
 from robust_attn.attacks.progress import changed_rows, put_rows
 
 __all__ = ["FABT", "multi_targeted", "DEFAULT_STEPS", "N_TARGET_CLASSES", "ALPHA_MAX", "ETA", "BETA"]
@@ -108,20 +110,22 @@ class FABT(Attack):
 def multi_targeted(attack, model: nn.Module, images: torch.Tensor, labels: torch.Tensor, n: int, restarts: int,
                    norm: str, eps: float, progress=None) -> torch.Tensor:
     """torchattacks' ``FAB.perturb`` with ``multi_targeted=True``, its loop over the ``n`` target
-    classes and the ``restarts`` written out around torchattacks' single targeted runs
-    (``attack``: a ``torchattacks.FAB``; the global RNG seeded as ``perturb`` seeds it), so that the
-    progress can be saved before each target class (``progress``: :mod:`robust_attn.attacks.progress`).
-    Returns the images with each adversarial found within ``eps`` (the others unchanged), as
-    ``perturb`` does; ``tests/test_fab.py`` checks that they are the same, bit for bit."""
+    classes and the ``restarts`` written out around single targeted runs
+    (:func:`~robust_attn.attacks.fab_run.targeted_run`, torchattacks' ``attack_single_run_targeted``
+    with its iterations written out; ``attack``: a ``torchattacks.FAB``; the global RNG seeded as
+    ``perturb`` seeds it), so that the progress can be saved before each target class and after
+    any iteration of a run (``progress``: :mod:`robust_attn.attacks.progress`). Returns the images
+    with each adversarial found within ``eps`` (the others unchanged), as ``perturb`` does;
+    ``tests/test_fab.py`` checks that they are the same, bit for bit."""
     raw = images.clone()
     robust = model(images).argmax(1) == labels
-    first = 2   # torchattacks' target_class: 2 is the most likely wrong class
+    first, first_restart, run = 2, 0, None   # torchattacks' target_class: 2 is the most likely wrong class
     saved = progress.state if progress is not None else None
-    if saved is not None:   # a killed run: continue at the target class it saved before
+    if saved is not None:   # a killed run: continue at the target class (and the run's iteration) it saved
         robust = saved["robust"].to(robust)
         put_rows(raw, saved["raw"])
         torch.set_rng_state(saved["rng"].cpu())   # restarts after the first draw their start from it
-        first = saved["target_class"]
+        first, first_restart, run = saved["target_class"], saved.get("restart", 0), saved.get("run")
     for target_class in range(first, n + 2):
         if target_class > first and progress is not None and progress.due():
             progress.save({"target_class": target_class, "robust": robust, "raw": changed_rows(raw, images),
@@ -129,12 +133,22 @@ def multi_targeted(attack, model: nn.Module, images: torch.Tensor, labels: torch
                           note=f"target class {target_class - 2} of {n} done, {int(robust.sum())} images "
                                f"not fooled yet")
         attack.target_class = target_class
-        for restart in range(restarts):
+        for restart in range(first_restart if target_class == first else 0, restarts):
             todo = robust.nonzero().flatten()
             if todo.numel() == 0:
                 continue
             x, y = images[todo].clone(), labels[todo].clone()
-            found = attack.attack_single_run_targeted(x, y, use_rand_start=restart > 0)
+
+            def save(run_state, target_class=target_class, restart=restart):
+                if progress.due():
+                    state = run_state()
+                    progress.save({"target_class": target_class, "restart": restart, "robust": robust,
+                                   "raw": changed_rows(raw, images), "rng": torch.get_rng_state(), "run": state},
+                                  note=f"target class {target_class - 1} of {n}: iteration {state['it']} of "
+                                       f"{attack.steps}, {int(robust.sum())} images not fooled yet")
+            found = targeted_run(attack, x, y, use_rand_start=restart > 0, resume=run,
+                                 save=save if progress is not None else None)
+            run = None
             flat = (x - found).flatten(1)   # measured as torchattacks measures it
             size = flat.abs().max(1)[0] if norm == "linf" else (flat ** 2).sum(-1).sqrt()
             hit = (model(found).argmax(1) != y) & ~(size > eps)

@@ -11,7 +11,8 @@ without):
 * ``Square`` after an iteration of its random search (:mod:`robust_attn.attacks.square`);
 * ``APGD-CE`` / ``APGD-T`` after each of their runs (one per target class and restart;
   :mod:`robust_attn.attacks.apgd`);
-* ``FAB-T`` after each target class (:func:`robust_attn.attacks.fab.multi_targeted`).
+* ``FAB-T`` before each target class and after each iteration of a targeted run
+  (:func:`robust_attn.attacks.fab.multi_targeted`, :mod:`robust_attn.attacks.fab_run`).
 
 An attack saves only when :meth:`Progress.due` (``every_s`` seconds since the last save), and
 saves everything its remaining work depends on, its random generator's state included, so a
