@@ -8,7 +8,7 @@ are noted instead: the attack saves its progress at its next save point (:meth:`
 <robust_attn.attacks.progress.Progress.due>` is then true at once) and raises
 :class:`StopRequested`; the command exits with 128 + the signal's number, as if killed by it, and
 running it again resumes from the save. A second signal stops at once (``KeyboardInterrupt``),
-for a user who will not wait for the save point (one APGD run, one FAB target class or one
+for a user who will not wait for the save point (one APGD run, one FAB iteration or one
 Square query away).
 
 Signals can be caught only in a process's main thread; elsewhere :func:`stop_deferred` changes
