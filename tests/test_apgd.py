@@ -492,3 +492,26 @@ def test_torchattacks_deviations_are_exactly_the_documented_ones(model, steps, n
     assert with_quirks == 32
     torch.testing.assert_close(ta_loss, quirks["loss_best"], rtol=0, atol=0)
     assert with_paper < 32
+
+
+@pytest.mark.parametrize("norm,eps", [("linf", 0.25 / 255), ("l2", 0.05)])   # some images fooled, some not
+@pytest.mark.parametrize("stop_on_success", [False, True], ids=["every iterate", "stop on success"])
+def test_a_run_resumed_from_any_iterate_it_saved_gives_the_uninterrupted_run(model, batch, norm, eps, stop_on_success):
+    """``apgd_single_run`` saves its whole state after every iterate (``save``); resumed from the
+    state after iterate 1, after a checkpoint (3, where the step size may halve and the iterate
+    restart from the best point) or after the last but one (11 of 12), it ends where the
+    uninterrupted run ends, bit for bit: the best points and losses, successes and step sizes."""
+    images, labels = batch
+    start = random_start(images, norm, eps, torch.Generator().manual_seed(0))
+    ce = lambda z, i: F.cross_entropy(z, labels[i], reduction="none")   # noqa: E731
+    fooled = lambda z, i: z.argmax(1) != labels[i]   # noqa: E731
+    states = []
+    whole = apgd_single_run(model, images, start, ce, fooled, norm, eps, 12, stop_on_success=stop_on_success,
+                            save=lambda state: states.append(state()))
+    assert [s["k"] for s in states] == list(range(1, 12))
+    assert 1 <= whole.success.sum() < len(images) and (whole.step < 2 * eps).any()   # successes, halvings
+    for state in [s for s in states if s["k"] in (1, 3, 11)]:
+        again = apgd_single_run(model, images, None, ce, fooled, norm, eps, 12, stop_on_success=stop_on_success,
+                                resume=state)
+        for name in ("x_best", "loss_best", "success", "x_success", "step"):
+            assert torch.equal(getattr(again, name), getattr(whole, name)), (state["k"], name)

@@ -118,7 +118,9 @@ def test_autoattack_keeps_a_members_progress_in_its_state_and_resumes_inside_the
     saved = torch.load(state, weights_only=True)
     assert saved["done"] == 1 and saved["member"]["attack"] == "square" and saved["member"]["run"]["it"] >= 10
     robust = sum(b == "" for b in whole.by)   # Square fools none of APGD-CE's survivors here
-    assert lines[0] == f"autoattack linf eps=24/255: apgd-ce done, {robust} of 12 images still robust"
+    done = lines.index(f"autoattack linf eps=24/255: apgd-ce done, {robust} of 12 images still robust")
+    assert lines[:done] == [f"autoattack linf eps=24/255: apgd-ce: run 1 of 1: iterate {k} of 3, 11 images not "
+                            f"fooled yet (progress saved)" for k in (1, 2)]   # APGD-CE saved within its run
     it = saved["member"]["run"]["it"]
     assert lines[-1] == (f"autoattack linf eps=24/255: square: query {it + 1} of 25 (restart 1 of 1), {robust} "
                          f"images not fooled yet (progress saved)")
@@ -274,3 +276,16 @@ def test_fab_t_killed_within_a_target_class_resumes_at_the_iteration_it_saved(ki
     assert torch.equal(resumed.adv, whole.adv)
     assert "run" in saves[-1] and saves[-1]["run"]["it"] >= 1 and saves[-1]["attack"] == "fab-t"
     assert calls_resumed <= calls_whole - kill_after + 3   # at most one iteration (3 calls) done again
+
+
+@pytest.mark.parametrize("kill_after", [6, 8])   # 3 forward calls before the first iterate, then one each
+def test_apgd_ce_killed_within_its_one_run_resumes_at_the_iterate_it_saved(kill_after):
+    """APGD-CE is one run (no target classes to save between): it saves after any iterate of its
+    run (apgd_single_run's state), so a kill in the middle resumes there, not at its start."""
+    config = AttackConfig("apgd-ce", eps=16 / 255, steps=6, seed=5)
+    whole, resumed, saves, calls_whole, calls_resumed = _killed_then_resumed(config, kill_after)
+    assert torch.equal(resumed.adv, whole.adv)
+    assert saves[-1]["runs_done"] == 0 and saves[-1]["run"]["k"] == kill_after - 3
+    # calls_whole counts _data's labelling call too: resumed, the 2 calls before x(0) run again, but
+    # neither x(0) nor the iterates saved
+    assert calls_resumed == (calls_whole - 1) - kill_after + 2

@@ -198,6 +198,11 @@ def _direction(grad: torch.Tensor, norm: str) -> torch.Tensor:
     return grad / (_per_image(grad.flatten(1).norm(dim=1), grad) + 1e-12)
 
 
+#: the tensors of a run's state (``apgd_single_run``'s ``save`` / ``resume``), in its variables' order
+_RUN_TENSORS = ("x_cur", "x_prev", "f_cur", "grad", "x_max", "f_max", "grad_max", "success", "x_success", "eta",
+                "increases", "f_max_last", "halved_last")
+
+
 @dataclass
 class APGDRun:
     """One run of Algorithm 1 on a batch. ``x_best``/``loss_best``: the highest-loss point per image;
@@ -215,7 +220,8 @@ def apgd_single_run(model: nn.Module, images: torch.Tensor, x_init: torch.Tensor
                     loss_fn: Callable[[torch.Tensor], torch.Tensor],
                     success_fn: Callable[[torch.Tensor], torch.Tensor],
                     norm: str, eps: float, steps: int, rho: float = RHO, alpha: float = ALPHA,
-                    stop_on_success: bool = False) -> APGDRun:
+                    stop_on_success: bool = False, resume: dict | None = None,
+                    save: Callable[[Callable[[], dict]], None] | None = None) -> APGDRun:
     """Algorithm 1 from ``x_init`` for ``steps`` iterations, batched, with per-image state.
 
     ``loss_fn(logits, idx)`` gives the per-image objective to maximize and ``success_fn(logits,
@@ -226,7 +232,11 @@ def apgd_single_run(model: nn.Module, images: torch.Tensor, x_init: torch.Tensor
     ``x_success`` is what an evaluation returns), so only the images still resisting cost forward
     and backward passes. Every image's iterates are the same either way, since each image's loss
     and gradient depend on that image alone (eval mode, summed loss); only the float rounding of
-    the batched kernels may differ with the batch's composition."""
+    the batched kernels may differ with the batch's composition.
+
+    ``save``, when given, is called after every iterate but the last with a function that returns
+    the run's state (every tensor and count the rest of the run depends on); ``resume``, such a
+    state, continues from it (``x_init`` is then not used): the same result, bit for bit."""
     checks = set(checkpoints(steps)[1:])
     n = images.shape[0]
     all_idx = torch.arange(n, device=images.device)
@@ -238,16 +248,22 @@ def apgd_single_run(model: nn.Module, images: torch.Tensor, x_init: torch.Tensor
         grad, = torch.autograd.grad(loss.sum(), x)
         return loss.detach(), grad.detach(), success_fn(logits.detach(), idx)
 
-    x_cur = x_init.detach().clone()
-    f_cur, grad, ok = evaluate(x_cur)
-    x_max, f_max, grad_max = x_cur.clone(), f_cur.clone(), grad.clone()
-    success, x_success = ok.clone(), x_cur.clone()
-    eta = torch.full((n,), 2 * eps, dtype=images.dtype, device=images.device)
-    x_prev = x_cur
-    increases = torch.zeros(n, dtype=torch.long, device=images.device)
-    last_w, f_max_last = 0, f_max.clone()
-    halved_last = torch.zeros(n, dtype=torch.bool, device=images.device)
-    for k in range(1, steps + 1):   # computes x(k)
+    if resume is None:
+        x_cur = x_init.detach().clone()
+        f_cur, grad, ok = evaluate(x_cur)
+        x_max, f_max, grad_max = x_cur.clone(), f_cur.clone(), grad.clone()
+        success, x_success = ok.clone(), x_cur.clone()
+        eta = torch.full((n,), 2 * eps, dtype=images.dtype, device=images.device)
+        x_prev = x_cur
+        increases = torch.zeros(n, dtype=torch.long, device=images.device)
+        last_w, f_max_last = 0, f_max.clone()
+        halved_last = torch.zeros(n, dtype=torch.bool, device=images.device)
+        first = 1
+    else:
+        (x_cur, x_prev, f_cur, grad, x_max, f_max, grad_max, success, x_success, eta, increases, f_max_last,
+         halved_last) = (resume[k].to(images.device).clone() for k in _RUN_TENSORS)
+        last_w, first = resume["last_w"], resume["k"] + 1
+    for k in range(first, steps + 1):   # computes x(k)
         with torch.no_grad():
             z = project(x_cur + _per_image(eta, x_cur) * _direction(grad, norm), images, norm, eps)
             if k == 1:
@@ -282,6 +298,10 @@ def apgd_single_run(model: nn.Module, images: torch.Tensor, x_init: torch.Tensor
             x_cur[halve], f_cur[halve], grad[halve] = x_max[halve], f_max[halve], grad_max[halve]
             halved_last, f_max_last, last_w = halve, f_max.clone(), k
             increases.zero_()
+        if save is not None and k < steps:
+            save(lambda k=k: {"k": k, "last_w": last_w, **{name: value.clone() for name, value in zip(
+                _RUN_TENSORS, (x_cur, x_prev, f_cur, grad, x_max, f_max, grad_max, success, x_success, eta,
+                               increases, f_max_last, halved_last))}})
     return APGDRun(x_max, f_max, success, x_success, eta)
 
 
@@ -298,8 +318,8 @@ class _APGDBase(Attack):
                 generator: torch.Generator) -> torch.Tensor:
         """Run ``runs`` (a list of ``(loss_fn(logits, idx), success_fn(logits, idx))``, each repeated
         ``config.restarts`` times) on the images not yet done; keep first successes, else best loss.
-        With ``self.progress`` the state before a run is saved when due, and a saved state resumes
-        there (:mod:`robust_attn.attacks.progress`)."""
+        With ``self.progress`` the state before a run, or after an iterate of a run, is saved when
+        due, and a saved state resumes there (:mod:`robust_attn.attacks.progress`)."""
         c = self.config
         done = success_fn_clean.clone()
         adv = images.clone()
@@ -316,21 +336,33 @@ class _APGDBase(Attack):
         for position, (loss_fn, success_fn) in enumerate(order):
             if saved is not None and position < saved["runs_done"]:
                 continue
-            if position and self.progress is not None and self.progress.due():
+            run = saved.get("run") if saved is not None and position == saved["runs_done"] else None
+            if run is None and position and self.progress is not None and self.progress.due():
                 self.progress.save({"runs_done": position, "done": done, "best_loss": best_loss,
                                     "adv": changed_rows(adv, images), "best": changed_rows(best, images),
                                     "gen": generator.get_state()},
                                    note=f"run {position} of {len(order)} done, {int((~done).sum())} images "
                                         f"not fooled yet")
-            start = random_start(images, c.norm, c.eps, generator)   # whole batch: position-wise draws
+            # whole batch: position-wise draws (a run resumed mid-way drew its start before the save)
+            start = random_start(images, c.norm, c.eps, generator) if run is None else None
             todo = (~done).nonzero().flatten()
             if todo.numel() == 0:
                 continue
-            res = apgd_single_run(model, images[todo], start[todo],
+
+            def save(run_state, position=position):
+                if self.progress.due():
+                    state = run_state()
+                    self.progress.save({"runs_done": position, "done": done, "best_loss": best_loss,
+                                        "adv": changed_rows(adv, images), "best": changed_rows(best, images),
+                                        "gen": generator.get_state(), "run": state},
+                                       note=f"run {position + 1} of {len(order)}: iterate {state['k']} of "
+                                            f"{self.steps}, {int((~done).sum())} images not fooled yet")
+            res = apgd_single_run(model, images[todo], start[todo] if start is not None else None,
                                   lambda z, j, i=todo, f=loss_fn: f(z, i[j]),
                                   lambda z, j, i=todo, f=success_fn: f(z, i[j]),
                                   c.norm, c.eps, self.steps,
-                                  stop_on_success=c.options.get("early_stop", True))
+                                  stop_on_success=c.options.get("early_stop", True), resume=run,
+                                  save=save if self.progress is not None else None)
             better = res.loss_best > best_loss[todo]
             best[todo[better]] = res.x_best[better]
             best_loss[todo[better]] = res.loss_best[better]

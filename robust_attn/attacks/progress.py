@@ -9,8 +9,8 @@ attack that can also save *within* its run reads and writes its progress through
 without):
 
 * ``Square`` after an iteration of its random search (:mod:`robust_attn.attacks.square`);
-* ``APGD-CE`` / ``APGD-T`` after each of their runs (one per target class and restart;
-  :mod:`robust_attn.attacks.apgd`);
+* ``APGD-CE`` / ``APGD-T`` before each of their runs (one per target class and restart) and
+  after each iterate of a run (:mod:`robust_attn.attacks.apgd`);
 * ``FAB-T`` before each target class and after each iteration of a targeted run
   (:func:`robust_attn.attacks.fab.multi_targeted`, :mod:`robust_attn.attacks.fab_run`).
 
