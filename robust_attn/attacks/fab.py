@@ -134,6 +134,7 @@ def multi_targeted(attack, model: nn.Module, images: torch.Tensor, labels: torch
                                f"not fooled yet")
         attack.target_class = target_class
         for restart in range(first_restart if target_class == first else 0, restarts):
+            resume, run = run, None   # a saved run continues once, in the first run here
             todo = robust.nonzero().flatten()
             if todo.numel() == 0:
                 continue
@@ -146,9 +147,8 @@ def multi_targeted(attack, model: nn.Module, images: torch.Tensor, labels: torch
                                    "raw": changed_rows(raw, images), "rng": torch.get_rng_state(), "run": state},
                                   note=f"target class {target_class - 1} of {n}: iteration {state['it']} of "
                                        f"{attack.steps}, {int(robust.sum())} images not fooled yet")
-            found = targeted_run(attack, x, y, use_rand_start=restart > 0, resume=run,
+            found = targeted_run(attack, x, y, use_rand_start=restart > 0, resume=resume,
                                  save=save if progress is not None else None)
-            run = None
             flat = (x - found).flatten(1)   # measured as torchattacks measures it
             size = flat.abs().max(1)[0] if norm == "linf" else (flat ** 2).sum(-1).sqrt()
             hit = (model(found).argmax(1) != y) & ~(size > eps)
