@@ -289,3 +289,37 @@ def test_apgd_ce_killed_within_its_one_run_resumes_at_the_iterate_it_saved(kill_
     # calls_whole counts _data's labelling call too: resumed, the 2 calls before x(0) run again, but
     # neither x(0) nor the iterates saved
     assert calls_resumed == (calls_whole - 1) - kill_after + 2
+
+
+def test_a_progress_keeps_its_members_time_over_resumptions_and_status_tells_the_pace():
+    """Each save records the fraction of the member's iterations done and the seconds it has run,
+    added over the processes that resumed it; ``robust-attn status`` (describe_state) turns them into
+    the time spent and roughly the time left at that pace; a state saved before either existed
+    still reads."""
+    from robust_attn.attacks.autoattack import AutoAttack
+
+    saves = []
+    Progress({"attack": "square", "device": "cpu", "elapsed": 5400.0}, saves.append, attack="square",
+             device=torch.device("cpu")).save({"run": 1}, note="query 2000 of 5000", fraction=0.4)
+    assert saves[0]["elapsed"] >= 5400.0 and saves[0]["fraction"] == 0.4
+    config = AttackConfig("autoattack", eps=8 / 255, steps=3, queries=25, seed=2)
+    aa = make_attack(config)
+    assert isinstance(aa, AutoAttack)
+    state = {"done": 3, "robust": torch.tensor([True, False, True]), "member": {**saves[0], "elapsed": 5400.0}}
+    assert aa.describe_state(state) == ("3 of 4 members done, 2 of 3 images robust; square: query 2000 of 5000; "
+                                        "1.5 h in it, about 2.2 h left at that pace")
+    old = {**state, "member": {"attack": "square", "note": "query 2000 of 5000"}}
+    assert aa.describe_state(old) == "3 of 4 members done, 2 of 3 images robust; square: query 2000 of 5000"
+
+
+@pytest.mark.parametrize("config", [AttackConfig("apgd-t", eps=16 / 255, steps=3, seed=5, options={"n_target_classes": 6}),
+                                    AttackConfig("square", eps=64 / 255, queries=20, restarts=2, seed=3),
+                                    AttackConfig("fab-t", eps=16 / 255, steps=3, seed=5, options={"n_target_classes": 4})],
+                         ids=["apgd-t", "square", "fab-t"])
+def test_the_fraction_a_member_saves_grows_with_its_iterations(config):
+    net, images, labels = _data()
+    attack, saves = make_attack(config), []
+    attack.progress = Progress(None, saves.append, attack=config.attack, device=images.device, every_s=0)
+    attack.run(net, images, labels)
+    fractions = [s["fraction"] for s in saves]
+    assert len(fractions) >= 5 and fractions == sorted(fractions) and 0 < fractions[0] and fractions[-1] <= 1

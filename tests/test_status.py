@@ -56,7 +56,7 @@ def test_status_of_a_run_its_missing_chunk_and_the_autoattack_state_within_it(tm
                        f"  to compute: {config.name}[0:4]"]
     # described by the run's own condition: the standard ensemble's four members
     assert out[2].startswith(f"  {config.name}[0:]: 1 of 4 members done, {robust} of 6 images robust; "
-                             f"apgd-t: {state['member']['note']} (saved ")
+                             f"apgd-t: {state['member']['note']}; 0 min in it, about 0 min left at that pace (saved ")
     assert re.fullmatch(r"run [1-8] of 9 done, [1-6] images not fooled yet", state["member"]["note"])
 
 

@@ -184,7 +184,7 @@ class _APGDBase(Attack):
                                     "adv": changed_rows(adv, images), "best": changed_rows(best, images),
                                     "gen": generator.get_state()},
                                    note=f"run {position} of {len(order)} done, {int((~done).sum())} images "
-                                        f"not fooled yet")
+                                        f"not fooled yet", fraction=position / len(order))
             # whole batch: position-wise draws (a run resumed mid-way drew its start before the save)
             start = random_start(images, c.norm, c.eps, generator) if run is None else None
             todo = (~done).nonzero().flatten()
@@ -198,7 +198,8 @@ class _APGDBase(Attack):
                                         "adv": changed_rows(adv, images), "best": changed_rows(best, images),
                                         "gen": generator.get_state(), "run": state},
                                        note=f"run {position + 1} of {len(order)}: iterate {state['k']} of "
-                                            f"{self.steps}, {int((~done).sum())} images not fooled yet")
+                                            f"{self.steps}, {int((~done).sum())} images not fooled yet",
+                                       fraction=(position + state["k"] / self.steps) / len(order))
             res = apgd_single_run(model, images[todo], start[todo] if start is not None else None,
                                   lambda z, j, i=todo, f=loss_fn: f(z, i[j]),
                                   lambda z, j, i=todo, f=success_fn: f(z, i[j]),

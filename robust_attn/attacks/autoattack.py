@@ -218,10 +218,29 @@ class AutoAttack(Attack):
         if done < len(self.member_names):
             member = state.get("member")
             where = "not started" if member is None else member.get("note") or "under way, progress saved"
-            line += f"; {self.member_names[done]}: {where}"
+            line += f"; {self.member_names[done]}: {where}{_pace(member)}"
         return line
 
     def _log(self, line: str) -> None:
         if self.log is not None:
             c = self.config
             self.log(f"autoattack {c.norm} eps={c.eps * 255:.4g}/255: {line}")
+
+
+def _pace(member: dict | None) -> str:
+    """How long the member under way has run (over every process that resumed it) and, from the
+    fraction of its iterations done, roughly how long it has left at that pace (its later
+    iterations cost less when images get fooled on the way: an upper estimate); "" when its
+    progress says neither (saved before it kept them)."""
+    if not member or member.get("elapsed") is None:
+        return ""
+    spent, fraction = float(member["elapsed"]), member.get("fraction")
+    line = f"; {_duration(spent)} in it"
+    if fraction is not None and 0 < float(fraction) < 1:
+        line += f", about {_duration(spent * (1 - float(fraction)) / float(fraction))} left at that pace"
+    return line
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+

@@ -131,7 +131,7 @@ def multi_targeted(attack, model: nn.Module, images: torch.Tensor, labels: torch
             progress.save({"target_class": target_class, "robust": robust, "raw": changed_rows(raw, images),
                            "rng": torch.get_rng_state()},
                           note=f"target class {target_class - 2} of {n} done, {int(robust.sum())} images "
-                               f"not fooled yet")
+                               f"not fooled yet", fraction=(target_class - 2) / n)
         attack.target_class = target_class
         for restart in range(first_restart if target_class == first else 0, restarts):
             resume, run = run, None   # a saved run continues once, in the first run here
@@ -146,7 +146,8 @@ def multi_targeted(attack, model: nn.Module, images: torch.Tensor, labels: torch
                     progress.save({"target_class": target_class, "restart": restart, "robust": robust,
                                    "raw": changed_rows(raw, images), "rng": torch.get_rng_state(), "run": state},
                                   note=f"target class {target_class - 1} of {n}: iteration {state['it']} of "
-                                       f"{attack.steps}, {int(robust.sum())} images not fooled yet")
+                                       f"{attack.steps}, {int(robust.sum())} images not fooled yet",
+                                  fraction=(target_class - 2 + (restart + state["it"] / attack.steps) / restarts) / n)
             found = targeted_run(attack, x, y, use_rand_start=restart > 0, resume=resume,
                                  save=save if progress is not None else None)
             flat = (x - found).flatten(1)   # measured as torchattacks measures it

@@ -59,17 +59,22 @@ class Progress:
             state = None
         self.state, self.attack, self.device = state, attack, here
         self._save_fn, self.every_s, self._last, self.log = save_fn, every_s, time.monotonic(), log
+        self._started, self._before = self._last, float(state.get("elapsed", 0.0)) if state is not None else 0.0
 
     def due(self) -> bool:
         """Whether ``every_s`` seconds have passed since the last save (or the start), or a stop
         signal arrived (:mod:`robust_attn.attacks.stopping`: save now, then stop)."""
         return stop_requested() or time.monotonic() - self._last >= self.every_s
 
-    def save(self, state: dict, note: str = "") -> None:
-        """Save ``state`` (moved to the CPU), tagged with the attack, the device type and ``note``
-        (where the run stands, e.g. for ``robust-attn status``), which also goes to ``log``; then,
-        if a stop signal arrived, raises :class:`~robust_attn.attacks.stopping.StopRequested`."""
-        self._save_fn(to_cpu({**state, "attack": self.attack, "device": self.device, "note": note}))
+    def save(self, state: dict, note: str = "", fraction: float | None = None) -> None:
+        """Save ``state`` (moved to the CPU), tagged with the attack, the device type, ``note``
+        (where the run stands, e.g. for ``robust-attn status``, which also goes to ``log``), the
+        ``fraction`` of the attack's work done (its iterations; None: unknown) and the seconds it
+        has run (``elapsed``, over every process that resumed it); then, if a stop signal arrived,
+        raises :class:`~robust_attn.attacks.stopping.StopRequested`."""
+        elapsed = self._before + time.monotonic() - self._started
+        self._save_fn(to_cpu({**state, "attack": self.attack, "device": self.device, "note": note,
+                              "fraction": fraction, "elapsed": elapsed}))
         self._last = time.monotonic()
         if self.log is not None and note:
             self.log(f"{self.attack}: {note} (progress saved)")

@@ -334,7 +334,8 @@ class Square(Attack):
                                             "adv": changed_rows(adv, images), "best": changed_rows(best, images),
                                             "gen": gen.get_state(), "run": run},
                                            note=f"query {run['it'] + 1} of {self.budget} (restart {r + 1} of "
-                                                f"{c.restarts}), {left} images not fooled yet")
+                                                f"{c.restarts}), {left} images not fooled yet",
+                                           fraction=(r * self.budget + run["it"] + 1) / (c.restarts * self.budget))
                 res = square_run(model, images, active, loss_fn, success_fn, c.norm, c.eps, self.budget,
                                  self.p_init, gen, resume=saved["run"] if saved is not None else None,
                                  save=save if self.progress is not None else None)
