@@ -291,25 +291,39 @@ def test_apgd_ce_killed_within_its_one_run_resumes_at_the_iterate_it_saved(kill_
     assert calls_resumed == (calls_whole - 1) - kill_after + 2
 
 
-def test_a_progress_keeps_its_members_time_over_resumptions_and_status_tells_the_pace():
+def test_a_progress_keeps_its_members_time_over_resumptions_and_status_tells_the_pace(monkeypatch):
     """Each save records the fraction of the member's iterations done and the seconds it has run,
-    added over the processes that resumed it; ``robust-attn status`` (describe_state) turns them into
-    the time spent and roughly the time left at that pace; a state saved before either existed
-    still reads."""
+    added over the processes that resumed it, and the fraction at which that count began (0: the
+    member's start; for a state saved before the count, the first save after resuming it).
+    ``robust-attn status`` (describe_state) turns them into the time spent and roughly the time
+    left at that pace; a state saved before either existed reads as before."""
+    import robust_attn.attacks.progress as progress_module
     from robust_attn.attacks.autoattack import AutoAttack
 
+    clock = [0.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])
     saves = []
-    Progress({"attack": "square", "device": "cpu", "elapsed": 5400.0}, saves.append, attack="square",
-             device=torch.device("cpu")).save({"run": 1}, note="query 2000 of 5000", fraction=0.4)
-    assert saves[0]["elapsed"] >= 5400.0 and saves[0]["fraction"] == 0.4
-    config = AttackConfig("autoattack", eps=8 / 255, steps=3, queries=25, seed=2)
-    aa = make_attack(config)
+    resumed = {"attack": "square", "device": "cpu", "elapsed": 5400.0, "counted_from": 0.0, "fraction": 0.3}
+    progress = Progress(resumed, saves.append, attack="square", device=torch.device("cpu"))
+    clock[0] = 600.0
+    progress.save({"run": 1}, note="query 2000 of 5000", fraction=0.4)
+    assert saves[0]["elapsed"] == 6000.0 and saves[0]["fraction"] == 0.4 and saves[0]["counted_from"] == 0.0
+    aa = make_attack(AttackConfig("autoattack", eps=8 / 255, steps=3, queries=25, seed=2))
     assert isinstance(aa, AutoAttack)
-    state = {"done": 3, "robust": torch.tensor([True, False, True]), "member": {**saves[0], "elapsed": 5400.0}}
+    state = {"done": 3, "robust": torch.tensor([True, False, True]), "member": saves[0]}
     assert aa.describe_state(state) == ("3 of 4 members done, 2 of 3 images robust; square: query 2000 of 5000; "
-                                        "1.5 h in it, about 2.2 h left at that pace")
-    old = {**state, "member": {"attack": "square", "note": "query 2000 of 5000"}}
-    assert aa.describe_state(old) == "3 of 4 members done, 2 of 3 images robust; square: query 2000 of 5000"
+                                        "1.7 h in it, about 2.5 h left at that pace")
+    old = {"attack": "square", "device": "cpu", "note": "query 1000 of 5000"}   # saved before the count
+    assert aa.describe_state({**state, "member": old}) == ("3 of 4 members done, 2 of 3 images robust; square: "
+                                                           "query 1000 of 5000")
+    progress = Progress(old, saves.append, attack="square", device=torch.device("cpu"))
+    clock[0] = 1000.0
+    progress.save({"run": 1}, note="query 2000 of 5000", fraction=0.4)   # the count starts here
+    clock[0] = 1600.0
+    progress.save({"run": 1}, note="query 3000 of 5000", fraction=0.6)
+    assert saves[1]["elapsed"] == 0.0 and saves[2]["elapsed"] == 600.0 and saves[2]["counted_from"] == 0.4
+    assert aa.describe_state({**state, "member": saves[2]}).endswith(
+        "query 3000 of 5000; about 20 min left at its recent pace")   # 0.2 done in 600 s, 0.4 left
 
 
 @pytest.mark.parametrize("config", [AttackConfig("apgd-t", eps=16 / 255, steps=3, seed=5, options={"n_target_classes": 6}),

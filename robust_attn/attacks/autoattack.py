@@ -228,17 +228,18 @@ class AutoAttack(Attack):
 
 
 def _pace(member: dict | None) -> str:
-    """How long the member under way has run (over every process that resumed it) and, from the
-    fraction of its iterations done, roughly how long it has left at that pace (its later
-    iterations cost less when images get fooled on the way: an upper estimate); "" when its
-    progress says neither (saved before it kept them)."""
-    if not member or member.get("elapsed") is None:
+    """How long the member under way has run (over every process that resumed it, when counted from
+    its start) and, from the fraction of its iterations done in the time counted, roughly how long
+    it has left at that pace (its later iterations cost less when images get fooled on the way: an
+    upper estimate); "" when its progress does not say (saved before it was counted)."""
+    if not member or member.get("elapsed") is None or member.get("counted_from") is None:
         return ""
-    spent, fraction = float(member["elapsed"]), member.get("fraction")
-    line = f"; {_duration(spent)} in it"
-    if fraction is not None and 0 < float(fraction) < 1:
-        line += f", about {_duration(spent * (1 - float(fraction)) / float(fraction))} left at that pace"
-    return line
+    spent, start, fraction = float(member["elapsed"]), float(member["counted_from"]), member.get("fraction")
+    parts = [f"{_duration(spent)} in it"] if start == 0 else []
+    if fraction is not None and start < float(fraction) < 1 and spent > 0:
+        left = spent * (1 - float(fraction)) / (float(fraction) - start)
+        parts.append(f"about {_duration(left)} left at {'that' if start == 0 else 'its recent'} pace")
+    return "; " + ", ".join(parts) if parts else ""
 
 
 def _duration(seconds: float) -> str:

@@ -59,7 +59,14 @@ class Progress:
             state = None
         self.state, self.attack, self.device = state, attack, here
         self._save_fn, self.every_s, self._last, self.log = save_fn, every_s, time.monotonic(), log
-        self._started, self._before = self._last, float(state.get("elapsed", 0.0)) if state is not None else 0.0
+        # the member's time: seconds counted so far (over resumptions) and the fraction of its work
+        # done when counting began (0: from its start; None: not yet, a state saved before the count
+        # existed, where counting begins at the next save)
+        self._started, self._before, self._from = self._last, 0.0, 0.0
+        if state is not None:
+            counted = "elapsed" in state and "counted_from" in state
+            self._before = float(state["elapsed"]) if counted else 0.0
+            self._from = state["counted_from"] if counted else None
 
     def due(self) -> bool:
         """Whether ``every_s`` seconds have passed since the last save (or the start), or a stop
@@ -70,11 +77,15 @@ class Progress:
         """Save ``state`` (moved to the CPU), tagged with the attack, the device type, ``note``
         (where the run stands, e.g. for ``robust-attn status``, which also goes to ``log``), the
         ``fraction`` of the attack's work done (its iterations; None: unknown) and the seconds it
-        has run (``elapsed``, over every process that resumed it); then, if a stop signal arrived,
-        raises :class:`~robust_attn.attacks.stopping.StopRequested`."""
-        elapsed = self._before + time.monotonic() - self._started
+        has run (``elapsed``, over every process that resumed it) since it had done
+        ``counted_from`` of its work; then, if a stop signal arrived, raises
+        :class:`~robust_attn.attacks.stopping.StopRequested`."""
+        now = time.monotonic()
+        if self._from is None:   # resumed from a state without a count: the count starts here
+            self._from, self._started = fraction, now
+        elapsed = self._before + now - self._started
         self._save_fn(to_cpu({**state, "attack": self.attack, "device": self.device, "note": note,
-                              "fraction": fraction, "elapsed": elapsed}))
+                              "fraction": fraction, "elapsed": elapsed, "counted_from": self._from}))
         self._last = time.monotonic()
         if self.log is not None and note:
             self.log(f"{self.attack}: {note} (progress saved)")
