@@ -13,9 +13,10 @@ Because FAB minimizes the norm of the perturbation rather than working inside th
 image we return the smallest adversarial perturbation found *if its norm is <= eps*, else the
 clean image (an image the model already gets wrong is returned unchanged).
 
-Implementation: a wrapper of torchattacks 3.5.1 ``FAB(multi_targeted=True, n_classes=n + 1)``,
-which was read against the paper and the official fra31/auto-attack ``fab_base.py`` /
-``fab_projections.py`` and agrees with Algorithm 1 in the points that matter:
+Implementation: torchattacks 3.5.1 ``FAB(multi_targeted=True, n_classes=n + 1)`` (its target loop
+and its runs' iterations written out here and in :mod:`robust_attn.attacks.fab_run`, the same
+images bit for bit), which was read against the paper and the official fra31/auto-attack
+``fab_base.py`` / ``fab_projections.py`` and agrees with Algorithm 1 in the points that matter:
 
 * linearization at ``x(i)`` of ``f_t - f_y`` (targeted: one hyperplane ``pi``); ``delta =
   proj_p(x(i), pi, C)`` and ``delta_orig = proj_p(x_orig, pi, C)``, the exact projections onto
