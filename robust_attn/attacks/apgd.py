@@ -35,8 +35,9 @@ What is implemented (Algorithm 1, section 3):
 * ``x(0)``: a random start on the boundary of the ball (the paper leaves it open; as the official
   code): L-inf ``eps * u / ||u||_inf``, ``u ~ U[-1, 1]``; L2 ``eps * g / ||g||_2``, ``g ~ N(0, I)``;
   then clipped to [0, 1]. Drawn from a local CPU ``torch.Generator`` seeded by ``config.seed``
-  on every device (:mod:`robust_attn.attacks.rng`; the global RNG is neither used nor reseeded), for the whole batch at every restart, so an
-  image's start depends only on its position, the seed and the restart.
+  on every device (:mod:`robust_attn.attacks.rng`; the global RNG is neither used nor reseeded),
+  for the whole batch at every restart, so an image's start depends only on its position, the
+  seed and the restart.
 * losses: cross-entropy (APGD-CE); DLR, eq. 5, ``-(z_y - max_{i != y} z_i) / (z_pi1 - z_pi3)``
   (:func:`dlr_loss`); targeted DLR, eq. 6, ``-(z_y - z_t) / (z_pi1 - (z_pi3 + z_pi4) / 2)``
   (:func:`dlr_loss_targeted`), ``pi`` sorting the logits in decreasing order. Both add 1e-12 to
@@ -175,14 +176,17 @@ class _APGDBase(Attack):
             generator.set_state(saved["gen"].cpu())
         order = [(loss_fn, success_fn) for loss_fn, success_fn in runs for _ in range(c.restarts)]
         all_idx = torch.arange(images.shape[0], device=images.device)
+
+        def state(position: int, **run) -> dict:   # what the rest depends on, before run `position`'s result
+            return {"runs_done": position, "done": done, "best_loss": best_loss, "adv": changed_rows(adv, images),
+                    "best": changed_rows(best, images), "gen": generator.get_state(), **run}
+
         for position, (loss_fn, success_fn) in enumerate(order):
             if saved is not None and position < saved["runs_done"]:
                 continue
             run = saved.get("run") if saved is not None and position == saved["runs_done"] else None
             if run is None and position and self.progress is not None and self.progress.due():
-                self.progress.save({"runs_done": position, "done": done, "best_loss": best_loss,
-                                    "adv": changed_rows(adv, images), "best": changed_rows(best, images),
-                                    "gen": generator.get_state()},
+                self.progress.save(state(position),
                                    note=f"run {position} of {len(order)} done, {int((~done).sum())} images "
                                         f"not fooled yet", fraction=position / len(order))
             # whole batch: position-wise draws (a run resumed mid-way drew its start before the save)
@@ -193,13 +197,11 @@ class _APGDBase(Attack):
 
             def save(run_state, position=position):
                 if self.progress.due():
-                    state = run_state()
-                    self.progress.save({"runs_done": position, "done": done, "best_loss": best_loss,
-                                        "adv": changed_rows(adv, images), "best": changed_rows(best, images),
-                                        "gen": generator.get_state(), "run": state},
-                                       note=f"run {position + 1} of {len(order)}: iterate {state['k']} of "
+                    now = run_state()
+                    self.progress.save(state(position, run=now),
+                                       note=f"run {position + 1} of {len(order)}: iterate {now['k']} of "
                                             f"{self.steps}, {int((~done).sum())} images not fooled yet",
-                                       fraction=(position + state["k"] / self.steps) / len(order))
+                                       fraction=(position + now["k"] / self.steps) / len(order))
             res = apgd_single_run(model, images[todo], start[todo] if start is not None else None,
                                   lambda z, j, i=todo, f=loss_fn: f(z, i[j]),
                                   lambda z, j, i=todo, f=success_fn: f(z, i[j]),

@@ -127,10 +127,14 @@ def multi_targeted(attack, model: nn.Module, images: torch.Tensor, labels: torch
         put_rows(raw, saved["raw"])
         torch.set_rng_state(saved["rng"].cpu())   # restarts after the first draw their start from it
         first, first_restart, run = saved["target_class"], saved.get("restart", 0), saved.get("run")
+
+    def state(target_class: int, **run) -> dict:   # what the rest depends on, before `target_class`'s results
+        return {"target_class": target_class, "robust": robust, "raw": changed_rows(raw, images),
+                "rng": torch.get_rng_state(), **run}
+
     for target_class in range(first, n + 2):
         if target_class > first and progress is not None and progress.due():
-            progress.save({"target_class": target_class, "robust": robust, "raw": changed_rows(raw, images),
-                           "rng": torch.get_rng_state()},
+            progress.save(state(target_class),
                           note=f"target class {target_class - 2} of {n} done, {int(robust.sum())} images "
                                f"not fooled yet", fraction=(target_class - 2) / n)
         attack.target_class = target_class
@@ -143,12 +147,11 @@ def multi_targeted(attack, model: nn.Module, images: torch.Tensor, labels: torch
 
             def save(run_state, target_class=target_class, restart=restart):
                 if progress.due():
-                    state = run_state()
-                    progress.save({"target_class": target_class, "restart": restart, "robust": robust,
-                                   "raw": changed_rows(raw, images), "rng": torch.get_rng_state(), "run": state},
-                                  note=f"target class {target_class - 1} of {n}: iteration {state['it']} of "
+                    now = run_state()
+                    progress.save(state(target_class, restart=restart, run=now),
+                                  note=f"target class {target_class - 1} of {n}: iteration {now['it']} of "
                                        f"{attack.steps}, {int(robust.sum())} images not fooled yet",
-                                  fraction=(target_class - 2 + (restart + state["it"] / attack.steps) / restarts) / n)
+                                  fraction=(target_class - 2 + (restart + now["it"] / attack.steps) / restarts) / n)
             found = targeted_run(attack, x, y, use_rand_start=restart > 0, resume=resume,
                                  save=save if progress is not None else None)
             flat = (x - found).flatten(1)   # measured as torchattacks measures it
