@@ -15,7 +15,8 @@ import torch.nn as nn
 from robust_attn.attacks.base import ATTACKS, Attack, AttackConfig, AttackOutput, list_attacks, make_attack
 from robust_attn.cli import main
 from robust_attn.data import build_dataset
-from robust_attn.protocols.attack import CLEAN, logit_margin, run_attack, summarize_attack
+import robust_attn.protocols.attack as attack_protocol
+from robust_attn.protocols.attack import CLEAN, computation_order, logit_margin, run_attack, summarize_attack
 from robust_attn.protocols.transfer import EnsembleModel, run_transfer, summarize_transfer
 from robust_attn.registry import create_model
 from robust_attn.results import RunStore, load_records
@@ -224,6 +225,32 @@ def test_attack_records_resume_and_summaries(tmp_path, registered):
     summary = summarize_attack(full).set_index("condition")
     assert summary.loc[CLEAN, "robust_top1"] == pytest.approx(full[full.condition == CLEAN]["top1"].mean() * 100)
     assert summary.loc[CLEAN, "n_clean_correct"] == full[full.condition == CLEAN]["top1"].sum()
+
+
+def test_each_attack_runs_its_largest_radius_first(tmp_path, registered, monkeypatch):
+    """Cheap radii first (the module's Choices): groups keep their order, radii go down in each,
+    and the records equal those of a run in the given order."""
+    c = lambda attack, e, norm="linf": AttackConfig(attack, eps=e / 255, norm=norm)
+    configs = [c("apgd-ce", 1), c("square", 8), c("apgd-ce", 4), c("apgd-ce", 64, "l2"), c("apgd-ce", 2),
+               c("apgd-ce", 128, "l2")]
+    names = [x.name for x in configs]
+    assert computation_order(configs) == [CLEAN, names[2], names[4], names[0], names[1], names[5], names[3]]
+
+    registered(SignNoise)
+    dataset = build_dataset("synthetic", split="test", limit=6)
+    configs = [AttackConfig("test-sign-noise", eps=e / 255) for e in (1, 2, 4)]
+    written, write = [], RunStore.write_chunk
+    monkeypatch.setattr(RunStore, "write_chunk",
+                        lambda self, cond, a, b, rec: (written.append((cond, a)), write(self, cond, a, b, rec))[1])
+    run_attack(_tiny_model(), dataset, tmp_path / "run", configs=configs, num_classes=10, batch_size=3,
+               progress=False, checks=False)
+    order = [CLEAN] + [x.name for x in configs[::-1]]
+    assert written == [(name, a) for a in (0, 3) for name in order]
+    monkeypatch.setattr(RunStore, "write_chunk", write)
+    monkeypatch.setattr(attack_protocol, "computation_order", lambda configs: [CLEAN] + [x.name for x in configs])
+    run_attack(_tiny_model(), dataset, tmp_path / "given", configs=configs, num_classes=10, batch_size=3,
+               progress=False, checks=False)
+    pd.testing.assert_frame_equal(load_records(tmp_path / "run"), load_records(tmp_path / "given"))
 
 
 def test_targeted_attack_records_use_saved_targets(tmp_path, registered):

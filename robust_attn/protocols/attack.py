@@ -17,7 +17,13 @@ the largest other logit on the attacked image: negative means misclassified); ``
 score-based attack used, else -1); ``by`` (which member of an ensemble fooled the image,
 ``clean`` if it was misclassified without attack, ``none`` otherwise).
 
-Choices: the random draws of an attack on chunk ``[start, stop)`` are seeded with
+Choices: the conditions are computed clean first, then each attack (in the order given) from its
+largest radius to its smallest (:func:`computation_order`): an attack that stops on success
+(APGD, FAB-T, Square, AutoAttack's later members run only on the images still robust) costs
+least where most images fall early, so the cheap radii's records land first and a long run on
+a CPU gives its most telling numbers (the middle radii) before its most expensive one. The
+order changes nothing in the records (each condition's draws are seeded on their own).
+The random draws of an attack on chunk ``[start, stop)`` are seeded with
 ``seed * 2**32 + start``, so a resumed or sharded run computes the same images as an
 uninterrupted one, while the records depend on the batch size (recorded in run.json as the
 chunk size). Targets for targeted attacks are drawn like Table 10's
@@ -41,7 +47,7 @@ from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targ
 from robust_attn.protocols.registry import study_protocol
 from robust_attn.protocols.runner import open_run, run_chunks
 
-__all__ = ["PROTOCOL", "CLEAN", "attack_records", "logit_margin", "make_evaluator", "run_attack",
+__all__ = ["PROTOCOL", "CLEAN", "attack_records", "computation_order", "logit_margin", "make_evaluator", "run_attack",
            "summarize_attack", "config_from_condition"]
 
 PROTOCOL = "attack"
@@ -119,6 +125,16 @@ def make_evaluator(model: nn.Module, configs: Sequence[AttackConfig], targets: t
     return evaluate
 
 
+def computation_order(configs: Sequence[AttackConfig]) -> list[str]:
+    """Condition names in the order a run computes them: ``clean``, then the configs grouped by
+    attack, norm and targeting (groups in order of first appearance), each group from its
+    largest radius to its smallest (ties keep their given order); see the module's Choices."""
+    groups: dict[tuple, list[AttackConfig]] = {}
+    for c in configs:
+        groups.setdefault((c.attack, c.norm, c.targeted), []).append(c)
+    return [CLEAN] + [c.name for group in groups.values() for c in sorted(group, key=lambda c: -c.eps)]
+
+
 def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackConfig], num_classes: int,
                seed: int = 0, targets_file: str | Path | None = None, batch_size: int = 64,
                device: str | torch.device = "cpu", run_info: dict | None = None, rank: int = 0,
@@ -156,7 +172,7 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
                      conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank, device=device)
     if rank == 0 and targets is not None:
         save_targets(out_dir, labels, targets)
-    run_chunks(store, dataset, [c["name"] for c in conditions],
+    run_chunks(store, dataset, computation_order(configs),
                make_evaluator(model, configs, targets, device, state_dir=store.root / STATE_DIR,
                               log=_log_line if progress and rank == 0 else None),
                chunk_size=batch_size, rank=rank, world_size=world_size, num_workers=num_workers,
