@@ -54,10 +54,23 @@ def test_status_of_a_run_its_missing_chunk_and_the_autoattack_state_within_it(tm
     out = capsys.readouterr().out.splitlines()
     assert out[:2] == [f"{run}: attack, {store.description()['model']}: 1 of 2 chunks written",
                        f"  to compute: {config.name}[0:4]"]
+    # the finished conditions' top-1, as a direct evaluation of the model gives it
+    x = torch.stack([data[i][0] for i in range(4)])
+    y = torch.tensor([int(data[i][1]) for i in range(4)])
+    with torch.no_grad():
+        clean = 100 * (model(x).argmax(1) == y).float().mean().item()
+    assert out[2] == f"  top-1 of the finished conditions: clean {clean:.1f}% (4 images)"
     # described by the run's own condition: the standard ensemble's four members
-    assert out[2].startswith(f"  {config.name}[0:]: 1 of 4 members done, {robust} of 6 images robust; "
+    assert out[3].startswith(f"  {config.name}[0:]: 1 of 4 members done, {robust} of 6 images robust; "
                              f"apgd-t: {state['member']['note']}; 0 min in it, about 0 min left at that pace (saved ")
     assert re.fullmatch(r"run [1-8] of 9 done, [1-6] images not fooled yet", state["member"]["note"])
+
+    # damaged records are named, never summarized
+    clean_chunk = store.chunk_path("clean", 0, 4)
+    clean_chunk.write_bytes(clean_chunk.read_bytes() + b"0")
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("  records unreadable: ") and "top-1" not in "".join(out)
 
 
 def test_status_refuses_what_is_not_a_run(tmp_path, capsys):

@@ -1,7 +1,9 @@
 """``robust-attn status DIR...``: how far stored runs are. Per run: the chunks written of those
 its description asks for (the rest are what running its command again computes) and, for a chunk
 under way, the state an attack saved within it (AutoAttack: the members finished, the images
-still robust, where the member under way stands, and when that was saved). A folder of runs (a
+still robust, where the member under way stands, and when that was saved). An unfinished run
+also gives the top-1 of each condition it has finished (from its records, checksums verified), so
+a run that takes days shows its first numbers as they land. A folder of runs (a
 study's ``--runs``) stands for each run in it. Reads only; safe beside the processes writing."""
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ def run_lines(run: Path) -> list[str]:
     if missing:
         named = ", ".join(f"{c}[{a}:{b}]" for c, a, b in missing[:SHOWN])
         lines.append(f"  to compute: {named}" + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""))
+        lines.extend(_finished_lines(store, {c for c, _, _ in missing}))
     conditions = {c["name"]: c for c in desc.get("conditions", []) if isinstance(c, dict) and "name" in c}
     for path in sorted((run / STATE_DIR).glob("*.pt")):
         name, _, start = path.stem.rpartition("-")
@@ -66,6 +69,20 @@ def run_lines(run: Path) -> list[str]:
         state = torch.load(path, map_location="cpu", weights_only=True)
         lines.append(f"  {name}[{int(start)}:]: {attack.describe_state(state)} (saved {saved})")
     return lines
+
+
+def _finished_lines(store, unfinished: set[str]) -> list[str]:
+    """``top-1 so far: NAME X% (N images), ...`` over the conditions with every chunk written; a
+    line naming the problem where the records cannot be read (damaged, overlapping)."""
+    try:
+        records = store.records()
+    except ValueError as err:   # DamagedRecordsError included: say so, status never computes from it
+        return [f"  records unreadable: {str(err).splitlines()[0]}"]
+    if "top1" not in records.columns:
+        return []
+    done = records[~records["condition"].isin(unfinished)].groupby("condition", sort=False)["top1"]
+    shown = [f"{name} {100 * top1.mean():.1f}% ({len(top1)} images)" for name, top1 in done]
+    return [f"  top-1 of the finished conditions: {', '.join(shown)}"] if shown else []
 
 
 def run_status(args) -> int:
