@@ -70,6 +70,7 @@ import pandas as pd
 
 from robust_attn.claims import Claim, claim_chunk
 from robust_attn.packing import PACKED, csv_rows, is_packed, packed_computed_on, verify_packed, write_packed
+from robust_attn.utils.differences import describe_difference
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes
 
 __all__ = ["RunStore", "RunMismatchError", "DamagedRecordsError", "Claim", "load_records", "load_description",
@@ -192,8 +193,9 @@ class RunStore:
             now = _with_later_defaults(stored, description)
             differ = sorted(k for k in keys if _comparable(k, stored.get(k)) != _comparable(k, now.get(k)))
             if differ:
-                detail = "; ".join(f"{k}: stored {stored.get(k)!r}, now {description.get(k)!r}"
-                                   for k in differ[:4])
+                detail = "; ".join(
+                    f"{k}: {describe_difference(_comparable(k, stored.get(k)), _comparable(k, now.get(k)))}"
+                    for k in differ[:4])
                 raise RunMismatchError(
                     f"{self.root} holds a different run ({detail}). Resume it with the same model, "
                     f"data and protocol settings, or pass a new --out directory.")

@@ -122,6 +122,32 @@ def test_mismatching_description_is_a_clear_error(tmp_path):
                  protocol="p", parameters={"k": 1}, conditions=["a", "b", "c"], num_images=11, chunk_size=5)
 
 
+def test_a_mismatch_names_what_differs_briefly(tmp_path):
+    """Long conditions and parameters: the message lists the items one side lacks, or the field
+    of the item that changed, not both whole values."""
+    cond = lambda name, eps: {"name": name, "attack": "autoattack", "eps": eps, "options": {"x": list(range(50))}}
+    many = [cond(f"model{i}", 8) for i in range(30)]
+    params = {"targets": list(range(200)), "seed": 0}
+    open_run(tmp_path / "run", {"model": "m"}, protocol="p", parameters=params, conditions=many, num_images=4,
+             chunk_size=4)
+    with pytest.raises(RunMismatchError) as err:
+        open_run(tmp_path / "run", {"model": "m"}, protocol="p", parameters=params, conditions=many[:2],
+                 num_images=4, chunk_size=4)
+    message = str(err.value)
+    assert "conditions: 30 items stored, 2 now; only stored: 'model2', 'model3', 'model4', 'model5' and 24 more" in message
+    assert len(message) < 400
+    changed = many[:5] + [cond("model5", 4)] + many[6:]
+    with pytest.raises(RunMismatchError, match=r"conditions: item 'model5': \{eps: stored 8, now 4\}\)"):
+        open_run(tmp_path / "run", {"model": "m"}, protocol="p", parameters=params, conditions=changed,
+                 num_images=4, chunk_size=4)
+    with pytest.raises(RunMismatchError, match=r"parameters: \{seed: stored 0, now 1\}\)"):
+        open_run(tmp_path / "run", {"model": "m"}, protocol="p", parameters={**params, "seed": 1},
+                 conditions=many, num_images=4, chunk_size=4)
+    with pytest.raises(RunMismatchError, match=r"in another order: stored \['model0', 'model1', "):
+        open_run(tmp_path / "run", {"model": "m"}, protocol="p", parameters=params, conditions=many[::-1],
+                 num_images=4, chunk_size=4)
+
+
 def test_store_rejects_bad_chunks_and_reports_missing_run(tmp_path):
     store = RunStore(tmp_path / "x")
     with pytest.raises(FileNotFoundError, match="robust-attn eval"):
