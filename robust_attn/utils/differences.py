@@ -39,6 +39,6 @@ def describe_difference(stored, now, depth: int = 0) -> str:
             return (f"item {_item(stored[i])}: {describe_difference(stored[i], now[i], depth + 1)}"
                     + (f" (and {len(changed) - 1} more items)" if len(changed) > 1 else ""))
         listed = lambda items: ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
-        return (f"{len(old)} items stored, {len(new)} now"
-                + (f"; only stored: {listed(gone)}" if gone else "") + (f"; only now: {listed(added)}" if added else ""))
+        return (f"{len(old)} items stored, {len(new)} now" + (f"; only stored: {listed(gone)}" if gone else "")
+                + (f"; only now: {listed(added)}" if added else ""))
     return f"stored {_short(stored)}, now {_short(now)}"
