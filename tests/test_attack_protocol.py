@@ -475,3 +475,36 @@ def test_an_image_put_back_in_play_on_resume_faces_the_finished_members_again(tm
     # the same state without APGD-CE's second chance: Square alone (one query) leaves image 0 robust
     sq = make_attack(AttackConfig("autoattack", eps=0.01, queries=1, options={"attacks": ["square"]}))
     assert sq.run(_Linear().eval(), images, labels).by == ["", "clean"]
+
+
+@pytest.mark.parametrize("eps,kept", [(0.01, True), (1e-6, False)])
+def test_a_members_progress_survives_images_put_back_in_play_when_they_are_fooled_again(tmp_path, monkeypatch,
+                                                                                         eps, kept):
+    """Image 0 comes back in play on resume (as in the test above). When APGD-CE fools it again
+    (eps 0.01), Square faces the very images its saved progress was made on and goes on from it;
+    when it does not (eps 1e-6), the progress was made on other images and Square starts again."""
+    import robust_attn.attacks.autoattack as autoattack
+
+    given = []
+
+    class Recording(autoattack.Progress):
+        def __init__(self, state, *args, **kwargs):
+            given.append(state)
+            super().__init__(None, *args, **kwargs)   # Square itself starts afresh: only the hand-over is tested
+    monkeypatch.setattr(autoattack, "Progress", Recording)
+    images = torch.full((3, 1, 2, 2), 0.5005)
+    images[1], images[2] = 0.1, 0.9   # misclassified; robust at either eps (class 0 by 0.4)
+    labels = torch.tensor([0, 0, 0])
+    config = AttackConfig("autoattack", eps=eps, steps=5, queries=1, options={"attacks": ["apgd-ce", "square"]})
+    aa = make_attack(config)
+    aa.state_path = tmp_path / "state.pt"
+    lines = []
+    aa.log = lines.append
+    member = {"attack": "square", "device": "cpu", "note": "query 3 of 5"}
+    aa._save_state(aa._state_key(images, labels), 1, images.clone(), torch.tensor([False, False, True]),
+                   ["apgd-ce", "clean", ""], torch.zeros(3, dtype=torch.long), member=member)
+    out = aa.run(_Linear().eval(), images, labels)
+    assert given == [member if kept else None]
+    assert out.by == (["apgd-ce", "clean", ""] if kept else ["", "clean", ""])
+    assert any("still robust; its saved progress was on other images" in line for line in lines) != kept
+

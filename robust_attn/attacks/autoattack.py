@@ -27,8 +27,10 @@ its own and sees only the images still robust. On resuming, the images the state
 judged again in the chunk's batch (a state written on another device, or before members were
 judged in the whole batch, may mark one that this forward classifies correctly); such an image is
 back in play and first faces the members already finished (on those images alone), then the
-rest. The members also save their progress within their run in the same file (every ``progress_every_s`` seconds; :mod:`robust_attn.attacks.progress`),
-so a killed member resumes where it was rather than from its beginning; a stop signal (SIGTERM,
+rest; the member under way keeps its saved progress when they fool every such image again (it
+then faces the images its progress was made on), else it starts again. The members also save
+their progress within their run in the same file (every ``progress_every_s`` seconds;
+:mod:`robust_attn.attacks.progress`), so a killed member resumes where it was rather than from its beginning; a stop signal (SIGTERM,
 SIGINT) during a run with a state saves at the next chance and then stops
 (:mod:`robust_attn.attacks.stopping`); ``log`` is told of each
 finished member and each save, and :meth:`AutoAttack.describe_state` reads a saved state back
@@ -160,10 +162,9 @@ class AutoAttack(Attack):
             with torch.no_grad():   # states saved before members were judged in the whole batch: judge again
                 kept = (model(adv).argmax(1) != labels).tolist()
             back = [i for i, b in enumerate(by) if b not in ("", "clean") and not kept[i]]
+            member_saw = robust.clone()   # the images the member under way was attacking
             for i in back:   # not fooled in the chunk's batch: back in play
                 by[i], robust[i], adv[i] = "", True, images[i]
-            if back:   # the member under way saw other images: its progress does not fit, it starts again
-                saved = {k: v for k, v in saved.items() if k != "member"}
         else:
             back = []
             adv = images.clone()
@@ -182,9 +183,16 @@ class AutoAttack(Attack):
                     continue
                 break
             attack = make_attack(self.member_config(member, position, logits.shape[1]))
+            resumed = saved.get("member") if saved is not None and position == first else None
+            if resumed is not None and not torch.equal(robust, member_saw):
+                # images put back in play and not fooled again: the member's progress was made on
+                # other images and does not fit; it starts again (when all were, it goes on)
+                self._log(f"{member}: {int((robust & ~member_saw).sum())} images put back in play are still "
+                          f"robust; its saved progress was on other images, so it starts again")
+                resumed = None
             if self.state_path is not None and not catch_up:   # the member may save its progress in the state
                 attack.progress = Progress(
-                    saved.get("member") if saved is not None and position == first else None,
+                    resumed,
                     lambda m, p=position: self._save_state(key, p, adv, robust, by, queries, member=m),
                     attack=member, device=rng.GENERATOR_DEVICE if attack.portable_progress else images.device,
                     every_s=self.progress_every_s, log=self._log)
