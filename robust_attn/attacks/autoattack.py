@@ -32,8 +32,9 @@ then faces the images its progress was made on), else it starts again. The membe
 their progress within their run in the same file (every ``progress_every_s`` seconds;
 :mod:`robust_attn.attacks.progress`), so a killed member resumes where it was rather than from
 its beginning; a stop signal (SIGTERM, SIGINT) during a run with a state saves at the next chance
-and then stops (:mod:`robust_attn.attacks.stopping`); ``log`` is told of each finished member and each save, and :meth:`AutoAttack.describe_state` reads a saved state back
-(``robust-attn status``).
+and then stops (:mod:`robust_attn.attacks.stopping`); ``log`` is told of each finished member
+and each save, and :meth:`AutoAttack.describe_state` reads a saved state back (``robust-attn
+status``).
 
 Each member is seeded from the ensemble's ``seed``; its other settings are the member's own
 defaults (the standard version's), except ``steps``, ``restarts`` and ``queries`` when the
