@@ -72,8 +72,9 @@ def run_lines(run: Path) -> list[str]:
 
 
 def _finished_lines(store, unfinished: set[str]) -> list[str]:
-    """``top-1 so far: NAME X% (N images), ...`` over the conditions with every chunk written; a
-    line naming the problem where the records cannot be read (damaged, overlapping)."""
+    """``top-1 of the finished conditions: NAME X% (N images), ...`` over the conditions with every
+    chunk written; a line naming the problem where the records cannot be read (damaged,
+    overlapping)."""
     try:
         records = store.records()
     except ValueError as err:   # DamagedRecordsError included: say so, status never computes from it

@@ -47,8 +47,8 @@ from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targ
 from robust_attn.protocols.registry import study_protocol
 from robust_attn.protocols.runner import open_run, run_chunks
 
-__all__ = ["PROTOCOL", "CLEAN", "attack_records", "computation_order", "logit_margin", "make_evaluator", "run_attack",
-           "summarize_attack", "config_from_condition"]
+__all__ = ["PROTOCOL", "CLEAN", "attack_records", "computation_order", "logit_margin", "make_evaluator",
+           "run_attack", "summarize_attack", "config_from_condition"]
 
 PROTOCOL = "attack"
 CLEAN = "clean"
