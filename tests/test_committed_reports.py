@@ -22,7 +22,7 @@ CORRUPTION = {"study-fashion_mnist": 10000, "study-cifar10": 2000, "study-cifar1
 ATTACKS = ("study-fashion_mnist", "study-cifar10")
 # the reports with AutoAttack runs: their APGD-CE protocol runs too (or none), and how many models
 AUTOATTACK = {"study-fashion_mnist": (("autoattack", "apgd"), 7), "study-cifar10": (("autoattack", "apgd"), 7),
-              "autoattack-cifar10": (("autoattack",), 6), "autoattack-fashion_mnist": (("autoattack",), 1)}
+              "autoattack-cifar10": (("autoattack",), 7), "autoattack-fashion_mnist": (("autoattack",), 1)}
 # every report with packed runs, and the zoo dataset whose checkpoints computed them
 CHECKPOINTS = {**REPORTS, "autoattack-cifar10": "cifar10", "autoattack-fashion_mnist": "fashion_mnist"}
 # the AutoAttack reports at 1, 2, 4 and 8/255 beside the study they complete, the radii at which
@@ -111,6 +111,8 @@ def test_robust_accuracy_and_autoattack_members_are_what_the_attack_records_say(
     table = pd.read_csv(ROOT / "reports" / report / "robust_accuracy.csv")
     members = pd.read_csv(ROOT / "reports" / report / "autoattack_members.csv")
     protocols, num_models = AUTOATTACK[report]
+    models = pd.read_csv(ROOT / "reports" / report / "models.csv").set_index("model")
+    devices = models["computed_on"] if "computed_on" in models else pd.Series("cpu", index=models.index)
     seen = set()
     for protocol in protocols:
         for run in _runs(report, protocol):
@@ -122,7 +124,9 @@ def test_robust_accuracy_and_autoattack_members_are_what_the_attack_records_say(
                 row = table[(table["model"] == run.model) & (table["column"] == label)]
                 assert len(row) == 1, (run.model, label)
                 assert row["n"].item() == len(group) == 1000
-                assert row["top1"].item() == pytest.approx(group["top1"].mean() * 100, abs=1e-3)
+                # the table's clean column is one run's; another run's clean pass on a GPU may flip one image
+                flipped = GPU_FLIPS if label == "clean" and "cuda" in devices[run.model] else 0
+                assert row["top1"].item() == pytest.approx(group["top1"].mean() * 100, abs=flipped / 10 + 1e-3)
                 assert (group["linf"] <= c["eps"] + 1e-6).all()
                 if c["attack"] == "autoattack":
                     mine = members[(members["model"] == run.model) & (members["attack"] == label)].iloc[0]
