@@ -31,10 +31,10 @@ def describe_difference(stored, now, depth: int = 0) -> str:
         old, new = [_item(v) for v in stored], [_item(v) for v in now]
         gone, added = [v for v in old if v not in new], [v for v in new if v not in old]
         if not gone and not added:
-            changed = [i for i, (a, b) in enumerate(zip(stored, now)) if a != b]
-            if old != new or not changed:
+            if old != new:
                 return (f"the same {len(old)} items in another order: stored [{_cut(', '.join(old))}], "
                         f"now [{_cut(', '.join(new))}]")
+            changed = [i for i, (a, b) in enumerate(zip(stored, now)) if a != b]   # same names: contents differ
             i = changed[0]
             return (f"item {_item(stored[i])}: {describe_difference(stored[i], now[i], depth + 1)}"
                     + (f" (and {len(changed) - 1} more items)" if len(changed) > 1 else ""))
