@@ -46,7 +46,9 @@ Where each chunk was computed. ``run.json`` keeps the description of the run's f
 its ``device`` says where that start ran; a run resumed elsewhere (started on a GPU, finished on
 a CPU, where float rounding can flip a prediction) is more than that. So each chunk's manifest
 entry also names the type of device of the process that wrote it (``"device"``: ``cpu``, ``cuda``; an AutoAttack chunk
-resumed from its saved state may have run its first members on another), and a packed run's
+resumed from its saved state may have run its first members on another) and the hardware
+(``"hardware"``: the CPU's kernel level, fingerprint and threads, or the GPU's name; float rounding
+differs between machines, :mod:`robust_attn.utils.hardware`), and a packed run's
 ``checksums.json`` keeps the count per device (``"computed_on"``): :meth:`RunStore.computed_on`,
 shown in the report's model table. Chunks written before this existed count as ``"not recorded"``.
 
@@ -71,6 +73,7 @@ import pandas as pd
 from robust_attn.claims import Claim, claim_chunk
 from robust_attn.packing import PACKED, csv_rows, is_packed, packed_computed_on, verify_packed, write_packed
 from robust_attn.utils.differences import describe_difference
+from robust_attn.utils.hardware import hardware_label
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes
 
 __all__ = ["RunStore", "RunMismatchError", "DamagedRecordsError", "Claim", "load_records", "load_description",
@@ -246,6 +249,7 @@ class RunStore:
         entry = {"rows": len(frame), "sha256": sha256_bytes(data)}
         if self.device is not None:
             entry["device"] = self.device
+            entry["hardware"] = hardware_label(self.device)
         atomic_write_json(self.checksum_path(path), entry)
         with atomic_path(path) as tmp:
             tmp.write_bytes(data)
@@ -380,18 +384,21 @@ class RunStore:
         return verify_packed(self.root, f"python -m robust_attn.results seal {self.root}")
 
     def computed_on(self) -> dict[str, int]:
-        """How many record chunks each device computed (module docstring), e.g. ``{"cpu": 4,
-        "cuda": 1}``; chunks whose entry names none count as ``"not recorded"``. A packed run
-        answers from its ``checksums.json`` (empty for a run packed before this existed)."""
+        """How many record chunks each device computed (module docstring), by the hardware the
+        entry names (:func:`robust_attn.utils.hardware.hardware_label`, e.g. ``{"cpu AVX512
+        96ccc860eb 1 thread": 4, "cuda NVIDIA H200": 1}``), else by its device type (entries
+        written before they named the hardware: ``{"cpu": 4}``); chunks whose entry names neither
+        count as ``"not recorded"``. A packed run answers from its ``checksums.json`` (empty for a
+        run packed before this existed)."""
         if self.packed:
             return packed_computed_on(self.root)
         counts = Counter()
         for c, a, b in self.chunks():
             try:
-                device = json.loads(self.checksum_path(self.chunk_path(c, a, b)).read_text()).get("device")
+                entry = json.loads(self.checksum_path(self.chunk_path(c, a, b)).read_text())
             except (FileNotFoundError, ValueError):
-                device = None
-            counts[str(device) if device else "not recorded"] += 1
+                entry = {}
+            counts[str(entry.get("hardware") or entry.get("device") or "not recorded")] += 1
         return dict(sorted(counts.items()))
 
     def pack(self, dest: str | Path) -> "RunStore":

@@ -18,6 +18,7 @@ from robust_attn.reference import reference_table
 from robust_attn.reports import make_report
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.reports.tables import format_rotation, load_runs, rotation_table, to_latex, to_markdown
+from robust_attn.utils.hardware import hardware_label
 from robust_attn.wrapper import NormalizedModel
 
 
@@ -149,7 +150,7 @@ def test_report_pack_copies_the_runs_and_rederives_from_them(runs, tmp_path, cap
         pd.testing.assert_frame_equal(pd.read_csv(again / name).drop(columns="run", errors="ignore"),
                                       pd.read_csv(out / name).drop(columns="run", errors="ignore"))
     # where the records were computed survives packing (per chunk; these ran on this CPU)
-    assert pd.read_csv(again / "models.csv")["computed_on"].tolist() == ["cpu", "cpu"]
+    assert pd.read_csv(again / "models.csv")["computed_on"].tolist() == [hardware_label("cpu")] * 2
     assert "| Computed on |" in (again / "report.md").read_text()
 
 

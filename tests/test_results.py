@@ -13,6 +13,7 @@ from robust_attn.distributed import shard_indices
 from robust_attn.protocols.runner import chunk_grid, open_run, run_chunks
 from robust_attn.reports.models import computed_on
 from robust_attn.results import RunMismatchError, RunStore, load_records
+from robust_attn.utils.hardware import cpu_fingerprint
 
 
 def _dataset(n=11):
@@ -221,29 +222,48 @@ def test_runs_recorded_before_a_later_parameter_resume_with_its_old_value_only(t
         new.open(base)   # once stored, compared as any other parameter
 
 
-def test_each_chunk_names_the_device_that_computed_it_and_a_packed_run_keeps_the_counts(tmp_path):
-    """A run started on one device and resumed on another (a GPU, then a CPU) says which chunks
-    each computed: run.json keeps the first start's device, the chunk entries each their own,
-    and packing keeps the counts (checksums still verify)."""
-    store = _open(tmp_path, device="cuda:0")   # what --device cuda resolves to: counted by type
-    with pytest.raises(KeyboardInterrupt):
-        run_chunks(store, _dataset(), ["a", "b", "c"], Counting(fail_after=2), chunk_size=4, progress=False)
-    store = _open(tmp_path, device="cpu")   # resumed elsewhere: the same run (device is volatile)
-    run_chunks(store, _dataset(), ["a", "b", "c"], Counting(), chunk_size=4, progress=False)
+def test_each_chunk_names_the_hardware_that_computed_it_and_a_packed_run_keeps_the_counts(tmp_path):
+    """A run started on one device and resumed on another (a GPU, then a CPU with one thread,
+    then two) says which chunks each computed: run.json keeps the first start's device, the
+    chunk entries each their own hardware (float rounding differs between them), and packing
+    keeps the counts (checksums still verify)."""
+    gpu = f"cuda {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cuda"
+    threads = torch.get_num_threads()
+    try:
+        store = _open(tmp_path, device="cuda:0")   # what --device cuda resolves to
+        with pytest.raises(KeyboardInterrupt):
+            run_chunks(store, _dataset(), ["a", "b", "c"], Counting(fail_after=2), chunk_size=4, progress=False)
+        torch.set_num_threads(1)
+        store = _open(tmp_path, device="cpu")   # resumed elsewhere: the same run (device is volatile)
+        with pytest.raises(KeyboardInterrupt):
+            run_chunks(store, _dataset(), ["a", "b", "c"], Counting(fail_after=3), chunk_size=4, progress=False)
+        torch.set_num_threads(2)   # and again with two threads: another float environment
+        run_chunks(store, _dataset(), ["a", "b", "c"], Counting(), chunk_size=4, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    cpu = f"cpu {torch.backends.cpu.get_cpu_capability()} {cpu_fingerprint()}"
+    expected = {f"{cpu} 1 thread": 3, f"{cpu} 2 threads": 4, gpu: 2}
     assert store.description()["device"] == "cuda:0"
-    assert store.computed_on() == {"cpu": 7, "cuda": 2} == RunStore(store.root).computed_on()
+    assert store.computed_on() == expected == RunStore(store.root).computed_on()
     assert store.verify() == []
     packed = store.pack(tmp_path / "packed")
-    assert packed.verify() == [] and packed.computed_on() == {"cpu": 7, "cuda": 2}
+    assert packed.verify() == [] and packed.computed_on() == expected
     # the report's model table, over a model's runs (here the run and its packed copy)
-    assert computed_on([SimpleNamespace(path=store.root), SimpleNamespace(path=packed.root)]) == "cpu 14, cuda 4 chunks"
+    where = f"{cpu} 1 thread: 6 chunks, {cpu} 2 threads: 8 chunks, {gpu}: 4 chunks"
+    assert computed_on([SimpleNamespace(path=store.root), SimpleNamespace(path=packed.root)]) == where
     assert computed_on([SimpleNamespace(path=tmp_path / "nothing")]) == "not recorded"
     # a run whose first start put the attention layers on the reference path says so
     started = [SimpleNamespace(path=store.root, description={"attention_path": "reference"}),
                SimpleNamespace(path=packed.root, description={"attention_path": "lean"})]
-    assert computed_on(started) == "cpu 14, cuda 4 chunks; started on the reference attention path"
-    entry = json.loads(next((store.root / "manifest").rglob("*.sha256")).read_text())
-    entry.pop("device")   # a chunk written before entries named the device
-    next((store.root / "manifest").rglob("*.sha256")).write_text(json.dumps(entry))
-    assert sum(store.computed_on().values()) == 9 and store.computed_on().get("not recorded") == 1
+    assert computed_on(started) == where + "; started on the reference attention path"
+    first, second = sorted((store.root / "manifest").rglob("*.sha256"))[:2]
+    entry = json.loads(first.read_text())
+    entry.pop("hardware")   # a chunk written before entries named the hardware: its device type
+    first.write_text(json.dumps(entry))
+    entry = json.loads(second.read_text())
+    entry.pop("hardware"), entry.pop("device")   # before entries named the device
+    second.write_text(json.dumps(entry))
+    counts = store.computed_on()
+    assert sum(counts.values()) == 9 and counts.get("not recorded") == 1
+    assert len(set(counts) & {"cpu", "cuda"}) == 1
     assert store.verify() == []

@@ -30,15 +30,15 @@ against.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import platform
 import sys
 import warnings
 from pathlib import Path
 
 import torch
+
+from robust_attn.utils.hardware import cpu_fingerprint
 
 __all__ = ["kernel_available", "uses_kernel", "window_dot", "window_sum", "window_scatter", "window_fold",
            "window_dot_torch", "window_sum_torch", "window_scatter_torch", "window_fold_torch", "pairwise_moments",
@@ -50,17 +50,6 @@ _SOURCES = [Path(__file__).resolve().parent / "csrc" / name
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 _module = None
 _load_failed = False
-
-
-def _cpu_fingerprint() -> str:
-    """Short hash of this CPU's model and instruction sets: the build uses ``-march=native``, so a
-    build cache shared between different machines must not hand one machine another's binary."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = [platform.processor(), platform.machine()]
-    return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
 
 
 def _announce_build(name: str) -> None:
@@ -91,7 +80,7 @@ def _load():
     quiet.setLevel(logging.ERROR)
     try:
         from torch.utils.cpp_extension import load
-        name = f"robust_attn_cpu_kernels_{_cpu_fingerprint()}"
+        name = f"robust_attn_cpu_kernels_{cpu_fingerprint()}"   # -march=native: one build per CPU
         _announce_build(name)
         _module = load(name=name, sources=[str(p) for p in _SOURCES],
                        extra_cflags=["-O3", "-march=native", "-fopenmp"],

@@ -3,9 +3,9 @@
 One row per model (the runs of the same weights on the same data share it), labelled as in the
 other tables: its source and spec (:mod:`robust_attn.sources`), where its weights came from with
 their sha256 (shortened), the preprocessing its images went through, and its parameter count,
-all read from the runs' ``run.json`` (:mod:`robust_attn.sources.provenance`), and the devices
+all read from the runs' ``run.json`` (:mod:`robust_attn.sources.provenance`), and the hardware
 that computed its records (per chunk, :meth:`robust_attn.results.RunStore.computed_on`: a run
-started on a GPU and finished on a CPU says so). Runs recorded before these keys existed show
+started on a GPU and finished on a CPU, or resumed on another machine, says so). Runs recorded before these keys existed show
 what they have (a zoo entry, a checkpoint hash) and ``-`` or "not recorded" elsewhere.
 """
 from __future__ import annotations
@@ -21,9 +21,10 @@ __all__ = ["model_table", "format_model_table", "computed_on", "MODELS_CAPTION",
 
 MODELS_CAPTION = ("Where each model came from: source and spec, weights (origin and sha256, first 12 hex "
                   "digits), the preprocessing of its images (resize of the shorter side, centre crop; the "
-                  "normalization is inside the model), its parameters, and the devices that computed its "
-                  "records (record chunks per device where there are several; runs started with the SAN "
-                  "and SASA layers on their reference path say so).")
+                  "normalization is inside the model), its parameters, and the hardware that computed its "
+                  "records (the CPU's kernel level, fingerprint and threads, or the GPU; the record chunks of "
+                  "each where there are several; runs started with the SAN and SASA layers on their "
+                  "reference path say so).")
 
 
 def describe_preprocessing(preprocessing: dict | None) -> str:
@@ -57,8 +58,10 @@ def _weights(description: dict) -> tuple[str, str]:
 
 
 def computed_on(runs: list[Run]) -> str:
-    """``cpu``, or ``cpu 4, cuda 1 chunks`` where several devices computed the runs' records;
-    ``not recorded`` for runs written before chunks named their device. Runs whose first start
+    """The hardware that computed the runs' records (:meth:`robust_attn.results.RunStore.computed_on`:
+    ``cpu AVX512 96ccc860eb 1 thread``, or plain ``cpu`` for chunks written before entries named
+    the hardware), with the chunks of each where there are several (``cpu ...: 4 chunks, cuda
+    NVIDIA H200: 1 chunk``); ``not recorded`` for runs written before chunks named their device. Runs whose first start
     put the SAN / SASA layers on another than the default lean path (``attention_path`` in
     run.json, :mod:`robust_attn.layers.paths`) add ``; started on the reference attention path``."""
     counts = sum((Counter(RunStore(run.path).computed_on()) for run in runs), Counter())
@@ -67,7 +70,7 @@ def computed_on(runs: list[Run]) -> str:
     elif len(counts) == 1:
         where = next(iter(counts))
     else:
-        where = ", ".join(f"{d} {n}" for d, n in sorted(counts.items())) + " chunks"
+        where = ", ".join(f"{d}: {n} chunk{'s' if n != 1 else ''}" for d, n in sorted(counts.items()))
     paths = sorted({getattr(run, "description", {}).get("attention_path") for run in runs} - {None, "lean"})
     return where + "".join(f"; started on the {p} attention path" for p in paths)
 

@@ -1,0 +1,48 @@
+"""What a record was computed with, finer than the device type: float rounding differs between machines.
+
+Two runs of the same code, weights, images and seeds agree bit for bit on one machine but not
+always across machines: ATen and oneDNN pick their kernels by the CPU's instruction set, and the
+CPU kernels are built with ``-march=native`` (:mod:`robust_attn.layers.cpu_kernels`), so a
+borderline image can go another way (measured: the Fashion-MNIST study's AutoAttack run of
+sasa_resnet26 at 8/255, computed on another machine two days earlier, differs from a run here in
+the margins of 88 of 1,000 images and the prediction of 3, while the study's own commit run
+again here reproduces today's run on every field). Each record chunk therefore names its
+hardware (:meth:`robust_attn.results.RunStore.write_chunk`): the CPU's kernel level as PyTorch
+dispatches it, a short hash of the CPU's model and flags, and the threads; or the GPU's name.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from pathlib import Path
+
+__all__ = ["cpu_fingerprint", "hardware_label"]
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_fingerprint() -> str:
+    """Short hash of this CPU's model name and instruction-set flags (the first of each in
+    ``/proc/cpuinfo``; elsewhere the processor and machine names)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor(), platform.machine()]
+    return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
+
+
+def hardware_label(device: str) -> str:
+    """``cpu AVX512 96ccc860eb 1 thread`` for a CPU process (PyTorch's CPU capability, the CPU's
+    fingerprint, ``torch.get_num_threads()``), ``cuda NVIDIA H200`` for a GPU one (the current
+    device's name); the device type alone for anything else."""
+    import torch   # here, so that the results store imports without torch
+
+    kind = str(device).split(":")[0]
+    if kind == "cpu":
+        threads = torch.get_num_threads()
+        return (f"cpu {torch.backends.cpu.get_cpu_capability()} {cpu_fingerprint()} "
+                f"{threads} thread{'s' if threads != 1 else ''}")
+    if kind == "cuda" and torch.cuda.is_available():
+        return f"cuda {torch.cuda.get_device_name()}"
+    return kind
