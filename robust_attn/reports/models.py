@@ -5,8 +5,9 @@ other tables: its source and spec (:mod:`robust_attn.sources`), where its weight
 their sha256 (shortened), the preprocessing its images went through, and its parameter count,
 all read from the runs' ``run.json`` (:mod:`robust_attn.sources.provenance`), and the hardware
 that computed its records (per chunk, :meth:`robust_attn.results.RunStore.computed_on`: a run
-started on a GPU and finished on a CPU, or resumed on another machine, says so). Runs recorded before these keys existed show
-what they have (a zoo entry, a checkpoint hash) and ``-`` or "not recorded" elsewhere.
+started on a GPU and finished on a CPU, or resumed on another machine, says so). Runs recorded
+before these keys existed show what they have (a zoo entry, a checkpoint hash) and ``-`` or "not
+recorded" elsewhere.
 """
 from __future__ import annotations
 
@@ -61,9 +62,10 @@ def computed_on(runs: list[Run]) -> str:
     """The hardware that computed the runs' records (:meth:`robust_attn.results.RunStore.computed_on`:
     ``cpu AVX512 96ccc860eb 1 thread``, or plain ``cpu`` for chunks written before entries named
     the hardware), with the chunks of each where there are several (``cpu ...: 4 chunks, cuda
-    NVIDIA H200: 1 chunk``); ``not recorded`` for runs written before chunks named their device. Runs whose first start
-    put the SAN / SASA layers on another than the default lean path (``attention_path`` in
-    run.json, :mod:`robust_attn.layers.paths`) add ``; started on the reference attention path``."""
+    NVIDIA H200: 1 chunk``); ``not recorded`` for runs written before chunks named their device.
+    Runs whose first start put the SAN / SASA layers on another than the default lean path
+    (``attention_path`` in run.json, :mod:`robust_attn.layers.paths`) add ``; started on the
+    reference attention path``."""
     counts = sum((Counter(RunStore(run.path).computed_on()) for run in runs), Counter())
     if not counts:
         where = "not recorded"
