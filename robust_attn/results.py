@@ -49,7 +49,7 @@ entry also names the type of device of the process that wrote it (``"device"``: 
 resumed from its saved state may have run its first members on another) and the hardware
 (``"hardware"``: the CPU's kernel level, fingerprint and threads, or the GPU's name; float rounding
 differs between machines, :mod:`robust_attn.utils.hardware`), and a packed run's
-``checksums.json`` keeps the count per device (``"computed_on"``): :meth:`RunStore.computed_on`,
+``checksums.json`` keeps the count per hardware (``"computed_on"``): :meth:`RunStore.computed_on`,
 shown in the report's model table. Chunks written before this existed count as ``"not recorded"``.
 
 Claims (concurrency): several processes share one run's chunks by claiming each before
