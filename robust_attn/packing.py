@@ -69,8 +69,8 @@ def verify_packed(root: Path, seal_hint: str) -> tuple[list[tuple[Path, str]], b
 
 
 def packed_computed_on(root: Path) -> dict[str, int]:
-    """The record chunks per hardware (or device) the packed run's ``checksums.json`` keeps (empty for a run
-    packed before it kept them)."""
+    """The record chunks per hardware (or device) the packed run's ``checksums.json`` keeps
+    (empty for a run packed before it kept them)."""
     try:
         return dict(json.loads((root / PACKED_MANIFEST).read_text()).get("computed_on", {}))
     except (FileNotFoundError, ValueError):
