@@ -17,6 +17,7 @@ from robust_attn.protocols.rotation import rotation_conditions, run_rotation
 from robust_attn.reference import reference_table
 from robust_attn.reports import make_report
 from robust_attn.reports.stats import bootstrap_mean_ci
+from robust_attn.results import load_records
 from robust_attn.reports.tables import format_rotation, load_runs, rotation_table, to_latex, to_markdown
 from robust_attn.utils.hardware import hardware_label
 from robust_attn.wrapper import NormalizedModel
@@ -210,3 +211,53 @@ def test_autoattack_by_that_disagrees_with_the_record_is_reported(tmp_path):
     assert autoattack_disagreements([Run(tmp_path, description, fixed)]).empty
     md, _ = attack_sections([Run(tmp_path, description, fixed)], tmp_path, n_boot=10, plots=False)
     assert not any("disagrees" in line for line in md)
+
+
+def test_partial_report_shows_the_finished_radii_of_unfinished_attack_runs(runs, tmp_path, capsys):
+    """``--partial``: an unfinished attack run contributes each radius whose every chunk is
+    written, on all of its images, with the numbers a finished run of those radii gives; the
+    report names the radii left out. Without it the run is an error; an unfinished run whose
+    protocol combines its conditions (rotation) is one even with it; ``--pack`` refuses it."""
+    from robust_attn.attacks.base import AttackConfig
+    from robust_attn.protocols.attack import run_attack
+    from robust_attn.results import RunStore
+
+    data = build_dataset("synthetic", split="test", limit=8)
+    configs = [AttackConfig("pgd", eps=e / 255, steps=2, step=e / 510) for e in (2, 8)]
+    done, cut = [run_attack(_tiny(), data, tmp_path / name, configs=configs, num_classes=10, batch_size=4,
+                            run_info={**_info(model, "synthetic"), "model": model}, progress=False, checks=False)
+                 for name, model in (("done", "resnet26"), ("cut", "aa_resnet26"))]
+    whole = load_records(cut.root)
+    chunk = cut.chunk_path(configs[0].name, 4, 8)       # the 2/255 radius lacks its second chunk
+    chunk.unlink()
+    RunStore.checksum_path(chunk).unlink()
+    out, whole_out = tmp_path / "partial", tmp_path / "whole"
+    assert main(["report", str(done.root), str(cut.root), "--out", str(out), "--no-plots"]) == 2
+    assert "unfinished" in capsys.readouterr().err
+    assert main(["report", str(done.root), str(cut.root), "--out", str(out), "--no-plots", "--bootstrap", "50",
+                 "--partial"]) == 0
+    md = (out / "report.md").read_text()
+    assert "**Partial report" in md and f"- `{cut.root}`: {configs[0].name}" in md
+    table = pd.read_csv(out / "robust_accuracy.csv")
+    cut_rows = table[table["model"] == "aa_resnet26"].set_index("column")
+    assert list(cut_rows.index) == ["clean", "pgd 8/255"] and (cut_rows["n"] == 8).all()
+    top1 = whole[whole["condition"] == configs[1].name]["top1"].mean() * 100
+    assert cut_rows.loc["pgd 8/255", "top1"] == pytest.approx(top1)
+    assert "| model | dataset | clean | pgd 2/255 | pgd 8/255 | images |" in md   # by radius, whoever has it
+    # the finished run's rows are those of its report alone
+    assert main(["report", str(done.root), "--out", str(whole_out), "--no-plots", "--bootstrap", "50"]) == 0
+    full = pd.read_csv(whole_out / "robust_accuracy.csv")
+    pd.testing.assert_frame_equal(table[table["model"] == "resnet26"].reset_index(drop=True),
+                                  full[full["model"] == "resnet26"].reset_index(drop=True))
+    comparison = pd.read_csv(out / "comparison.csv")
+    assert set(comparison.loc[comparison["measure"] == f"attack_drop:{configs[0].name}", "model"]) == {"resnet26"}
+    assert set(comparison.loc[comparison["measure"] == f"attack_drop:{configs[1].name}", "model"]) == {
+        "resnet26", "aa_resnet26"}
+    # a rotation run left unfinished stays an error; --pack does not go with --partial
+    rot = run_rotation(_tiny(), data, tmp_path / "rot", conditions=rotation_conditions(0), batch_size=4,
+                       run_info=_info("resnet26", "synthetic"), progress=False)
+    rot.chunk_path("cw90", 4, 8).unlink()
+    assert main(["report", str(rot.root), "--out", str(tmp_path / "o"), "--no-plots", "--partial"]) == 2
+    assert "combines its conditions" in capsys.readouterr().err
+    assert main(["report", str(cut.root), "--out", str(tmp_path / "o"), "--partial", "--pack"]) == 2
+    assert "does not go with --partial" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 the published numbers beside ours, bootstrap intervals and plots, from stored runs.
 
 ``--pack`` first copies the runs, packed and checksummed, under ``OUT/runs/``, so that a report
-committed with its runs can be re-derived from what was committed (the study does the same)."""
+committed with its runs can be re-derived from what was committed (the study does the same).
+``--partial`` reports unfinished attack runs from their finished radii, naming the rest."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rep.add_argument("--pack", action="store_true",
                      help="copy each run, packed (one checksummed gzip CSV of its records), into OUT/runs/ and "
                           "report from the copies: the report can then be re-derived from OUT alone")
+    rep.add_argument("--partial", action="store_true",
+                     help="report unfinished attack runs too, from their finished conditions (each radius on all "
+                          "of its images); the report names the conditions left out")
     rep.set_defaults(func=run_report)
 
 
@@ -35,9 +39,12 @@ def run_report(args) -> int:
         if not (Path(run) / "run.json").is_file():
             raise UserError(f"{run} is not a run directory (no run.json); pass directories written by "
                             f"`robust-attn eval rotation|pgd --out DIR`")
+    if args.pack and args.partial:
+        raise UserError("--pack keeps finished runs only, so it does not go with --partial; report the "
+                        "unfinished runs without --pack, and pack them once they finish")
     runs = _packed(args.runs, Path(args.out) / "runs") if args.pack else args.runs
     files = make_report(runs, args.out, n_boot=args.bootstrap, seed=args.seed, level=args.level,
-                        plots=not args.no_plots)
+                        plots=not args.no_plots, partial=args.partial)
     if args.pack:
         print(f"runs packed into {Path(args.out) / 'runs'}")
     print(f"report of {len(args.runs)} run(s): {len(files)} files in {args.out} (see {Path(args.out) / 'report.md'})")

@@ -37,12 +37,15 @@ def _write_csv(frame: pd.DataFrame, path: Path) -> Path:
 
 
 def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
-                plots: bool = True, baseline: str = DEFAULT_BASELINE, preamble: list[str] | None = None) -> list[Path]:
+                plots: bool = True, baseline: str = DEFAULT_BASELINE, preamble: list[str] | None = None,
+                partial: bool = False) -> list[Path]:
     """Write the tables, sweeps, intervals and plots of ``run_dirs`` into ``out_dir``; returns
     the files written. ``report.md`` gathers everything: ``preamble`` lines first, then, when
     two or more models ran on the same images, the findings (which model loses least, paired
-    bootstrap; :mod:`robust_attn.reports.comparison`), then the tables."""
-    runs = load_runs(run_dirs)
+    bootstrap; :mod:`robust_attn.reports.comparison`), then the tables. ``partial``: unfinished
+    attack runs contribute their finished conditions, and the report opens by naming the rest
+    (:func:`~robust_attn.reports.tables.load_runs`)."""
+    runs = load_runs(run_dirs, partial=partial)
     if not runs:
         raise ValueError("give at least one run directory")
     unknown = sorted({r.protocol for r in runs} - set(REPORTED_PROTOCOLS))
@@ -52,6 +55,11 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
     out.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
     md = ["# Robustness report", "", "Runs: " + ", ".join(f"`{r.path}`" for r in runs), ""]
+    unfinished = [r for r in runs if r.unfinished]
+    if unfinished:
+        md += ["**Partial report: some runs are unfinished.** These conditions are left out; every number "
+               "below is over finished conditions, each on all of its images:", ""]
+        md += [f"- `{r.path}`: {', '.join(r.unfinished)}" for r in unfinished] + [""]
     if any(not r.trained for r in runs):
         md += ["**Warning: some runs used random weights (no checkpoint); their numbers say nothing "
                "about the architectures.**", ""]

@@ -73,12 +73,25 @@ def format_robust_accuracy(table: pd.DataFrame) -> pd.DataFrame:
         return table
     cells = table.assign(cell=[f"{v:.1f} [{lo:.1f}, {hi:.1f}]" for v, lo, hi in
                                zip(table["top1"], table["low"], table["high"])])
-    order = list(dict.fromkeys(["clean", *cells["column"]]))
+    order = ["clean", *sorted(set(cells["column"]) - {"clean"}, key=_column_key)]
     wide = cells.pivot_table(index=["model", "dataset"], columns="column", values="cell", aggfunc="first",
                              sort=False)
     wide = wide[[c for c in order if c in wide.columns]].reset_index()
     n = cells.groupby(["model", "dataset"], sort=False)["n"].max().reset_index()
     return wide.merge(n, on=["model", "dataset"]).rename(columns={"n": "images"})
+
+
+def _column_key(label: str) -> tuple:
+    """Columns by attack, then norm, then radius (whichever models have them), from
+    :func:`eps_label`'s ``Name E/255`` or ``Name L2 E``."""
+    name, _, eps = label.rpartition(" ")
+    norm = "linf"
+    if name.endswith(" L2"):
+        name, norm = name[:-3], "l2"
+    try:
+        return (name, norm, float(eps.removesuffix("/255")))
+    except ValueError:
+        return (label, "", 0.0)
 
 
 def autoattack_members_table(runs) -> pd.DataFrame:
