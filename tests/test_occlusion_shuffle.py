@@ -88,3 +88,31 @@ def test_patch_order_is_row_major():
 def test_bad_input_is_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
         call(_images())
+
+
+def test_protocol_spec_files_agree_with_the_code():
+    """protocols/occlusion.toml and shuffle.toml: the settings the protocols and the study run."""
+    import math
+    import sys
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    from robust_attn.protocols import occlusion, shuffle
+    from robust_attn.study import StudyConfig
+
+    root = Path(__file__).resolve().parents[1] / "protocols"
+    occ = tomllib.loads((root / "occlusion.toml").read_text())
+    shuf = tomllib.loads((root / "shuffle.toml").read_text())
+    assert occ["protocol"]["name"] == occlusion.PROTOCOL and shuf["protocol"]["name"] == shuffle.PROTOCOL
+    assert occ["square"]["areas"] == list(occlusion.DEFAULT_AREAS) == list(StudyConfig().occlusion_areas)
+    assert occ["patchdrop"]["grid"] == occlusion.DEFAULT_DROP_GRID
+    assert occ["patchdrop"]["dropped"] == list(occlusion.DEFAULT_DROP)
+    assert occ["fill"]["kinds"] == list(occlusion.FILLS)
+    for k in occ["square"]["areas"]:
+        assert square_side(k, 32, 32) == round(math.sqrt(k / 100 * 32 * 32))
+    names = [c["name"] for c in occlusion.occlusion_conditions(image_size=(32, 32))]
+    assert names == ["clean"] + [f"square{k}_{f}" for k in occ["square"]["areas"] for f in occ["fill"]["kinds"]] + [
+        f"drop4x4_{d}_{f}" for d in occ["patchdrop"]["dropped"] for f in occ["fill"]["kinds"]]
+    assert shuf["shuffle"]["grids"] == list(shuffle.DEFAULT_GRIDS) == list(StudyConfig().shuffle_grids)
+    assert [c["name"] for c in shuffle.shuffle_conditions(image_size=(32, 32))][1:] == [
+        f"shuffle{g}" for g in shuf["shuffle"]["grids"]]
