@@ -261,3 +261,20 @@ def test_partial_report_shows_the_finished_radii_of_unfinished_attack_runs(runs,
     assert "combines its conditions" in capsys.readouterr().err
     assert main(["report", str(cut.root), "--out", str(tmp_path / "o"), "--partial", "--pack"]) == 2
     assert "does not go with --partial" in capsys.readouterr().err
+
+
+def test_model_row_takes_each_key_from_whichever_run_records_it(tmp_path):
+    """Runs of one model's weights recorded before spec and params existed lack them: the model
+    table fills them from the model's other runs, whatever the order the runs are given in."""
+    from robust_attn.reports.models import model_table
+    from robust_attn.reports.tables import Run
+
+    base = {"model": "resnet26", "dataset": {"name": "fashion_mnist"}, "zoo_entry": "resnet26",
+            "checkpoint": {"sha256": "ab" * 32}}
+    old = Run(tmp_path / "old", {**base, "protocol": "rotation"}, pd.DataFrame())
+    new = Run(tmp_path / "new", {**base, "protocol": "attack", "spec": "zoo:resnet26", "params": 740000,
+                                 "source": "zoo"}, pd.DataFrame())
+    rows = [model_table(runs).drop(columns="computed_on").to_dict("records") for runs in ([old, new], [new, old])]
+    assert rows[0] == rows[1]
+    assert len(rows[0]) == 1 and rows[0][0]["spec"] == "zoo:resnet26" and rows[0][0]["params"] == 740000
+    assert rows[0][0]["protocols"] == "attack, rotation" and rows[0][0]["weights_sha256"] == "ab" * 32

@@ -87,7 +87,7 @@ def model_table(runs: list[Run]) -> pd.DataFrame:
         groups.setdefault(key, []).append(run)
     rows = []
     for label, group in zip(run_labels(list(groups.values())), groups.values()):
-        d = group[0].description
+        d = _merged_description(group)
         origin, sha = _weights(d)
         params = d.get("params")
         rows.append({"label": label, "model": group[0].model, "source": _source(d), "spec": d.get("spec") or "",
@@ -97,6 +97,18 @@ def model_table(runs: list[Run]) -> pd.DataFrame:
                      "protocols": ", ".join(sorted({r.protocol for r in group})), "computed_on": computed_on(group)})
     return pd.DataFrame(rows, columns=["label", "model", "source", "spec", "weights_origin", "weights_sha256",
                                        "preprocessing", "params", "protocols", "computed_on"])
+
+
+def _merged_description(group: list[Run]) -> dict:
+    """The runs' descriptions merged, each key from the first run that records it: the runs of
+    one model's weights describe the same model, but runs recorded before a key existed lack it,
+    so the row does not depend on which of its runs comes first."""
+    merged: dict = {}
+    for run in group:
+        for key, value in run.description.items():
+            if merged.get(key) in (None, ""):
+                merged[key] = value
+    return merged
 
 
 def format_model_table(table: pd.DataFrame) -> pd.DataFrame:
