@@ -24,8 +24,8 @@ from robust_attn.protocols.rotation import PAPER_CONDITIONS, summarize_rotation
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.results import RunStore, load_description, load_records
 
-__all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "run_labels", "distinct_labels", "TOP5_NA", "rotation_table", "pgd_table",
-           "rotation_sweep", "pgd_sweep", "headline_ci", "format_rotation", "format_pgd", "to_markdown", "to_latex",
+__all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "run_labels", "distinct_labels", "TOP5_NA", "rotation_table",
+           "pgd_table", "rotation_sweep", "pgd_sweep", "headline_ci", "format_rotation", "format_pgd", "to_markdown", "to_latex",
            "TABLE9_CONDITIONS", "TABLE10_SETTINGS"]
 
 TABLE9_CONDITIONS = [("none", "no rotation"), ("cw90", "clockwise 90°"), ("cw180", "clockwise 180°"),
