@@ -217,7 +217,8 @@ def test_partial_report_shows_the_finished_radii_of_unfinished_attack_runs(runs,
     """``--partial``: an unfinished attack run contributes each radius whose every chunk is
     written, on all of its images, with the numbers a finished run of those radii gives; the
     report names the radii left out. Without it the run is an error; an unfinished run whose
-    protocol combines its conditions (rotation) is one even with it; ``--pack`` refuses it."""
+    protocol combines its conditions (rotation) is left out whole, and named; ``--pack`` refuses
+    ``--partial``."""
     from robust_attn.attacks.base import AttackConfig
     from robust_attn.protocols.attack import run_attack
     from robust_attn.results import RunStore
@@ -253,12 +254,20 @@ def test_partial_report_shows_the_finished_radii_of_unfinished_attack_runs(runs,
     assert set(comparison.loc[comparison["measure"] == f"attack_drop:{configs[0].name}", "model"]) == {"resnet26"}
     assert set(comparison.loc[comparison["measure"] == f"attack_drop:{configs[1].name}", "model"]) == {
         "resnet26", "aa_resnet26"}
-    # a rotation run left unfinished stays an error; --pack does not go with --partial
+    # an unfinished rotation run (its protocol averages its conditions) is left out whole, and named;
+    # alone it leaves nothing to report; --pack does not go with --partial
     rot = run_rotation(_tiny(), data, tmp_path / "rot", conditions=rotation_conditions(0), batch_size=4,
                        run_info=_info("resnet26", "synthetic"), progress=False)
     rot.chunk_path("cw90", 4, 8).unlink()
+    with_rot = tmp_path / "with_rot"
+    assert main(["report", str(done.root), str(cut.root), str(rot.root), "--out", str(with_rot), "--no-plots",
+                 "--bootstrap", "50", "--partial"]) == 0
+    md = (with_rot / "report.md").read_text()
+    assert f"- `{rot.root}`: the whole run (its protocol combines its conditions)" in md
+    assert not (with_rot / "table9_rotation.csv").exists()
+    pd.testing.assert_frame_equal(pd.read_csv(with_rot / "robust_accuracy.csv"), table)
     assert main(["report", str(rot.root), "--out", str(tmp_path / "o"), "--no-plots", "--partial"]) == 2
-    assert "combines its conditions" in capsys.readouterr().err
+    assert "nothing finished to report" in capsys.readouterr().err
     assert main(["report", str(cut.root), "--out", str(tmp_path / "o"), "--partial", "--pack"]) == 2
     assert "does not go with --partial" in capsys.readouterr().err
 

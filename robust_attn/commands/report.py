@@ -3,7 +3,8 @@ the published numbers beside ours, bootstrap intervals and plots, from stored ru
 
 ``--pack`` first copies the runs, packed and checksummed, under ``OUT/runs/``, so that a report
 committed with its runs can be re-derived from what was committed (the study does the same).
-``--partial`` reports unfinished attack runs from their finished radii, naming the rest."""
+``--partial`` reports what is finished (an unfinished attack run's finished radii; other
+unfinished runs are left out), naming what it leaves out."""
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="copy each run, packed (one checksummed gzip CSV of its records), into OUT/runs/ and "
                           "report from the copies: the report can then be re-derived from OUT alone")
     rep.add_argument("--partial", action="store_true",
-                     help="report unfinished attack runs too, from their finished conditions (each radius on all "
-                          "of its images); the report names the conditions left out")
+                     help="report what is finished: unfinished attack runs from their finished conditions (each "
+                          "radius on all of its images), other unfinished runs left out; the report names what it "
+                          "leaves out")
     rep.set_defaults(func=run_report)
 
 

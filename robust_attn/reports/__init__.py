@@ -17,7 +17,8 @@ from robust_attn.reports.models import MODELS_CAPTION, format_model_table, model
 from robust_attn.reports.plots import plot_comparison, plot_pgd, plot_rotation
 from robust_attn.reports.shifts import SHIFT_PROTOCOLS, shift_sections
 from robust_attn.reports.stats import bootstrap_mean_ci
-from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, load_runs, pgd_sweep, pgd_table,
+from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, load_finished,
+                                        load_runs, pgd_sweep, pgd_table,
                                         rotation_sweep, rotation_table, to_latex, to_markdown)
 from robust_attn.utils.io import atomic_path, atomic_write_text
 
@@ -43,11 +44,13 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
     the files written. ``report.md`` gathers everything: ``preamble`` lines first, then, when
     two or more models ran on the same images, the findings (which model loses least, paired
     bootstrap; :mod:`robust_attn.reports.comparison`), then the tables. ``partial``: unfinished
-    attack runs contribute their finished conditions, and the report opens by naming the rest
-    (:func:`~robust_attn.reports.tables.load_runs`)."""
-    runs = load_runs(run_dirs, partial=partial)
+    attack runs contribute their finished conditions, other unfinished runs are left out, and the
+    report opens by naming what it leaves out (:func:`~robust_attn.reports.tables.load_finished`)."""
+    runs, left_out = load_finished(run_dirs) if partial else (load_runs(run_dirs), [])
     if not runs:
-        raise ValueError("give at least one run directory")
+        raise ValueError("nothing finished to report: every run given is unfinished, and none is an attack run "
+                         "with a finished condition; finish one by running its command again"
+                         if left_out else "give at least one run directory")
     unknown = sorted({r.protocol for r in runs} - set(REPORTED_PROTOCOLS))
     if unknown:
         raise ValueError(f"runs of unknown protocol(s) {unknown}; the report knows {', '.join(REPORTED_PROTOCOLS)}")
@@ -56,10 +59,11 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
     files: list[Path] = []
     md = ["# Robustness report", "", "Runs: " + ", ".join(f"`{r.path}`" for r in runs), ""]
     unfinished = [r for r in runs if r.unfinished]
-    if unfinished:
-        md += ["**Partial report: some runs are unfinished.** These conditions are left out; every number "
-               "below is over finished conditions, each on all of its images:", ""]
-        md += [f"- `{r.path}`: {', '.join(r.unfinished)}" for r in unfinished] + [""]
+    if unfinished or left_out:
+        md += ["**Partial report: some runs are unfinished.** What they have not finished is left out; every "
+               "number below is over finished conditions, each on all of its images:", ""]
+        md += [f"- `{r.path}`: {', '.join(r.unfinished)}" for r in unfinished]
+        md += [f"- `{p}`: the whole run (its protocol combines its conditions)" for p in left_out] + [""]
     if any(not r.trained for r in runs):
         md += ["**Warning: some runs used random weights (no checkpoint); their numbers say nothing "
                "about the architectures.**", ""]

@@ -24,7 +24,7 @@ from robust_attn.protocols.rotation import PAPER_CONDITIONS, summarize_rotation
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.results import RunStore, load_description, load_records
 
-__all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "run_labels", "distinct_labels", "TOP5_NA", "rotation_table",
+__all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "run_labels", "distinct_labels", "TOP5_NA", "rotation_table",
            "pgd_table", "rotation_sweep", "pgd_sweep", "headline_ci", "format_rotation", "format_pgd", "to_markdown", "to_latex",
            "TABLE9_CONDITIONS", "TABLE10_SETTINGS"]
 
@@ -39,8 +39,8 @@ assert [c.name for c in PAPER_CONDITIONS] == [c for c, _ in TABLE9_CONDITIONS]
 
 
 #: Protocols whose conditions each stand alone, so that a report may show the finished ones of an
-#: unfinished run (``load_runs(..., partial=True)``): an attack's radii. Rotation, Table 10's PGD
-#: and the shifts average or pair their conditions, so their runs must be finished.
+#: unfinished run (:func:`load_finished`): an attack's radii. Rotation, Table 10's PGD and the
+#: shifts average or pair their conditions, so a partial report leaves their unfinished runs out.
 PARTIAL_PROTOCOLS = ("attack",)
 
 
@@ -95,26 +95,29 @@ class Run:
         return self.num_classes is None or self.num_classes > 5
 
 
-def load_runs(paths, partial: bool = False) -> list[Run]:
-    """The runs at ``paths``; an unfinished one is an error, unless ``partial``: then a run of a
-    :data:`PARTIAL_PROTOCOLS` protocol contributes the conditions whose every chunk is written
-    (each over all of its images), and its ``unfinished`` names the others."""
-    if not partial:
-        return [Run(Path(p), load_description(p), load_records(p)) for p in paths]
-    return [_load_finished_conditions(Path(p)) for p in paths]
+def load_runs(paths) -> list[Run]:
+    """The finished runs at ``paths`` (an unfinished one is an error naming the command that
+    finishes it)."""
+    return [Run(Path(p), load_description(p), load_records(p)) for p in paths]
 
 
-def _load_finished_conditions(path: Path) -> Run:
-    store = RunStore(path)
-    description = store.description()
-    missing = tuple(dict.fromkeys(c for c, _, _ in store.missing()))
-    if missing and description["protocol"] not in PARTIAL_PROTOCOLS:
-        raise ValueError(f"run {path} is unfinished ({', '.join(missing)}) and its protocol "
-                         f"({description['protocol']}) combines its conditions, so a partial report would misstate "
-                         f"it; finish it by running its command again, or leave it out (partial reports take the "
-                         f"unfinished runs of the {', '.join(PARTIAL_PROTOCOLS)} protocol)")
-    records = store.records()
-    return Run(path, description, records[~records["condition"].isin(missing)].reset_index(drop=True), missing)
+def load_finished(paths) -> tuple[list[Run], list[Path]]:
+    """What is finished at ``paths``: every finished run, and of an unfinished run of a
+    :data:`PARTIAL_PROTOCOLS` protocol the conditions whose every chunk is written (each over all
+    of its images; its ``unfinished`` names the others). Returns those runs and the unfinished
+    runs of other protocols, left out whole."""
+    runs, left_out = [], []
+    for path in map(Path, paths):
+        store = RunStore(path)
+        description = store.description()
+        missing = tuple(dict.fromkeys(c for c, _, _ in store.missing()))
+        if missing and description["protocol"] not in PARTIAL_PROTOCOLS:
+            left_out.append(path)
+            continue
+        records = store.records()
+        runs.append(Run(path, description, records[~records["condition"].isin(missing)].reset_index(drop=True),
+                        missing))
+    return runs, left_out
 
 
 # --- row labels ------------------------------------------------------------------------------
