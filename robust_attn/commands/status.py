@@ -4,7 +4,9 @@ under way, the state an attack saved within it (AutoAttack: the members finished
 still robust, where the member under way stands, and when that was saved). An unfinished run
 also gives the top-1 of each condition it has finished (from its records, checksums verified), so
 a run that takes days shows its first numbers as they land. A folder of runs (a
-study's ``--runs``) stands for each run in it. Reads only; safe beside the processes writing."""
+study's ``--runs``) stands for each run in it; when anything is unfinished, the last line gives the
+``robust-attn report ... --partial`` command that reports what is finished. Reads only; safe
+beside the processes writing."""
 from __future__ import annotations
 
 import argparse
@@ -87,6 +89,13 @@ def _finished_lines(store, unfinished: set[str]) -> list[str]:
 
 
 def run_status(args) -> int:
+    unfinished = False
     for run in _run_dirs(args.runs):
-        print("\n".join(run_lines(run)))
+        lines = run_lines(run)
+        unfinished |= not lines[0].endswith(("(finished)", "(packed)"))
+        print("\n".join(lines))
+    if unfinished:
+        print(f"what is finished, with intervals and paired comparisons: robust-attn report "
+              f"{' '.join(str(p) + ('/*' if not (Path(p) / 'run.json').is_file() else '') for p in args.runs)} "
+              f"--out DIR --partial")
     return 0
