@@ -18,6 +18,7 @@ from robust_attn.cli import UserError
 __all__ = ["add_parser", "run_status", "run_lines"]
 
 SHOWN = 4   # missing chunks named per run
+FINISHED = "finished"   # in a run's first line when nothing is left to compute
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,11 +52,11 @@ def run_lines(run: Path) -> list[str]:
     desc = store.description()
     head = f"{run}: {desc.get('protocol', '?')}, {desc.get('model', '?')}"
     if store.packed:
-        return [f"{head}: finished (packed)"]
+        return [f"{head}: {FINISHED} (packed)"]
     missing = store.missing()
     total = len(store.chunks()) + len(missing)
     lines = [f"{head}: {total - len(missing)} of {total} chunks written"
-             + ("" if missing else " (finished)")]
+             + ("" if missing else f" ({FINISHED})")]
     if missing:
         named = ", ".join(f"{c}[{a}:{b}]" for c, a, b in missing[:SHOWN])
         lines.append(f"  to compute: {named}" + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""))
@@ -92,10 +93,10 @@ def run_status(args) -> int:
     unfinished = False
     for run in _run_dirs(args.runs):
         lines = run_lines(run)
-        unfinished |= not lines[0].endswith(("(finished)", "(packed)"))
+        unfinished |= not lines[0].endswith((f"({FINISHED})", f"{FINISHED} (packed)"))
         print("\n".join(lines))
-    if unfinished:
-        print(f"what is finished, with intervals and paired comparisons: robust-attn report "
-              f"{' '.join(str(p) + ('/*' if not (Path(p) / 'run.json').is_file() else '') for p in args.runs)} "
+    if unfinished:   # a folder of runs is given to the report as FOLDER/*
+        runs = " ".join(p if (Path(p) / "run.json").is_file() else f"{p}/*" for p in args.runs)
+        print(f"what is finished, with intervals and paired comparisons: robust-attn report {runs} "
               f"--out DIR --partial")
     return 0
