@@ -365,6 +365,15 @@ class RunStore:
         frame = frame.sort_values(["_order", "condition", "index"], kind="stable")
         return frame.drop(columns="_order").reset_index(drop=True)
 
+    def finished_records(self, missing=None) -> tuple[pd.DataFrame, tuple[str, ...]]:
+        """The records of the conditions whose every chunk is written (each over all of its
+        images), and the names of the others, in order; ``missing``: :meth:`missing` if the
+        caller has it already. Checksums are verified as in :meth:`records`."""
+        missing = self.missing() if missing is None else missing
+        unfinished = tuple(dict.fromkeys(c for c, _, _ in missing))
+        records = self.records()
+        return records[~records["condition"].isin(unfinished)].reset_index(drop=True), unfinished
+
     def _condition_names(self) -> list[str]:
         return condition_names(self.description()) if self.exists() else []
 

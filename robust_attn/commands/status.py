@@ -60,7 +60,7 @@ def run_lines(run: Path) -> list[str]:
     if missing:
         named = ", ".join(f"{c}[{a}:{b}]" for c, a, b in missing[:SHOWN])
         lines.append(f"  to compute: {named}" + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""))
-        lines.extend(_finished_lines(store, {c for c, _, _ in missing}))
+        lines.extend(_finished_lines(store, missing))
     conditions = {c["name"]: c for c in desc.get("conditions", []) if isinstance(c, dict) and "name" in c}
     for path in sorted((run / STATE_DIR).glob("*.pt")):
         name, _, start = path.stem.rpartition("-")
@@ -74,17 +74,17 @@ def run_lines(run: Path) -> list[str]:
     return lines
 
 
-def _finished_lines(store, unfinished: set[str]) -> list[str]:
+def _finished_lines(store, missing) -> list[str]:
     """``top-1 of the finished conditions: NAME X% (N images), ...`` over the conditions with every
-    chunk written; a line naming the problem where the records cannot be read (damaged,
-    overlapping)."""
+    chunk written (:meth:`~robust_attn.results.RunStore.finished_records`); a line naming the
+    problem where the records cannot be read (damaged, overlapping)."""
     try:
-        records = store.records()
+        records, _ = store.finished_records(missing)
     except ValueError as err:   # DamagedRecordsError included: say so, status never computes from it
         return [f"  records unreadable: {str(err).splitlines()[0]}"]
     if "top1" not in records.columns:
         return []
-    done = records[~records["condition"].isin(unfinished)].groupby("condition", sort=False)["top1"]
+    done = records.groupby("condition", sort=False)["top1"]
     shown = [f"{name} {100 * top1.mean():.1f}% ({len(top1)} images)" for name, top1 in done]
     return [f"  top-1 of the finished conditions: {', '.join(shown)}"] if shown else []
 

@@ -109,14 +109,12 @@ def load_finished(paths) -> tuple[list[Run], list[Path]]:
     runs, left_out = [], []
     for path in map(Path, paths):
         store = RunStore(path)
-        description = store.description()
-        missing = tuple(dict.fromkeys(c for c, _, _ in store.missing()))
+        description, missing = store.description(), store.missing()
         if missing and description["protocol"] not in PARTIAL_PROTOCOLS:
             left_out.append(path)
             continue
-        records = store.records()
-        runs.append(Run(path, description, records[~records["condition"].isin(missing)].reset_index(drop=True),
-                        missing))
+        records, unfinished = store.finished_records(missing)
+        runs.append(Run(path, description, records, unfinished))
     return runs, left_out
 
 
