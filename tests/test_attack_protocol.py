@@ -16,7 +16,8 @@ from robust_attn.attacks.base import ATTACKS, Attack, AttackConfig, AttackOutput
 from robust_attn.cli import main
 from robust_attn.data import build_dataset
 import robust_attn.protocols.attack as attack_protocol
-from robust_attn.protocols.attack import CLEAN, computation_order, logit_margin, run_attack, summarize_attack
+from robust_attn.protocols.attack import (CLEAN, computation_order, logit_margin, resume_order, run_attack,
+                                          summarize_attack)
 from robust_attn.protocols.transfer import EnsembleModel, run_transfer, summarize_transfer
 from robust_attn.registry import create_model
 from robust_attn.results import RunStore, load_records
@@ -251,6 +252,31 @@ def test_each_attack_runs_its_largest_radius_first(tmp_path, registered, monkeyp
     run_attack(_tiny_model(), dataset, tmp_path / "given", configs=configs, num_classes=10, batch_size=3,
                progress=False, checks=False)
     pd.testing.assert_frame_equal(load_records(tmp_path / "run"), load_records(tmp_path / "given"))
+
+
+def test_a_resumed_run_first_finishes_the_radius_a_killed_run_left_under_way(tmp_path, registered, monkeypatch):
+    """A saved state within a chunk (AutoAttack's, after a member) puts its condition first, after
+    clean: a killed run's nearly finished radius is not delayed behind a fresh one; the records
+    are those of an uninterrupted run."""
+    registered(SignNoise)
+    dataset = build_dataset("synthetic", split="test", limit=6)
+    configs = [AttackConfig("test-sign-noise", eps=e / 255) for e in (1, 2, 4)]
+    names = [x.name for x in configs]
+    state_dir = tmp_path / "run" / attack_protocol.STATE_DIR
+    state_dir.mkdir(parents=True)
+    (state_dir / f"{names[0]}-000000003.pt").write_bytes(b"")   # 1/255 under way in chunk [3, 6)
+    assert resume_order(computation_order(configs), state_dir) == [CLEAN, names[0], names[2], names[1]]
+    assert resume_order(computation_order(configs), tmp_path / "none") == computation_order(configs)
+    written, write = [], RunStore.write_chunk
+    monkeypatch.setattr(RunStore, "write_chunk",
+                        lambda self, cond, a, b, rec: (written.append((cond, a)), write(self, cond, a, b, rec))[1])
+    run_attack(_tiny_model(), dataset, tmp_path / "run", configs=configs, num_classes=10, batch_size=3,
+               progress=False, checks=False)
+    assert written == [(name, a) for a in (0, 3) for name in (CLEAN, names[0], names[2], names[1])]
+    monkeypatch.setattr(RunStore, "write_chunk", write)
+    run_attack(_tiny_model(), dataset, tmp_path / "fresh", configs=configs, num_classes=10, batch_size=3,
+               progress=False, checks=False)
+    pd.testing.assert_frame_equal(load_records(tmp_path / "run"), load_records(tmp_path / "fresh"))
 
 
 def test_targeted_attack_records_use_saved_targets(tmp_path, registered):

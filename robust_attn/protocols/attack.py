@@ -22,7 +22,10 @@ largest radius to its smallest (:func:`computation_order`): an attack that stops
 (APGD, FAB-T, Square, AutoAttack's later members run only on the images still robust) costs
 least where most images fall early, so the cheap radii's records land first and a long run on
 a CPU gives its most telling numbers (the middle radii) before its most expensive one. The
-order changes nothing in the records (each condition's draws are seeded on their own).
+order changes nothing in the records (each condition's draws are seeded on their own). A resumed
+run first finishes the conditions a killed run left under way (:func:`resume_order`: those with a
+saved state within a chunk), so that stopping and starting again never delays a number that was
+nearly done behind a radius started from scratch.
 The random draws of an attack on chunk ``[start, stop)`` are seeded with
 ``seed * 2**32 + start``, so a resumed or sharded run computes the same images as an
 uninterrupted one, while the records depend on the batch size (recorded in run.json as the
@@ -48,7 +51,7 @@ from robust_attn.protocols.registry import study_protocol
 from robust_attn.protocols.runner import open_run, run_chunks
 
 __all__ = ["PROTOCOL", "CLEAN", "attack_records", "computation_order", "logit_margin", "make_evaluator",
-           "run_attack", "summarize_attack", "config_from_condition"]
+           "resume_order", "run_attack", "summarize_attack", "config_from_condition"]
 
 PROTOCOL = "attack"
 CLEAN = "clean"
@@ -135,6 +138,16 @@ def computation_order(configs: Sequence[AttackConfig]) -> list[str]:
     return [CLEAN] + [c.name for group in groups.values() for c in sorted(group, key=lambda c: -c.eps)]
 
 
+def resume_order(order: Sequence[str], state_dir: str | Path) -> list[str]:
+    """``order`` with the conditions that have a saved state in ``state_dir`` (an attack a killed
+    run left within a chunk, ``<condition>-<start>.pt``) moved first, after ``clean``; each part
+    keeps its order (see the module's Choices)."""
+    started = {p.stem.rsplit("-", 1)[0] for p in Path(state_dir).glob("*-*.pt")}
+    head = [n for n in order if n == CLEAN]
+    rest = [n for n in order if n != CLEAN]
+    return head + [n for n in rest if n in started] + [n for n in rest if n not in started]
+
+
 def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackConfig], num_classes: int,
                seed: int = 0, targets_file: str | Path | None = None, batch_size: int = 64,
                device: str | torch.device = "cpu", run_info: dict | None = None, rank: int = 0,
@@ -172,7 +185,7 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
                      conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank, device=device)
     if rank == 0 and targets is not None:
         save_targets(out_dir, labels, targets)
-    run_chunks(store, dataset, computation_order(configs),
+    run_chunks(store, dataset, resume_order(computation_order(configs), store.root / STATE_DIR),
                make_evaluator(model, configs, targets, device, state_dir=store.root / STATE_DIR,
                               log=_log_line if progress and rank == 0 else None),
                chunk_size=batch_size, rank=rank, world_size=world_size, num_workers=num_workers,
