@@ -255,16 +255,22 @@ def test_each_attack_runs_its_largest_radius_first(tmp_path, registered, monkeyp
 
 
 def test_a_resumed_run_first_finishes_the_radius_a_killed_run_left_under_way(tmp_path, registered, monkeypatch):
-    """A saved state within a chunk (AutoAttack's, after a member) puts its condition first, after
-    clean: a killed run's nearly finished radius is not delayed behind a fresh one; the records
-    are those of an uninterrupted run."""
+    """A saved state within a chunk (AutoAttack's, after each member) puts its condition first,
+    after clean, the most members done first: a killed run's nearly finished radius is not delayed
+    behind a fresh one; the records are those of an uninterrupted run."""
     registered(SignNoise)
     dataset = build_dataset("synthetic", split="test", limit=6)
     configs = [AttackConfig("test-sign-noise", eps=e / 255) for e in (1, 2, 4)]
     names = [x.name for x in configs]
     state_dir = tmp_path / "run" / attack_protocol.STATE_DIR
     state_dir.mkdir(parents=True)
-    (state_dir / f"{names[0]}-000000003.pt").write_bytes(b"")   # 1/255 under way in chunk [3, 6)
+    torch.save({"done": 0}, state_dir / f"{names[2]}-000000000.pt")   # 4/255 begun
+    assert resume_order(computation_order(configs), state_dir) == [CLEAN, names[2], names[1], names[0]]
+    torch.save({"done": 1}, state_dir / f"{names[0]}-000000000.pt")   # 1/255 one member further
+    torch.save({"done": 3}, state_dir / f"{names[0]}-000000003.pt")   # (three in its second chunk)
+    torch.save({"done": 2}, state_dir / f"{names[1]}-000000003.pt")
+    assert resume_order(computation_order(configs), state_dir) == [CLEAN, names[0], names[1], names[2]]
+    (state_dir / f"{names[1]}-000000003.pt").write_bytes(b"half-written")   # unreadable: none done
     assert resume_order(computation_order(configs), state_dir) == [CLEAN, names[0], names[2], names[1]]
     assert resume_order(computation_order(configs), tmp_path / "none") == computation_order(configs)
     written, write = [], RunStore.write_chunk
@@ -273,6 +279,7 @@ def test_a_resumed_run_first_finishes_the_radius_a_killed_run_left_under_way(tmp
     run_attack(_tiny_model(), dataset, tmp_path / "run", configs=configs, num_classes=10, batch_size=3,
                progress=False, checks=False)
     assert written == [(name, a) for a in (0, 3) for name in (CLEAN, names[0], names[2], names[1])]
+    # (the test attack keeps no state: the files stay, as a killed AutoAttack's would until its chunk is written)
     monkeypatch.setattr(RunStore, "write_chunk", write)
     run_attack(_tiny_model(), dataset, tmp_path / "fresh", configs=configs, num_classes=10, batch_size=3,
                progress=False, checks=False)

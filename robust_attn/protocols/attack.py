@@ -24,7 +24,7 @@ least where most images fall early, so the cheap radii's records land first and 
 a CPU gives its most telling numbers (the middle radii) before its most expensive one. The
 order changes nothing in the records (each condition's draws are seeded on their own). A resumed
 run first finishes the conditions a killed run left under way (:func:`resume_order`: those with a
-saved state within a chunk), so that stopping and starting again never delays a number that was
+saved state within a chunk, the furthest along first), so that stopping and starting again never delays a number that was
 nearly done behind a radius started from scratch.
 The random draws of an attack on chunk ``[start, stop)`` are seeded with
 ``seed * 2**32 + start``, so a resumed or sharded run computes the same images as an
@@ -139,13 +139,21 @@ def computation_order(configs: Sequence[AttackConfig]) -> list[str]:
 
 
 def resume_order(order: Sequence[str], state_dir: str | Path) -> list[str]:
-    """``order`` with the conditions that have a saved state in ``state_dir`` (an attack a killed
-    run left within a chunk, ``<condition>-<start>.pt``) moved first, after ``clean``; each part
-    keeps its order (see the module's Choices)."""
-    started = {p.stem.rsplit("-", 1)[0] for p in Path(state_dir).glob("*-*.pt")}
-    head = [n for n in order if n == CLEAN]
+    """``order`` with the conditions a killed run left under way moved first, after ``clean``: those
+    with a saved state in ``state_dir`` (``<condition>-<start>.pt``, AutoAttack's after each member),
+    the one with the most members done first (ties, and the conditions not started, keep their
+    order; an unreadable state counts as none done). See the module's Choices."""
+    done: dict[str, int] = {}
+    for path in sorted(Path(state_dir).glob("*-*.pt")):
+        try:
+            n = int(torch.load(path, map_location="cpu", weights_only=True).get("done", 0))
+        except Exception:   # half-written or of another format: the attack itself decides what to do with it
+            n = 0
+        name = path.stem.rsplit("-", 1)[0]
+        done[name] = max(done.get(name, 0), n)
     rest = [n for n in order if n != CLEAN]
-    return head + [n for n in rest if n in started] + [n for n in rest if n not in started]
+    started = sorted((n for n in rest if n in done), key=lambda n: -done[n])
+    return [n for n in order if n == CLEAN] + started + [n for n in rest if n not in done]
 
 
 def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackConfig], num_classes: int,
