@@ -1,10 +1,11 @@
-"""The README's tables of model results say what the committed reports say.
+"""The README's results say what the committed reports say.
 
 Every cell ``X [L, H]`` (a value with its interval) in a README table row that starts with a
 model name must be a value and interval of that model in some CSV of ``reports/`` (robust
 accuracy, comparison, headline and corruption tables), and every cell under a column header
 that names a robust-accuracy column (``clean``, ``APGD-CE 2/255``, ``AutoAttack 8/255``, ...)
-must be that model's top-1 there, each to the decimals the README gives. A README number copied
+must be that model's top-1 there, each to the decimals the README gives; every ``X [L, H]`` in
+its text must be one a report gives (in a CSV or its report.md). A README number copied
 by hand, rounded twice (-5.65 from -5.6465 written -5.7) or left behind when a report was
 regenerated fails here."""
 from __future__ import annotations
@@ -24,18 +25,23 @@ TRIPLES = (("value", "low", "high"), ("top1", "low", "high"),
            ("minus_baseline", "minus_baseline_low", "minus_baseline_high"))
 NUMBER = r"[-+]?\d+(?:\.\d+)?"
 CELL = re.compile(rf"^({NUMBER})(?: \[({NUMBER}), ({NUMBER})\])?")
-# README cells from runs not yet in a committed report (issue #14: Fashion-MNIST AutoAttack at
-# 4/255, from `robust-attn report ... --partial` on runs/study-fashion_mnist-aa4 while its 1 and
-# 2/255 finish); once reports/autoattack-fashion_mnist has them, this test says to remove them here
-INTERIM = {("sasa_resnet26", "49.2 [46.2, 52.2]"), ("aa_resnet26", "42.1 [39.2, 45.2]"),
-           ("gsa_resnet26", "35.1 [32.1, 38.2]"), ("ea_resnet26", "31.9 [28.9, 35.0]"),
-           ("san10_patchwise", "4.4 [3.2, 5.6]"), ("san10_pairwise", "0.3 [0.0, 0.6]")}
+INTERVAL = re.compile(rf"({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
+# README numbers from runs not yet in a committed report (issue #14: Fashion-MNIST AutoAttack at
+# 4/255 and ea's at 1/255, from `robust-attn report ... --partial` on runs/study-fashion_mnist-aa4
+# while the other radii finish); once reports/autoattack-fashion_mnist has them, this test says to
+# remove them here
+INTERIM = {"49.2 [46.2, 52.2]", "42.1 [39.2, 45.2]", "35.1 [32.1, 38.2]", "31.9 [28.9, 35.0]",
+           "4.4 [3.2, 5.6]", "0.3 [0.0, 0.6]", "81.7 [79.2, 84.0]", "11.8 [8.8, 14.8]", "4.4 [1.9, 6.8]",
+           "5.8 [2.9, 8.7]", "34.2 [31.0, 37.6]", "-3.5 [-5.8, -1.2]", "2.2 [-0.6, +5.1]"}
 
 
 def _committed():
     """Per model: every (value, low, high) of the report CSVs, and every robust-accuracy top-1
-    per column name."""
-    triples, top1 = defaultdict(set), defaultdict(set)
+    per column name; and every ``X [L, H]`` written in a report.md (Kendall's tau, paired
+    differences)."""
+    triples, top1, written = defaultdict(set), defaultdict(set), set()
+    for report in sorted(ROOT.glob("reports/*/report.md")):
+        written |= {tuple(float(x) for x in m.groups()) for m in INTERVAL.finditer(report.read_text())}
     for csv in sorted(ROOT.glob("reports/*/*.csv")):
         table = pd.read_csv(csv)
         if "model" not in table:
@@ -47,7 +53,7 @@ def _committed():
         if {"column", "top1"} <= set(table.columns):
             for model, column, value in table[["model", "column", "top1"]].itertuples(index=False):
                 top1[(model, column)].add(value)
-    return triples, top1
+    return triples, top1, written
 
 
 def _matches(written: tuple[str, ...], values) -> bool:
@@ -74,23 +80,23 @@ def readme_result_cells(text: str, models: set[str]) -> list[tuple[int, str, str
     return found
 
 
-TRIPLE_SETS, TOP1 = _committed()
-CELLS = readme_result_cells(README.read_text(), set(TRIPLE_SETS) | {m for m, _ in TOP1})
+TRIPLE_SETS, TOP1, WRITTEN = _committed()
+# the cells with something to check: a value with its interval, or a value under a robust-accuracy column
+CELLS = [c for c in readme_result_cells(README.read_text(), set(TRIPLE_SETS) | {m for m, _ in TOP1})
+         if (m := CELL.match(c[3])) and (m.group(2) is not None or (c[1], c[2]) in TOP1)]
 
 
-def test_the_readme_has_result_tables_to_check():
+def test_the_readme_has_results_to_check():
     with_interval = [c for c in CELLS if (m := CELL.match(c[3])) and m.group(2) is not None]
     assert len(with_interval) >= 80
     assert len([c for c in CELLS if (c[1], c[2]) in TOP1]) >= 60
+    assert len(readme_prose_intervals(README.read_text())) >= 40
 
 
 @pytest.mark.parametrize("line, model, header, cell", CELLS, ids=[f"{c[0]}-{c[1]}" for c in CELLS])
 def test_each_readme_result_is_in_a_committed_report(line, model, header, cell):
-    match = CELL.match(cell)
-    if match is None:
-        return
-    value, low, high = match.groups()
-    if (model, cell) in INTERIM:
+    value, low, high = CELL.match(cell).groups()
+    if cell in INTERIM:
         assert not any(_matches((value, low, high), t) for t in TRIPLE_SETS[model]), (
             f"README line {line}: {model} {cell} is in a committed report now: remove it from INTERIM")
         return
@@ -100,3 +106,25 @@ def test_each_readme_result_is_in_a_committed_report(line, model, header, cell):
     if (model, header) in TOP1:
         assert any(_matches((value,), (t,)) for t in TOP1[(model, header)]), (
             f"README line {line}: {model} {header} {value}, the reports say {sorted(TOP1[(model, header)])}")
+
+
+def readme_prose_intervals(text: str) -> list[tuple[int, str]]:
+    """``(line number, "X [L, H]")`` of the README outside tables."""
+    return [(number, m.group(0)) for number, line in enumerate(text.splitlines(), 1) if not line.startswith("|")
+            for m in INTERVAL.finditer(line)]
+
+
+PROSE = readme_prose_intervals(README.read_text())
+
+
+@pytest.mark.parametrize("line, interval", PROSE, ids=[f"{n}" for n, _ in PROSE])
+def test_each_interval_in_the_readme_text_is_in_a_committed_report(line, interval):
+    """A value with its interval in the README's text (a paired difference, written with either
+    sign, "5.8 points more lost"; a Kendall's tau) is one of a report's."""
+    written = INTERVAL.fullmatch(interval).groups()
+    known = set().union(*TRIPLE_SETS.values()) | WRITTEN
+    found = any(_matches(written, t) or _matches(written, (-t[0], -t[2], -t[1])) for t in known)
+    if interval in INTERIM:
+        assert not found, f"README line {line}: {interval} is in a committed report now: remove it from INTERIM"
+    else:
+        assert found, f"README line {line}: {interval} is in no committed report"
