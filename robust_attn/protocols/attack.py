@@ -24,8 +24,8 @@ least where most images fall early, so the cheap radii's records land first and 
 a CPU gives its most telling numbers (the middle radii) before its most expensive one. The
 order changes nothing in the records (each condition's draws are seeded on their own). A resumed
 run first finishes the conditions a killed run left under way (:func:`resume_order`: those with a
-saved state within a chunk, the furthest along first), so that stopping and starting again never delays a number that was
-nearly done behind a radius started from scratch.
+saved state within a chunk, the furthest along first), so that stopping and starting again never
+delays a nearly finished number behind a radius started from scratch.
 The random draws of an attack on chunk ``[start, stop)`` are seeded with
 ``seed * 2**32 + start``, so a resumed or sharded run computes the same images as an
 uninterrupted one, while the records depend on the batch size (recorded in run.json as the
