@@ -42,6 +42,9 @@ def _warnings_as_lines(command: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from robust_attn.utils.allocator import keep_freed_memory
+
+    keep_freed_memory()   # large tensors are not page-faulted anew each pass (same numbers; see the module)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     previous = warnings.showwarning

@@ -182,6 +182,9 @@ def default_workers() -> int:
 
 def _study_worker(config: StudyConfig, runs_dir: str, root, device, manifest_path: str,
                   attention_path: str) -> None:
+    from robust_attn.utils.allocator import keep_freed_memory
+
+    keep_freed_memory()   # a spawned process: as robust-attn's own start does
     torch.set_num_threads(1)
     run_study(config, runs_dir, None, root=root, device=device, manifest=manifest_path, progress=False,
               log=lambda *_: None, attention_path=attention_path, _worker=True)
