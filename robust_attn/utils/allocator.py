@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 __all__ = ["keep_freed_memory"]
 
@@ -36,10 +37,12 @@ TRIM_ABOVE = 2 ** 31 - 1   # the largest int mallopt takes: only a free heap top
 
 def _glibc():
     """The process's C library if it is glibc, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version   # only glibc has it
-    except (OSError, AttributeError):
+        libc.gnu_get_libc_version   # only glibc has it (not musl)
+    except (OSError, AttributeError, TypeError):
         return None
     return libc
 
