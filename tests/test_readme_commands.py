@@ -34,7 +34,8 @@ def readme_commands(text: str) -> list[str]:
             found.append(line.split(" #")[0].strip())
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     found += [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
-    return [LAUNCHERS.sub("", c, count=1) for c in found if LAUNCHERS.match(c + " ")]
+    commands = [LAUNCHERS.sub("", c + " ", count=1).strip() for c in found if LAUNCHERS.match(c + " ")]
+    return [c for c in commands if c]   # not the tool's bare name
 
 
 COMMAND_LINES = readme_commands(README.read_text())
