@@ -129,3 +129,48 @@ def test_each_interval_in_the_readme_text_is_in_a_committed_report(line, interva
         assert not found, f"README line {line}: {interval} is in a committed report now: remove it from INTERIM"
     else:
         assert found, f"README line {line}: {interval} is in no committed report"
+
+
+def readme_zoo_rows(text: str) -> list[tuple[int, dict[str, str]]]:
+    """``(line number, {header: cell})`` of the README's table rows that name a checkpoint by the
+    first 12 characters of its sha256."""
+    rows, header = [], []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("|"):
+            header = []
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not header:
+            header = cells
+        elif any(re.fullmatch(r"`[0-9a-f]{12}`", c) for c in cells):
+            rows.append((number, dict(zip(header, cells))))
+    return rows
+
+
+ZOO_ROWS = readme_zoo_rows(README.read_text())
+
+
+def test_the_readme_zoo_tables_list_every_checkpoint():
+    from robust_attn.zoo import Manifest
+
+    shipped = {e.sha256[:12] for e in Manifest().entries.values() if e.source == "checkpoint"}
+    listed = {row["sha256 (first 12)"].strip("`") for _, row in ZOO_ROWS}
+    assert shipped <= listed, f"checkpoints the README's zoo tables do not list: {sorted(shipped - listed)}"
+
+
+@pytest.mark.parametrize("line, row", ZOO_ROWS, ids=[str(n) for n, _ in ZOO_ROWS])
+def test_each_readme_zoo_row_is_its_manifest_entry(line, row):
+    """Model, test top-1 and top-5 and final train loss as the manifest records the checkpoint's
+    training (the manifest's own test re-evaluates the checkpoints)."""
+    from robust_attn.zoo import Manifest
+
+    sha = row["sha256 (first 12)"].strip("`")
+    entries = [e for e in Manifest().entries.values() if e.sha256.startswith(sha)]
+    assert len(entries) == 1, f"README line {line}: no single manifest entry with sha256 {sha}"
+    entry = entries[0]
+    assert row["model"] == entry.name, f"README line {line}"
+    metrics = entry.metrics
+    assert row["test top-1"] == f"{metrics['eval_top1']:.2f}%", f"README line {line}"
+    assert row["test top-5"] == f"{metrics['eval_top5']:.2f}%", f"README line {line}"
+    if "final train loss" in row:
+        assert row["final train loss"] == f"{metrics['train_loss']:.3f}", f"README line {line}"
