@@ -5,7 +5,8 @@ model name must be a value and interval of that model in some CSV of ``reports/`
 accuracy, comparison, headline and corruption tables), and every cell under a column header
 that names a robust-accuracy column (``clean``, ``APGD-CE 2/255``, ``AutoAttack 8/255``, ...)
 must be that model's top-1 there, each to the decimals the README gives; every ``X [L, H]`` in
-its text must be one a report gives (in a CSV or its report.md). A README number copied
+its text must be one a report gives (in a CSV or its report.md); and the zoo tables must list
+every shipped checkpoint as ``zoo/manifest.json`` records it. A README number copied
 by hand, rounded twice (-5.65 from -5.6465 written -5.7) or left behind when a report was
 regenerated fails here."""
 from __future__ import annotations
