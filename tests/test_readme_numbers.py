@@ -175,3 +175,32 @@ def test_each_readme_zoo_row_is_its_manifest_entry(line, row):
     assert row["test top-5"] == f"{metrics['eval_top5']:.2f}%", f"README line {line}"
     if "final train loss" in row:
         assert row["final train loss"] == f"{metrics['train_loss']:.3f}", f"README line {line}"
+
+
+# the README's table of attack speed against torchattacks: its columns, and the attack of
+# benchmarks/results/attacks.json each shows (a ratio, ours over torchattacks; or our images/s)
+ATTACK_SPEED_COLUMNS = {"PGD-10": ("pgd", "speedup"), "Table 10 {8,2,4}": ("table10", "speedup"),
+                        "APGD-CE": ("apgd-ce", "speedup"), "APGD-T": ("apgd-t", "speedup"),
+                        "Square": ("square", "speedup"), "FAB-T (ours)": ("fab-t", "ours_img_s"),
+                        "AutoAttack (ours)": ("autoattack", "ours_img_s")}
+
+
+def test_the_readme_attack_speed_table_is_benchmarks_results_attacks_json():
+    import json
+
+    rows = {(r["model"], r["attack"]): r for r in
+            json.loads((ROOT / "benchmarks" / "results" / "attacks.json").read_text())["rows"]}
+    header, checked = None, 0
+    for line in README.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cells is None:
+            header = None
+        elif header is None:
+            header = cells if set(ATTACK_SPEED_COLUMNS) <= set(cells) else []
+        elif header and not set(cells[0]) <= set("-: "):
+            for column, cell in zip(header[1:], cells[1:]):
+                attack, key = ATTACK_SPEED_COLUMNS[column]
+                written = cell.split()[0].rstrip("x")
+                assert _matches((written,), (rows[(cells[0], attack)][key],)), (cells[0], column, cell)
+                checked += 1
+    assert checked == 7 * len(ATTACK_SPEED_COLUMNS)
