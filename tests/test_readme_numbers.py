@@ -34,7 +34,8 @@ INTERVAL = re.compile(rf"({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
 INTERIM = {"49.2 [46.2, 52.2]", "42.1 [39.2, 45.2]", "35.1 [32.1, 38.2]", "31.9 [28.9, 35.0]",
            "4.4 [3.2, 5.6]", "0.3 [0.0, 0.6]", "81.7 [79.2, 84.0]", "11.8 [8.8, 14.8]", "4.4 [1.9, 6.8]",
            "5.8 [2.9, 8.7]", "34.2 [31.0, 37.6]", "-3.5 [-5.8, -1.2]", "2.2 [-0.6, +5.1]",
-           "81.0 [78.5, 83.5]", "1.1 [-1.0, +3.2]", "68.2 [65.3, 71.1]", "3.8 [1.4, 6.2]"}
+           "81.0 [78.5, 83.5]", "1.1 [-1.0, +3.2]", "68.2 [65.3, 71.1]", "3.8 [1.4, 6.2]",
+           "+10.6 [+8.0, +13.2]"}
 
 
 def _committed():
@@ -111,9 +112,10 @@ def test_each_readme_result_is_in_a_committed_report(line, model, header, cell):
 
 
 def readme_prose_intervals(text: str) -> list[tuple[int, str]]:
-    """``(line number, "X [L, H]")`` of the README outside tables."""
-    return [(number, m.group(0)) for number, line in enumerate(text.splitlines(), 1) if not line.startswith("|")
-            for m in INTERVAL.finditer(line)]
+    """``(line number, "X [L, H]")`` of the README outside tables (an interval may wrap a line)."""
+    prose = "\n".join("" if line.startswith("|") else line for line in text.splitlines())
+    return [(prose.count("\n", 0, m.start()) + 1, " ".join(m.group(0).split()))
+            for m in re.finditer(rf"{NUMBER}\s+\[{NUMBER},\s+{NUMBER}\]", prose)]
 
 
 PROSE = readme_prose_intervals(README.read_text())
