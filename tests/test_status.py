@@ -62,7 +62,8 @@ def test_status_of_a_run_its_missing_chunk_and_the_autoattack_state_within_it(tm
     assert out[2] == f"  top-1 of the finished conditions: clean {clean:.1f}% (4 images)"
     # described by the run's own condition: the standard ensemble's four members
     assert out[3].startswith(f"  {config.name}[0:]: 1 of 4 members done, {robust} of 6 images robust; "
-                             f"apgd-t: {state['member']['note']}; 0 min in it, about 0 min left at that pace (saved ")
+                             f"apgd-t: {state['member']['note']}; 0 min in it, about 0 min left at that pace; "
+                             f"then fab-t, square (saved ")
     assert re.fullmatch(r"run [1-8] of 9 done, [1-6] images not fooled yet", state["member"]["note"])
     # and how to report what is finished (a folder of runs stands for each run in it)
     assert out[-1] == (f"what is finished, with intervals and paired comparisons: robust-attn report {run} "

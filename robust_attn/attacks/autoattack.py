@@ -219,7 +219,7 @@ class AutoAttack(Attack):
 
     def describe_state(self, state: dict) -> str:
         """One line on a state saved within a chunk (``robust-attn status``): the members finished,
-        the images still robust and where the member under way stands."""
+        the images still robust, where the member under way stands and the members still to come."""
         done, robust = int(state["done"]), state["robust"]
         line = (f"{done} of {len(self.member_names)} members done, {int(robust.sum())} of {len(robust)} "
                 f"images robust")
@@ -227,6 +227,8 @@ class AutoAttack(Attack):
             member = state.get("member")
             where = "not started" if member is None else member.get("note") or "under way, progress saved"
             line += f"; {self.member_names[done]}: {where}{_pace(member)}"
+            if done + 1 < len(self.member_names):
+                line += f"; then {', '.join(self.member_names[done + 1:])}"
         return line
 
     def _log(self, line: str) -> None:
