@@ -190,6 +190,20 @@ def _study_worker(config: StudyConfig, runs_dir: str, root, device, manifest_pat
               log=lambda *_: None, attention_path=attention_path, _worker=True)
 
 
+def autoattack_cost_note(config: StudyConfig, num_models: int, runs_dir) -> str:
+    """What AutoAttack will cost on a CPU, said when a study starts it there: per image that no
+    member fools, APGD-CE's iterations, APGD-T's and FAB-T's for each of 9 target classes (a
+    forward and a backward pass each) and Square's queries (a forward pass each)."""
+    steps = config.attack_steps or 100
+    radii = "/".join(f"{e:g}" for e in config.autoattack_eps)
+    images = f"{config.attack_limit:,} images" if config.attack_limit else "every image"
+    return (f"study: AutoAttack on a CPU: each image it cannot fool costs about {19 * steps:,} forward-backward "
+            f"and {config.square_queries:,} forward passes per radius ({images}, radii {radii}/255, {num_models} "
+            f"model(s)); at radii where most images survive (1-4/255) that is hours per model and radius on one "
+            f"core. `robust-attn status {runs_dir}` shows how far each radius is; `--autoattack-eps 8 --apgd-eps "
+            f"1,2,4` is the CPU-sized study (README, \"The study\").")
+
+
 def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=None, manifest=None,
               progress: bool = True, log=print, workers: int = 1, attention_path: str = "lean",
               _worker: bool = False) -> list[Path]:
@@ -225,6 +239,8 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     for name, entry in loaded.items():
         if set_attention_path(entry.model, attention_path) and attention_path != "lean":
             log(f"{name}: its attention layers compute on the {attention_path} path")
+    if "autoattack" in config.protocols and device.type == "cpu" and rank == 0 and not _worker:
+        log(autoattack_cost_note(config, len(loaded), runs_dir))
     inputs = model_inputs(config, root, loaded, [s for s in steps if not s.per_model])
     dataset, attack_dataset, _ = next(iter(inputs.values()))
     runs_dir = Path(runs_dir)
