@@ -65,10 +65,10 @@ def _matches(written: tuple[str, ...], values) -> bool:
     return all(abs(float(w) - v) <= 0.5 * 10 ** -d + 1e-9 for w, v, d in zip(written, values, decimals))
 
 
-def readme_result_cells(text: str, models: set[str]) -> list[tuple[int, str, str, str]]:
-    """``(line number, model, column header, cell)`` of the README's table rows whose first cell
-    is a model (``name`` or ``name [dataset]``)."""
-    found, header = [], []
+def table_rows(text: str):
+    """``(line number, header cells, cells)`` of every row of the README's tables, below the
+    header and its separator."""
+    header: list[str] = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.startswith("|"):
             header = []
@@ -76,11 +76,15 @@ def readme_result_cells(text: str, models: set[str]) -> list[tuple[int, str, str
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if not header:
             header = cells
-            continue
-        model = cells[0].split(" [")[0]
-        if model in models:
-            found += [(number, model, h, c) for h, c in zip(header[1:], cells[1:])]
-    return found
+        elif not set("".join(cells)) <= set("-: "):
+            yield number, header, cells
+
+
+def readme_result_cells(text: str, models: set[str]) -> list[tuple[int, str, str, str]]:
+    """``(line number, model, column header, cell)`` of the README's table rows whose first cell
+    is a model (``name`` or ``name [dataset]``)."""
+    return [(number, model, h, c) for number, header, cells in table_rows(text)
+            if (model := cells[0].split(" [")[0]) in models for h, c in zip(header[1:], cells[1:])]
 
 
 TRIPLE_SETS, TOP1, WRITTEN = _committed()
@@ -137,17 +141,8 @@ def test_each_interval_in_the_readme_text_is_in_a_committed_report(line, interva
 def readme_zoo_rows(text: str) -> list[tuple[int, dict[str, str]]]:
     """``(line number, {header: cell})`` of the README's table rows that name a checkpoint by the
     first 12 characters of its sha256."""
-    rows, header = [], []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.startswith("|"):
-            header = []
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if not header:
-            header = cells
-        elif any(re.fullmatch(r"`[0-9a-f]{12}`", c) for c in cells):
-            rows.append((number, dict(zip(header, cells))))
-    return rows
+    return [(number, dict(zip(header, cells))) for number, header, cells in table_rows(text)
+            if any(re.fullmatch(r"`[0-9a-f]{12}`", c) for c in cells)]
 
 
 ZOO_ROWS = readme_zoo_rows(README.read_text())
@@ -192,17 +187,12 @@ def test_the_readme_attack_speed_table_is_benchmarks_results_attacks_json():
 
     rows = {(r["model"], r["attack"]): r for r in
             json.loads((ROOT / "benchmarks" / "results" / "attacks.json").read_text())["rows"]}
-    header, checked = None, 0
-    for line in README.read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
-        if cells is None:
-            header = None
-        elif header is None:
-            header = cells if set(ATTACK_SPEED_COLUMNS) <= set(cells) else []
-        elif header and not set(cells[0]) <= set("-: "):
+    checked = 0
+    for number, header, cells in table_rows(README.read_text()):
+        if set(ATTACK_SPEED_COLUMNS) <= set(header):
             for column, cell in zip(header[1:], cells[1:]):
                 attack, key = ATTACK_SPEED_COLUMNS[column]
                 written = cell.split()[0].rstrip("x")
-                assert _matches((written,), (rows[(cells[0], attack)][key],)), (cells[0], column, cell)
+                assert _matches((written,), (rows[(cells[0], attack)][key],)), (number, cells[0], column, cell)
                 checked += 1
     assert checked == 7 * len(ATTACK_SPEED_COLUMNS)
