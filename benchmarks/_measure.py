@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from robust_attn.utils.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc
 
 __all__ = ["time_ms", "time_interleaved_ms", "json_from_fresh_process", "peak_memory_mb", "measure_layer", "run_layer_benchmark", "machine_description", "write_json"]
 
@@ -78,17 +79,13 @@ def time_interleaved_ms(fns: dict[str, Callable[[], object]], device: torch.devi
 def _small_mmap_threshold() -> None:
     """Make glibc serve every allocation over 64 KiB by its own mmap, unmapped when freed, and give
     the free memory of malloc's heap back to the system (``malloc_trim``), so reusing it counts."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: measure as is
+    libc = glibc()
+    if libc is None:  # not glibc: measure as is
         return
     libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
     libc.mallopt(M_TRIM_THRESHOLD, 64 * 1024)
     libc.malloc_trim(0)
 
-
-#: glibc ``mallopt`` parameters (malloc.h).
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
 def json_from_fresh_process(argv: list[str]) -> dict:

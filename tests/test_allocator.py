@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from robust_attn.utils.allocator import _glibc
+from robust_attn.utils.allocator import glibc
 
 # passes that allocate, touch and free a 64 MiB tensor: ten to warm up (glibc's aligned allocations
 # ask for a few bytes more than a freed chunk of the same size holds, so the heap grows by a few
@@ -37,7 +37,7 @@ def _run(mode: str, **env) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
-@pytest.mark.skipif(_glibc() is None, reason="glibc's malloc only")
+@pytest.mark.skipif(glibc() is None, reason="glibc's malloc only")
 def test_freed_tensors_are_not_faulted_in_again_and_the_opt_outs_leave_malloc_alone():
     took, faults = _run("default")
     assert took == "False" and faults > 0.8 * PAGES       # glibc maps each 64 MiB tensor anew

@@ -45,7 +45,7 @@ def run_lines(run: Path) -> list[str]:
     import torch
 
     from robust_attn.attacks.base import make_attack
-    from robust_attn.protocols.attack import STATE_DIR, config_from_condition
+    from robust_attn.protocols.attack import STATE_DIR, config_from_condition, saved_states
     from robust_attn.results import RunStore
 
     store = RunStore(run)
@@ -62,15 +62,14 @@ def run_lines(run: Path) -> list[str]:
         lines.append(f"  to compute: {named}" + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""))
         lines.extend(_finished_lines(store, missing))
     conditions = {c["name"]: c for c in desc.get("conditions", []) if isinstance(c, dict) and "name" in c}
-    for path in sorted((run / STATE_DIR).glob("*.pt")):
-        name, _, start = path.stem.rpartition("-")
+    for name, start, path in saved_states(run / STATE_DIR):
         saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
         attack = make_attack(config_from_condition(conditions[name])) if name in conditions else None
         if attack is None or not hasattr(attack, "describe_state"):
-            lines.append(f"  {name}[{int(start)}:]: a saved state ({saved})")
+            lines.append(f"  {name}[{start}:]: a saved state ({saved})")
             continue
         state = torch.load(path, map_location="cpu", weights_only=True)
-        lines.append(f"  {name}[{int(start)}:]: {attack.describe_state(state)} (saved {saved})")
+        lines.append(f"  {name}[{start}:]: {attack.describe_state(state)} (saved {saved})")
     return lines
 
 

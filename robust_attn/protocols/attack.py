@@ -51,11 +51,25 @@ from robust_attn.protocols.registry import study_protocol
 from robust_attn.protocols.runner import open_run, run_chunks
 
 __all__ = ["PROTOCOL", "CLEAN", "attack_records", "computation_order", "logit_margin", "make_evaluator",
-           "resume_order", "run_attack", "summarize_attack", "config_from_condition"]
+           "resume_order", "run_attack", "saved_states", "state_path", "summarize_attack", "config_from_condition"]
 
 PROTOCOL = "attack"
 CLEAN = "clean"
 STATE_DIR = "partial"   # AutoAttack's state within a chunk (after each member), for a killed run to resume
+
+
+def state_path(state_dir: str | Path, condition: str, start: int) -> Path:
+    """Where an attack keeps its state within chunk ``[start, ...)`` of ``condition``."""
+    return Path(state_dir) / f"{condition}-{start:09d}.pt"
+
+
+def saved_states(state_dir: str | Path) -> list[tuple[str, int, Path]]:
+    """``(condition, chunk start, path)`` of every state in ``state_dir`` (:func:`state_path`)."""
+    found = []
+    for path in sorted(Path(state_dir).glob("*-*.pt")):
+        condition, _, start = path.stem.rpartition("-")
+        found.append((condition, int(start), path))
+    return found
 
 
 def logit_margin(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -113,7 +127,7 @@ def make_evaluator(model: nn.Module, configs: Sequence[AttackConfig], targets: t
             attack = make_attack(dataclasses.replace(config, seed=config.seed * 2 ** 32 + start))
             state = None
             if state_dir is not None and hasattr(attack, "state_path"):
-                state = attack.state_path = Path(state_dir) / f"{name}-{start:09d}.pt"
+                state = attack.state_path = state_path(state_dir, name, start)
                 if log is not None:
                     attack.log = lambda line, start=start: log(f"chunk {start}: {line}")
             tgt = targets[indices].to(device) if config.targeted else None
@@ -140,16 +154,15 @@ def computation_order(configs: Sequence[AttackConfig]) -> list[str]:
 
 def resume_order(order: Sequence[str], state_dir: str | Path) -> list[str]:
     """``order`` with the conditions a killed run left under way moved first, after ``clean``: those
-    with a saved state in ``state_dir`` (``<condition>-<start>.pt``, AutoAttack's after each member),
+    with a saved state in ``state_dir`` (:func:`saved_states`, AutoAttack's after each member),
     the one with the most members done first (ties, and the conditions not started, keep their
     order; an unreadable state counts as none done). See the module's Choices."""
     done: dict[str, int] = {}
-    for path in sorted(Path(state_dir).glob("*-*.pt")):
+    for name, _, path in saved_states(state_dir):
         try:
             n = int(torch.load(path, map_location="cpu", weights_only=True).get("done", 0))
         except Exception:   # half-written or of another format: the attack itself decides what to do with it
             n = 0
-        name = path.stem.rsplit("-", 1)[0]
         done[name] = max(done.get(name, 0), n)
     rest = [n for n in order if n != CLEAN]
     started = sorted((n for n in rest if n in done), key=lambda n: -done[n])
