@@ -29,7 +29,6 @@ what this measures.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from robust_attn.cli import main
 from robust_attn.data import build_dataset, dataset_info, takes_transform

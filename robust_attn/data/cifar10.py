@@ -31,7 +31,7 @@ import torch
 
 from robust_attn.data import embedded
 from robust_attn.data.base import DatasetInfo, TensorImageDataset, default_data_root, missing_dataset_error
-from robust_attn.data.pickles import load_pickle, text_list
+from robust_attn.data.pickles import load_pickle
 from robust_attn.data.transforms import RandomCropFlip
 
 __all__ = ["INFO", "CLASSES", "MD5", "read_batch", "read_folder", "decode_jpegs", "locate", "build"]
