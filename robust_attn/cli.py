@@ -7,7 +7,7 @@ import importlib
 import sys
 import warnings
 
-COMMANDS = ["zoo", "train", "eval", "report", "study", "status"]
+COMMANDS = ["zoo", "train", "eval", "report", "study", "status", "diff"]
 
 
 class UserError(Exception):
