@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 
@@ -50,7 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     previous = warnings.showwarning
     warnings.showwarning = _warnings_as_lines(args.command)
     try:
-        return _run(parser, args, extra)
+        code = _run(parser, args, extra)
+        sys.stdout.flush()   # a reader gone shows here, where it is caught, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # the reader went away (`robust-attn status DIR | head -3`): no traceback, and the rest of
+        # the output goes nowhere, as for any program the pipe's SIGPIPE ends
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 128 + 13   # as a process killed by SIGPIPE reports it
     finally:
         warnings.showwarning = previous
 

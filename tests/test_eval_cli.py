@@ -161,3 +161,16 @@ def test_torchrun_two_gloo_ranks_merge_to_the_single_process_run(tmp_path, proto
     pd.testing.assert_frame_equal(load_records(tmp_path / "ddp"), load_records(tmp_path / "single"))
     desc = json.loads((tmp_path / "ddp" / "run.json").read_text())
     assert desc["world_size"] == 2
+
+
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback():
+    """``robust-attn zoo list | head -1``: the pipe's reader closes before the command writes; the
+    command ends as a program ended by SIGPIPE (exit 141), with nothing on stderr."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "robust_attn.cli", "zoo", "list"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()   # before the child has imported anything: its first write finds no reader
+    _, err = proc.communicate(timeout=300)
+    assert err.decode() == "" and proc.returncode == 141
