@@ -436,6 +436,11 @@ def condition_names(description: dict) -> list[str]:
     return [c["name"] if isinstance(c, dict) else c for c in description.get("conditions", [])]
 
 
+def condition_definitions(description: dict) -> dict[str, dict]:
+    """Each named condition of a run description, by name (its attack, eps, seed, ...)."""
+    return {c["name"]: c for c in description.get("conditions", []) if isinstance(c, dict) and "name" in c}
+
+
 def _with_later_defaults(stored: dict, description: dict) -> dict:
     """``description`` without the parameters of :data:`LATER_PARAMETERS` that ``stored`` lacks and
     that take the value every run had before they existed."""

@@ -1,8 +1,8 @@
 """``robust-attn diff RUN_A RUN_B``: do two runs agree image by image (a run computed again, on
 another machine or with other code, against the one a report was made from)?
-:mod:`robust_attn.reports.run_diff` compares them; the exit status is 0 where they are the same on
-every field of every image and in their settings, 1 where they differ, 2 on an error (as
-``diff`` does). Reads only."""
+:mod:`robust_attn.reports.run_diff` compares them; the exit status is 0 where every condition both
+have is defined alike and its records are equal on every field of every image, 1 where not, 2 on
+an error (as ``diff`` does). Reads only."""
 from __future__ import annotations
 
 import argparse

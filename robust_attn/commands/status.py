@@ -46,7 +46,7 @@ def run_lines(run: Path) -> list[str]:
 
     from robust_attn.attacks.base import make_attack
     from robust_attn.protocols.attack import STATE_DIR, config_from_condition, saved_states
-    from robust_attn.results import RunStore
+    from robust_attn.results import RunStore, condition_definitions
 
     store = RunStore(run)
     desc = store.description()
@@ -61,7 +61,7 @@ def run_lines(run: Path) -> list[str]:
         named = ", ".join(f"{c}[{a}:{b}]" for c, a, b in missing[:SHOWN])
         lines.append(f"  to compute: {named}" + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""))
         lines.extend(_finished_lines(store, missing))
-    conditions = {c["name"]: c for c in desc.get("conditions", []) if isinstance(c, dict) and "name" in c}
+    conditions = condition_definitions(desc)
     for name, start, path in saved_states(run / STATE_DIR):
         saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
         attack = make_attack(config_from_condition(conditions[name])) if name in conditions else None

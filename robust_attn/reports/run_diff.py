@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from robust_attn.results import VOLATILE_KEYS, RunStore
+from robust_attn.results import VOLATILE_KEYS, RunStore, condition_definitions
 from robust_attn.utils.differences import describe_difference
 
 __all__ = ["ConditionDiff", "RunDiff", "diff_runs", "diff_lines"]
@@ -84,10 +84,6 @@ def _settings(a: dict, b: dict) -> str:
     return "" if da == db else describe_difference(da, db)
 
 
-def _definitions(description: dict) -> dict[str, dict]:
-    return {c["name"]: c for c in description.get("conditions", []) if isinstance(c, dict) and "name" in c}
-
-
 def diff_runs(a: str | RunStore, b: str | RunStore, atol: float = 0.0) -> RunDiff:
     """Compare two runs' records (module docstring). ``atol``: how far two numbers may be apart
     and count as equal (0: exactly equal, as the records store them). Raises
@@ -100,19 +96,18 @@ def diff_runs(a: str | RunStore, b: str | RunStore, atol: float = 0.0) -> RunDif
     shared = [c for c in names_a if c in names_b]
     fields = [c for c in ra.columns if c in rb.columns and c not in KEYS]
     desc_a, desc_b = a.description(), b.description()
-    defs_a, defs_b = _definitions(desc_a), _definitions(desc_b)
+    defs_a, defs_b = condition_definitions(desc_a), condition_definitions(desc_b)
     conditions = []
     for name in shared:
         xa = ra[ra["condition"] == name].set_index("index")
         xb = rb[rb["condition"] == name].set_index("index")
         common = xa.index.intersection(xb.index).sort_values()
+        only_a, only_b = (sorted(int(i) for i in x.index.difference(common)) for x in (xa, xb))
         xa, xb = xa.loc[common], xb.loc[common]
         differing = {f: [int(i) for i in common[_differs(xa[f], xb[f], atol)]] for f in fields}
         top1 = [float(x["top1"].mean() * 100) if "top1" in x and len(x) else float("nan") for x in (xa, xb)]
         conditions.append(ConditionDiff(
-            name, len(common), sorted(int(i) for i in ra.loc[ra["condition"] == name, "index"] if i not in common),
-            sorted(int(i) for i in rb.loc[rb["condition"] == name, "index"] if i not in common),
-            top1[0], top1[1], {f: v for f, v in differing.items() if v},
+            name, len(common), only_a, only_b, top1[0], top1[1], {f: v for f, v in differing.items() if v},
             "" if defs_a.get(name) == defs_b.get(name) else describe_difference(defs_a.get(name), defs_b.get(name))))
     return RunDiff(str(a.root), str(b.root), _settings(desc_a, desc_b), a.computed_on(), b.computed_on(), conditions,
                    [c for c in names_a if c not in names_b], [c for c in names_b if c not in names_a])
