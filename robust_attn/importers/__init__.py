@@ -24,7 +24,10 @@ from typing import Callable, Mapping
 
 import torch
 
+from robust_attn.checkpoint import save_checkpoint
+from robust_attn.registry import create_model
 from robust_attn.utils.io import sha256_file
+from robust_attn.wrapper import NormalizedModel
 
 __all__ = ["ConversionError", "IMAGENET_MEAN", "IMAGENET_STD", "read_state_dict", "remap", "fc_classes",
            "default_output", "IMPORTERS", "import_checkpoint"]
@@ -172,3 +175,16 @@ def import_checkpoint(kind: str, path: str | os.PathLike, arch: str, out: str | 
 def source_origin(kind: str, path: Path, description: str) -> dict:
     """The sidecar's ``origin``: importer, what the source is, its file name and sha256."""
     return {"importer": kind, "source": description, "source_file": path.name, "source_sha256": sha256_file(path)}
+
+
+def convert_and_save(kind: str, path: str | os.PathLike, arch: str, out: str | os.PathLike,
+                     convert: Callable, description: str) -> str:
+    """The common ``import_*``: read ``path``, build ``arch`` (ImageNet resolution, the source's
+    class count), load ``convert(source, arch, model)`` strictly, wrap it with ImageNet mean/std
+    and save it to ``out`` with the origin of importer ``kind``; the sha256 of ``out``."""
+    path = Path(path)
+    source = read_state_dict(path)
+    model = create_model(arch, fc_classes(source), "imagenet")
+    model.load_state_dict(convert(source, arch, model), strict=True)
+    wrapped = NormalizedModel(model, IMAGENET_MEAN, IMAGENET_STD).eval()
+    return save_checkpoint(out, wrapped, {"origin": source_origin(kind, path, description)})

@@ -47,16 +47,12 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import torch
 
-from robust_attn.checkpoint import save_checkpoint
-from robust_attn.importers import (IMAGENET_MEAN, IMAGENET_STD, ConversionError, fc_classes, read_state_dict,
-                                   remap, source_origin)
+from robust_attn.importers import (ConversionError, convert_and_save, fc_classes, remap)
 from robust_attn.models.san import SAN_LAYERS
 from robust_attn.registry import create_model, list_models, model_info
-from robust_attn.wrapper import NormalizedModel
 
 __all__ = ["SAN_ARCHS", "official_key", "convert_san_official", "guess_san_arch", "import_san_official"]
 
@@ -124,9 +120,4 @@ def convert_san_official(state_dict: dict[str, torch.Tensor], arch: str, model: 
 def import_san_official(path: str | os.PathLike, arch: str, out: str | os.PathLike) -> str:
     """Convert the authors' checkpoint ``path`` into a robust-attn checkpoint ``out``; its sha256."""
     _check_arch(arch)
-    path = Path(path)
-    source = read_state_dict(path)
-    model = create_model(arch, fc_classes(source), "imagenet")
-    model.load_state_dict(convert_san_official(source, arch, model), strict=True)
-    wrapped = NormalizedModel(model, IMAGENET_MEAN, IMAGENET_STD).eval()
-    return save_checkpoint(out, wrapped, {"origin": source_origin("san-official", path, _DESCRIPTION)})
+    return convert_and_save("san-official", path, arch, out, convert_san_official, _DESCRIPTION)

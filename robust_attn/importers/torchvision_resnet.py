@@ -20,16 +20,12 @@ counts of no registered arch (``resnet101``/``resnet152``).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-from robust_attn.checkpoint import save_checkpoint
-from robust_attn.importers import (IMAGENET_MEAN, IMAGENET_STD, ConversionError, fc_classes, read_state_dict,
-                                   remap, source_origin)
+from robust_attn.importers import (ConversionError, convert_and_save, fc_classes, remap)
 from robust_attn.models.resnet import RESNET_LAYERS
 from robust_attn.registry import create_model, list_models, model_info
-from robust_attn.wrapper import NormalizedModel
 
 __all__ = ["RESNET_ARCHS", "convert_torchvision_resnet", "import_torchvision_resnet"]
 
@@ -88,9 +84,4 @@ def import_torchvision_resnet(path: str | os.PathLike, arch: str, out: str | os.
     """Convert the torchvision-layout state dict at ``path`` into a robust-attn checkpoint ``out``
     (ImageNet mean/std in the wrapper); its sha256."""
     _check_arch(arch)
-    path = Path(path)
-    source = read_state_dict(path)
-    model = create_model(arch, fc_classes(source), "imagenet")
-    model.load_state_dict(convert_torchvision_resnet(source, arch, model), strict=True)
-    wrapped = NormalizedModel(model, IMAGENET_MEAN, IMAGENET_STD).eval()
-    return save_checkpoint(out, wrapped, {"origin": source_origin("torchvision-resnet", path, _DESCRIPTION)})
+    return convert_and_save("torchvision-resnet", path, arch, out, convert_torchvision_resnet, _DESCRIPTION)
