@@ -42,6 +42,21 @@ def _warnings_as_lines(command: str):
     return show
 
 
+def _os_message(err: Exception):
+    """An ``OSError`` from a path the user gave (``--out`` a file where a folder is written, a folder
+    that cannot be written, a full disk) said in one line with what to do; other errors as they are."""
+    if not isinstance(err, OSError) or isinstance(err, FileNotFoundError) or err.filename is None:
+        return err
+    path = err.filename
+    if isinstance(err, (FileExistsError, NotADirectoryError)):
+        return f"{path}: a file is in the way where a folder is needed; give another path or move the file"
+    if isinstance(err, IsADirectoryError):
+        return f"{path} is a folder where a file is needed; give a file path"
+    if isinstance(err, PermissionError):
+        return f"{path}: permission denied; give a path you may write to, or change its permissions"
+    return f"{path}: {err.strerror or err}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from robust_attn.utils.allocator import keep_freed_memory
 
@@ -73,8 +88,10 @@ def _run(parser: argparse.ArgumentParser, args, extra: list[str]) -> int:
         args.overrides += extra
     try:
         return int(args.func(args) or 0)
-    except (UserError, KeyError, ValueError, FileNotFoundError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+    except BrokenPipeError:
+        raise   # handled by main: the reader went away, not an input error
+    except (UserError, KeyError, ValueError, OSError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else _os_message(err)
         print(f"robust-attn {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:

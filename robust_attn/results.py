@@ -147,7 +147,8 @@ def _jsonable(obj):
     return json.loads(json.dumps(obj, sort_keys=True, default=str))
 
 
-def _damaged_message(root: Path, problems: list[tuple[Path, str]], packed: bool) -> str:
+def damaged_message(root: Path, problems: list[tuple[Path, str]], packed: bool) -> str:
+    """What is damaged in the run at ``root`` (the first few files) and how to fix it."""
     shown = "; ".join(f"{p}: {why}" for p, why in problems[:_SHOWN])
     more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
     if packed:
@@ -178,7 +179,18 @@ class RunStore:
         if not self.exists():
             raise FileNotFoundError(f"{self.root} is not a run directory (no {DESCRIPTION}); "
                                     f"make one with `robust-attn eval rotation|pgd --out {self.root}`")
-        return json.loads(self.description_path.read_text())
+        try:
+            description = json.loads(self.description_path.read_text())
+        except ValueError as err:   # JSONDecodeError, UnicodeDecodeError
+            raise DamagedRecordsError(f"{self.description_path} is damaged ({err}); restore it from a copy "
+                                      f"(a committed run: `git checkout -- {self.description_path}`) or run "
+                                      f"its command again into a new folder",
+                                      [(self.description_path, "unreadable")]) from None
+        if not isinstance(description, dict):
+            raise DamagedRecordsError(f"{self.description_path} holds a JSON {type(description).__name__}, not a "
+                                      f"run description (an object); restore it from a copy",
+                                      [(self.description_path, "not an object")])
+        return description
 
     def open(self, description: dict, write: bool = True) -> dict:
         """Start or resume the run described by ``description``.
@@ -317,7 +329,7 @@ class RunStore:
                 if problem and problem != "deleted":
                     problems.append((path, problem))
         if problems and not repair:
-            raise DamagedRecordsError(_damaged_message(self.root, problems, packed=False), problems)
+            raise DamagedRecordsError(damaged_message(self.root, problems, packed=False), problems)
         for path, _ in problems:
             path.unlink(missing_ok=True)
             self.checksum_path(path).unlink(missing_ok=True)
@@ -330,7 +342,7 @@ class RunStore:
         if self.packed:
             problems = self.verify()
             if problems:
-                raise DamagedRecordsError(_damaged_message(self.root, problems, packed=True), problems)
+                raise DamagedRecordsError(damaged_message(self.root, problems, packed=True), problems)
             return []
         return self.check_chunks(self.chunks(), repair=True)
 
@@ -341,7 +353,7 @@ class RunStore:
         if self.packed:
             problems, data = self._verify_packed()
             if problems:
-                raise DamagedRecordsError(_damaged_message(self.root, problems, packed=True), problems)
+                raise DamagedRecordsError(damaged_message(self.root, problems, packed=True), problems)
             return pd.read_csv(io.BytesIO(data), compression="gzip")
         frames, problems = [], []
         for c, a, b in self.chunks():
@@ -353,7 +365,7 @@ class RunStore:
             elif not problems:
                 frames.append(pd.read_csv(io.BytesIO(data)))
         if problems:
-            raise DamagedRecordsError(_damaged_message(self.root, problems, packed=False), problems)
+            raise DamagedRecordsError(damaged_message(self.root, problems, packed=False), problems)
         if not frames:
             return pd.DataFrame(columns=["condition", "index"])
         frame = pd.concat(frames, ignore_index=True)
@@ -500,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 problems = store.verify()
                 if problems:
-                    raise DamagedRecordsError(_damaged_message(store.root, problems, store.packed), problems)
+                    raise DamagedRecordsError(damaged_message(store.root, problems, store.packed), problems)
                 print(f"{run}: intact")
         except (ValueError, FileNotFoundError) as err:
             print(f"{run}: error: {err}", file=sys.stderr)

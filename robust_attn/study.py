@@ -98,8 +98,9 @@ class StudyConfig:
             raise ValueError(f"limit must be positive (or None for the whole split), got {self.limit}")
         if not 0 <= self.angle_step < 360:
             raise ValueError(f"angle_step must be in [0, 360) degrees (0: no sweep), got {self.angle_step}")
-        if self.sweep_steps < 1 or any(e <= 0 for e in self.sweep_eps):
-            raise ValueError("sweep_eps must be positive and sweep_steps at least 1")
+        if self.sweep_steps < 1 or any(not 0 < e <= 255 for e in self.sweep_eps):
+            raise ValueError(f"sweep_eps are in 1/255 units, in (0, 255], and sweep_steps at least 1; got "
+                             f"{list(self.sweep_eps)} and {self.sweep_steps}")
         if self.batch_size < 1 or self.bootstrap < 1:
             raise ValueError("batch_size and bootstrap must be positive")
         known = list_study_protocols()
@@ -112,6 +113,11 @@ class StudyConfig:
             raise ValueError("autoattack_eps, apgd_eps and square_eps are in 1/255 units, in (0, 255]")
         if self.square_queries < 1 or self.transfer_steps < 1 or self.attack_batch_size < 1:
             raise ValueError("square_queries, transfer_steps and attack_batch_size must be positive")
+        if self.attack_steps is not None and self.attack_steps < 1:
+            raise ValueError(f"attack_steps must be at least 1 (or unset for AutoAttack's standard 100), "
+                             f"got {self.attack_steps}")
+        if self.masking_images < 1:
+            raise ValueError(f"masking_images must be at least 1, got {self.masking_images}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if any(not isinstance(m, (str, StudyModel)) for m in self.models):
@@ -124,8 +130,10 @@ class StudyConfig:
         from robust_attn.protocols.occlusion import occlusion_conditions
         from robust_attn.protocols.shuffle import shuffle_conditions
 
-        from robust_attn.data import dataset_info
+        from robust_attn.data import dataset_info, list_datasets
 
+        if self.dataset not in list_datasets():
+            dataset_info(self.dataset)   # the unknown-dataset error, with the names it could have meant
         try:    # imagefolder's size comes from its root, known only when the study runs
             size = (dataset_info(self.dataset).image_size,) * 2
         except (KeyError, ValueError, FileNotFoundError):
@@ -297,7 +305,8 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     report_dir = Path(report_dir)
     packed = [RunStore(d).pack(report_dir / "runs" / d.name).root for d in run_dirs]
     files = make_report(packed, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,
-                        preamble=_preamble(config, runs_dir, len(dataset), len(attack_dataset), chosen))
+                        preamble=_preamble(config, runs_dir, len(dataset), len(attack_dataset), chosen),
+                        keep=(TIMINGS_FILE,))
     with atomic_path(report_dir / TIMINGS_FILE) as tmp:
         tmp.write_bytes((runs_dir / TIMINGS_FILE).read_bytes())
     study_file = report_dir / "study.json"

@@ -83,10 +83,38 @@ def test_pgd_cli_sweep_lists(tmp_path, capsys):
     (["eval", "rotation", "--checkpoint", "/nonexistent.safetensors", "--dataset", "synthetic"], "does not exist"),
     (["eval", "rotation", *TINY, "--dataset", "imagenet2"], "unknown dataset"),
     (["report", "/nonexistent-run", "--out", "/tmp/x"], "not a run directory"),
+    (["eval", "pgd", *TINY, "--eps", "nan"], "--eps takes finite numbers"),
+    (["eval", "pgd", *TINY, "--eps", "2,,8"], "--eps has an empty item"),
+    (["eval", "pgd", *TINY, "--eps", "8/255"], "(in 1/255 units: 8 means 8/255)"),
+    (["eval", "rotation", *TINY, "--num-workers", "-1"], "--num-workers must be 0"),
+    (["eval", "transfer", "--source", "resnet26", "--target", "resnet26", "--dataset", "synthetic",
+      "--num-workers", "-1"], "--num-workers must be 0"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
     assert main([*argv, "--out", str(tmp_path / "o")] if argv[0] == "eval" else argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bad_input_leaves_no_run_folder(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["eval", "rotation", *TINY, "--num-workers", "-1", "--out", str(out)]) == 2
+    assert not out.exists()
+
+
+def test_a_file_where_a_folder_is_written_is_a_one_line_error(tmp_path, capsys):
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a folder")
+    assert main(["eval", "rotation", *TINY, "--limit", "2", "--angle-step", "0", "--out", str(blocker)]) == 2
+    err = capsys.readouterr().err
+    assert f"{blocker}: a file is in the way where a folder is needed" in err and "Traceback" not in err
+    assert main(["eval", "rotation", *TINY, "--limit", "2", "--angle-step", "0", "--out", str(blocker / "x")]) == 2
+    assert "a file is in the way" in capsys.readouterr().err
+
+
+def test_pgd_eps_below_one_is_warned_to_be_in_1_255_units(tmp_path, capsys):
+    assert main(["eval", "pgd", *TINY, "--limit", "2", "--batch-size", "2", "--eps", "0.03", "--steps", "1",
+                 "--no-checks", "--out", str(tmp_path / "o")]) == 0
+    assert "warning: --eps 0.03 is in 1/255 units" in capsys.readouterr().err
 
 
 def test_rerun_with_other_settings_in_the_same_dir_is_refused(tmp_path, capsys):

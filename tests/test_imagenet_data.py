@@ -182,6 +182,17 @@ def test_imagefolder_classes_info_and_splits(tmp_path):
         dataset_info("imagefolder")
 
 
+@pytest.mark.parametrize("protocol, option", [("shuffle", ["--grids", "1,2"]), ("occlusion", ["--areas", "25"])])
+def test_the_shift_protocols_read_an_image_folder_from_root(tmp_path, protocol, option):
+    for value, name in enumerate(("ant", "bee")):
+        _image(tmp_path / "data" / name / "x.png", 60 * value + 10)
+    out = tmp_path / "run"
+    assert main(["eval", protocol, "--model", "resnet26", "--model-args", "width=0.25", "--dataset", "imagefolder",
+                 "--root", str(tmp_path / "data"), "--batch-size", "2", "--no-progress", *option,
+                 "--out", str(out)]) == 0
+    assert json.loads((out / "run.json").read_text())["data_source"] == str(tmp_path / "data")
+
+
 def test_imagefolder_takes_a_model_transform_and_tensor_sets_refuse_one(tmp_path):
     from robust_attn.sources.base import Preprocessing
 

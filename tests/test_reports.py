@@ -169,6 +169,39 @@ def test_report_pack_refuses_unfinished_runs_and_name_clashes(runs, tmp_path, ca
     assert "collide" in capsys.readouterr().err
 
 
+def test_report_pack_leaves_no_run_packed_when_a_later_one_is_unfinished(runs, tmp_path, capsys):
+    data = build_dataset("synthetic", split="test", limit=4)
+    store = run_rotation(_tiny(), data, tmp_path / "r", conditions=rotation_conditions(0), batch_size=2,
+                         run_info=_info("resnet26", "synthetic"), progress=False)
+    next((store.root / "records" / "cw90").iterdir()).unlink()
+    out = tmp_path / "o"
+    assert main(["report", str(runs[0]), str(store.root), "--out", str(out), "--pack", "--no-plots"]) == 2
+    assert f"{store.root} is unfinished" in capsys.readouterr().err
+    assert not (out / "runs").exists() and not out.exists()
+
+
+@pytest.mark.parametrize("flags, message", [(["--level", "5"], "--level takes a confidence level in (0, 1)"),
+                                            (["--bootstrap", "0"], "--bootstrap takes the number of resamples")])
+def test_report_refuses_bad_options_before_writing_anything(runs, tmp_path, capsys, flags, message):
+    out = tmp_path / "o"
+    assert main(["report", str(runs[0]), "--out", str(out), "--no-plots", *flags]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+    with pytest.raises(ValueError, match="confidence level"):   # the API checks before writing too
+        make_report([runs[0]], out, level=1.5, plots=False)
+    assert not out.exists()
+
+
+def test_a_report_into_the_folder_of_an_earlier_one_names_the_files_it_did_not_write(runs, tmp_path):
+    make_report(runs, tmp_path, n_boot=20, plots=False)
+    assert (tmp_path / "table10_pgd.csv").is_file()
+    (tmp_path / "timings.csv").write_text("the caller's own file\n")
+    with pytest.warns(UserWarning) as caught:   # rotation only now: the PGD tables are an earlier report's
+        make_report([runs[0]], tmp_path, n_boot=20, plots=False, keep=("timings.csv",))
+    message = str(caught[0].message)
+    assert "pgd_conditions.csv, table10_pgd.csv, table10_pgd.md, table10_pgd.tex" in message
+    assert "timings.csv" not in message and "table9_rotation" not in message
+
+
 def test_pgd_runs_of_one_model_merge_into_one_table10_row(runs, tmp_path):
     from robust_attn.reports.tables import pgd_table
 

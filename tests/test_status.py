@@ -71,12 +71,57 @@ def test_status_of_a_run_its_missing_chunk_and_the_autoattack_state_within_it(tm
     assert main(["status", str(tmp_path / "runs")]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith(f"report {tmp_path / 'runs'}/* --out DIR --partial")
 
-    # damaged records are named, never summarized
+    # damaged records are named with the fix, never summarized, and the exit status says so
     clean_chunk = store.chunk_path("clean", 0, 4)
     clean_chunk.write_bytes(clean_chunk.read_bytes() + b"0")
-    assert main(["status", str(run)]) == 0
+    assert main(["status", str(run)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[2].startswith("  records unreadable: ") and "top-1" not in "".join(out)
+    assert out[0] == f"{run}: attack, {store.description()['model']}: 1 of 2 chunks written, damaged"
+    assert out[1].startswith(f"  damaged: run {run} has damaged records: {clean_chunk}: sha256 differs")
+    assert "--repair" in out[1] and "top-1" not in "".join(out) and "--partial" not in "".join(out)
+
+
+def _tiny_rotation_run(out):
+    from robust_attn.protocols.rotation import run_rotation
+
+    torch.manual_seed(0)
+    model = NormalizedModel(create_model("resnet26", num_classes=10, resolution="cifar", width=0.25,
+                                         stem_downsample=4), (0.5,) * 3, (0.5,) * 3).eval()
+    return run_rotation(model, build_dataset("synthetic", split="test", limit=4), out, batch_size=2,
+                        progress=False)
+
+
+def test_status_checks_every_record_of_a_finished_run_and_of_a_packed_one(tmp_path, capsys):
+    store = _tiny_rotation_run(tmp_path / "rot")
+    model = store.description()["model"]
+    assert main(["status", str(store.root)]) == 0
+    assert capsys.readouterr().out.endswith("chunks written (finished)\n")
+    packed = store.pack(tmp_path / "packed")
+    assert main(["status", str(packed.root)]) == 0
+    assert capsys.readouterr().out == f"{packed.root}: rotation, {model}: finished (packed)\n"
+
+    chunk = store.chunk_path(*store.chunks()[-1])      # one line more: every chunk is written, yet damaged
+    chunk.write_bytes(chunk.read_bytes() + chunk.read_bytes().splitlines(keepends=True)[-1])
+    assert main(["status", str(store.root)]) == 1
+    first, second = capsys.readouterr().out.splitlines()
+    assert first.endswith(", damaged") and "finished" not in first
+    assert second.startswith(f"  damaged: run {store.root} has damaged records: {chunk}: sha256 differs "
+                             f"from the recorded one (altered: 3 rows, recorded 2 rows)")
+
+    records = packed.root / "records.csv.gz"           # a packed run cut short
+    records.write_bytes(records.read_bytes()[:len(records.read_bytes()) // 2])
+    assert main(["status", str(packed.root)]) == 1
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == f"{packed.root}: rotation, {model}: damaged (packed)"
+    assert f"{records}: sha256 differs" in second and "git checkout" in second
+
+
+@pytest.mark.parametrize("text, what", [('{"protocol": "rotation", "mod', "is damaged"), ("[]", "holds a JSON list")])
+def test_status_names_a_damaged_run_json_and_the_fix(tmp_path, capsys, text, what):
+    (tmp_path / "run.json").write_text(text)
+    assert main(["status", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'run.json'} {what}" in err and "restore it from a copy" in err and "Traceback" not in err
 
 
 def test_status_refuses_what_is_not_a_run(tmp_path, capsys):

@@ -285,7 +285,7 @@ def test_study_command_names_what_is_wrong(tmp_path, tiny_zoo, capsys):
     assert main(["study", "--models", "san10_pairwise", *common]) == 2
     assert "the zoo has ['resnet26', 'sasa_resnet26']" in capsys.readouterr().err
     assert main(["study", "--sweep-eps", "-1", *common]) == 2
-    assert "sweep_eps must be positive" in capsys.readouterr().err
+    assert "sweep_eps are in 1/255 units, in (0, 255]" in capsys.readouterr().err
     assert main(["study", "--dataset", "cifar100", "--manifest", str(tiny_zoo), "--no-progress"]) == 2
     assert "no model trained on 'cifar100'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists() and not (tmp_path / "o").exists()   # nothing half-written

@@ -78,6 +78,10 @@ models = ["timm:resnet26t", "zoo:resnet26",
     ('models = ["resnet26"]', "lacks 'dataset'"),
     ('dataset = "imagenet"\nmodels = []', "models must be a non-empty list"),
     ('dataset = "imagenet"\nmodels = [', "is not valid TOML"),
+    ('dataset = "imagenet"\nsweep_eps = [1000.0]\nmodels = ["resnet26"]', "sweep_eps are in 1/255 units, in (0, 255]"),
+    ('dataset = "imagenet"\nattack_steps = -5\nmodels = ["resnet26"]', "attack_steps must be at least 1"),
+    ('dataset = "imagenet"\nmasking_images = -1\nmodels = ["resnet26"]', "masking_images must be at least 1"),
+    ('dataset = "fashoin_mnist"\nmodels = ["resnet26"]', "unknown dataset 'fashoin_mnist'. Did you mean 'fashion_mnist'?"),
 ])
 def test_bad_study_configs_name_the_key_and_the_fix(tmp_path, text, message):
     with pytest.raises(StudyConfigError, match=None) as caught:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,15 +41,22 @@ def parse_model_args(items: list[str] | None) -> dict:
 
 
 def parse_list(text: str | None, kind=float, option: str = "") -> list | None:
-    """``"2,4,8"`` -> ``[2.0, 4.0, 8.0]``; a clear error names the option."""
+    """``"2,4,8"`` -> ``[2.0, 4.0, 8.0]``; a clear error names the option (an empty item, as in
+    ``1,,2``, or a non-finite float is refused, not skipped)."""
     if text is None:
         return None
-    try:
-        values = [kind(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise UserError(f"{option} takes a comma-separated list of {kind.__name__}s, got {text!r}") from None
-    if not values:
+    items = [v.strip() for v in str(text).split(",")]
+    if items == [""]:
         raise UserError(f"{option} is empty")
+    if "" in items:
+        raise UserError(f"{option} has an empty item in {text!r}; write e.g. {option} 1,2,4")
+    try:
+        values = [kind(v) for v in items]
+    except ValueError:
+        hint = (" (in 1/255 units: 8 means 8/255)" if "/" in str(text) and kind is float else "")
+        raise UserError(f"{option} takes a comma-separated list of {kind.__name__}s{hint}, got {text!r}") from None
+    if kind is float and not all(math.isfinite(v) for v in values):
+        raise UserError(f"{option} takes finite numbers, got {text!r}")
     return values
 
 
@@ -144,16 +153,23 @@ def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
     return loaded.model, loaded.description
 
 
+def check_common(args) -> None:
+    """The numeric options every ``eval`` subcommand has, checked before anything is loaded or written."""
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be positive, got {args.limit}")
+    if args.num_workers < 0:
+        raise UserError(f"--num-workers must be 0 (load in the main process) or more, got {args.num_workers}")
+
+
 def _setup(args, protocol: str):
     from robust_attn.data import dataset_info
     from robust_attn.distributed import init_distributed
     from robust_attn.layers.paths import set_attention_path
     from robust_attn.sources.inputs import model_dataset, record_preprocessing
 
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be positive, got {args.batch_size}")
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit must be positive, got {args.limit}")
+    check_common(args)
     info = dataset_info(args.dataset, root=args.root)  # imagefolder: the class count of --root's folders
     rank, world_size, device = init_distributed(args.device)
     model, model_desc = load_eval_model(args, info)   # checked to output the dataset's classes (issue #18)
@@ -221,8 +237,12 @@ def run_pgd_cmd(args) -> int:
     from robust_attn.protocols.pgd import load_checks, pgd_settings, run_pgd, summarize_pgd
     from robust_attn.results import load_records
 
-    settings = pgd_settings(parse_list(args.eps, float, "--eps"), parse_list(args.steps, int, "--steps"),
-                            parse_list(args.step, float, "--step"))
+    eps = parse_list(args.eps, float, "--eps")
+    for e in eps:
+        if 0 < e < 1:
+            warnings.warn(f"--eps {e:g} is in 1/255 units (Table 10's 8 is 8/255), so it is {e:g}/255 = "
+                          f"{e / 255:.2g} of the pixel range; for {e:g} of the range give --eps {e * 255:g}")
+    settings = pgd_settings(eps, parse_list(args.steps, int, "--steps"), parse_list(args.step, float, "--step"))
     if args.targets and not Path(args.targets).is_file():
         raise UserError(f"--targets {args.targets} does not exist; pass another run's targets.csv")
     info, rank, world_size, device, model, dataset, out, run_info = _setup(args, "pgd")

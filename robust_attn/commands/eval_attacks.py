@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from robust_attn.cli import UserError
-from robust_attn.commands.eval import _add_common, _repair, _setup, _with_cleanup
+from robust_attn.commands.eval import _add_common, _repair, _setup, _with_cleanup, check_common
 
 __all__ = ["add_attack_parsers", "attack_configs", "load_named_model", "run_attack_cmd", "run_transfer_cmd"]
 
@@ -149,8 +149,7 @@ def run_transfer_cmd(args) -> int:
 
     if args.model or args.checkpoint or args.zoo:
         raise UserError("eval transfer takes its models as --source and --target, not --model/--checkpoint/--zoo")
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be positive, got {args.batch_size}")
+    check_common(args)
     configs = attack_configs(args)
     info = dataset_info(args.dataset, root=args.root)
     rank, world_size, device = init_distributed(args.device)

@@ -48,7 +48,7 @@ def add_shift_parsers(ev_sub) -> None:
 def _image_size(args) -> tuple[int, int]:
     from robust_attn.data import dataset_info
 
-    size = dataset_info(args.dataset).image_size
+    size = dataset_info(args.dataset, root=args.root).image_size   # imagefolder: needs --root
     return size, size
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from pathlib import Path
 
 from robust_attn.cli import UserError
@@ -41,6 +42,10 @@ def run_report(args) -> int:
         if not (Path(run) / "run.json").is_file():
             raise UserError(f"{run} is not a run directory (no run.json); pass directories written by "
                             f"`robust-attn eval rotation|pgd --out DIR`")
+    if args.bootstrap < 1:
+        raise UserError(f"--bootstrap takes the number of resamples, at least 1 (default 1000); got {args.bootstrap}")
+    if not 0 < args.level < 1:
+        raise UserError(f"--level takes a confidence level in (0, 1), e.g. 0.95; got {args.level:g}")
     if args.pack and args.partial:
         raise UserError("--pack keeps finished runs only, so it does not go with --partial; report the "
                         "unfinished runs without --pack, and pack them once they finish")
@@ -63,14 +68,23 @@ def _packed(runs: list[str], dest: Path) -> list[Path]:
     if clash:
         raise UserError(f"--pack: runs share the folder name(s) {clash}, which would collide in {dest}; "
                         f"rename or copy them to distinct names first")
-    out = []
+    for run in runs:   # every run checked before any is packed: a refusal leaves nothing behind
+        missing = RunStore(run).missing()
+        if missing:
+            raise UserError(f"--pack: {run} is unfinished ({len(missing)} chunks missing); finish it (run its "
+                            f"command again) before packing, or report it without --pack (--partial)")
+    out, made = [], []
     try:
         for run, name in zip(runs, names):
             store = RunStore(run)
             if store.root.resolve() == (dest / name).resolve():   # already there: reporting again from OUT
                 out.append(store.root)
             else:
+                if not (dest / name).exists():
+                    made.append(dest / name)   # removed again if a later run cannot be packed
                 out.append(store.pack(dest / name).root)
     except ValueError as err:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
         raise UserError(f"--pack: {err}") from None
     return out

@@ -3,7 +3,8 @@ its description asks for (the rest are what running its command again computes) 
 under way, the state an attack saved within it (AutoAttack: the members finished, the images
 still robust, where the member under way stands, and when that was saved). An unfinished run
 also gives the top-1 of each condition it has finished (from its records, checksums verified), so
-a run that takes days shows its first numbers as they land. A folder of runs (a
+a run that takes days shows its first numbers as they land. Every record file is checked against
+its checksum: a damaged run says so, with the files and the fix, and the exit status is 1. A folder of runs (a
 study's ``--runs``) stands for each run in it; when anything is unfinished, the last line gives the
 ``robust-attn report ... --partial`` command that reports what is finished. Reads only; safe
 beside the processes writing."""
@@ -19,6 +20,7 @@ __all__ = ["add_parser", "run_status", "run_lines"]
 
 SHOWN = 4   # missing chunks named per run
 FINISHED = "finished"   # in a run's first line when nothing is left to compute
+DAMAGED = "damaged"     # in a run's first line when a record file does not match its checksum
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,21 +48,24 @@ def run_lines(run: Path) -> list[str]:
 
     from robust_attn.attacks.base import make_attack
     from robust_attn.protocols.attack import STATE_DIR, config_from_condition, saved_states
-    from robust_attn.results import RunStore, condition_definitions
+    from robust_attn.results import RunStore, condition_definitions, damaged_message
 
     store = RunStore(run)
     desc = store.description()
     head = f"{run}: {desc.get('protocol', '?')}, {desc.get('model', '?')}"
+    problems = [(path, why) for path, why in store.verify() if why != "deleted"]   # deleted: a repair under way
+    damage = [f"  {DAMAGED}: {damaged_message(run, problems, store.packed)}"] if problems else []
     if store.packed:
-        return [f"{head}: {FINISHED} (packed)"]
+        return [f"{head}: {DAMAGED} (packed)" if problems else f"{head}: {FINISHED} (packed)"] + damage
     missing = store.missing()
     total = len(store.chunks()) + len(missing)
     lines = [f"{head}: {total - len(missing)} of {total} chunks written"
-             + ("" if missing else f" ({FINISHED})")]
+             + (f", {DAMAGED}" if problems else "" if missing else f" ({FINISHED})")] + damage
     if missing:
         named = ", ".join(f"{c}[{a}:{b}]" for c, a, b in missing[:SHOWN])
         lines.append(f"  to compute: {named}" + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""))
-        lines.extend(_finished_lines(store, missing))
+        if not problems:
+            lines.extend(_finished_lines(store, missing))
     conditions = condition_definitions(desc)
     for name, start, path in saved_states(run / STATE_DIR):
         saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
@@ -89,13 +94,15 @@ def _finished_lines(store, missing) -> list[str]:
 
 
 def run_status(args) -> int:
-    unfinished = False
+    """Prints each run's lines; exit status 1 when a run is damaged, else 0."""
+    unfinished = damaged = False
     for run in _run_dirs(args.runs):
         lines = run_lines(run)
+        damaged |= lines[0].endswith((f", {DAMAGED}", f"{DAMAGED} (packed)"))
         unfinished |= not lines[0].endswith((f"({FINISHED})", f"{FINISHED} (packed)"))
         print("\n".join(lines))
-    if unfinished:   # a folder of runs is given to the report as FOLDER/*
+    if unfinished and not damaged:   # a folder of runs is given to the report as FOLDER/*
         runs = " ".join(p if (Path(p) / "run.json").is_file() else f"{p}/*" for p in args.runs)
         print(f"what is finished, with intervals and paired comparisons: robust-attn report {runs} "
               f"--out DIR --partial")
-    return 0
+    return 1 if damaged else 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import re
 import sys
 from dataclasses import asdict, dataclass
@@ -65,6 +66,8 @@ class AttackSetting:
     steps: int
 
     def __post_init__(self):
+        if not (math.isfinite(self.eps) and math.isfinite(self.step)):
+            raise ValueError(f"PGD eps and step must be finite numbers, got {self}")
         if self.eps < 0 or self.step < 0 or self.steps < 0:
             raise ValueError(f"PGD eps, step and steps must be non-negative, got {self}")
         if self.steps > 0 and self.step == 0:

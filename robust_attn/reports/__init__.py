@@ -6,6 +6,7 @@ numbers, long-format sweeps, bootstrap intervals of the headline numbers, and PN
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -24,6 +25,7 @@ from robust_attn.utils.io import atomic_path, atomic_write_text
 
 __all__ = ["make_report", "bootstrap_mean_ci", "load_runs", "rotation_table", "pgd_table"]
 
+REPORT_SUFFIXES = (".csv", ".md", ".tex", ".png")   # what a report writes at its folder's top level
 REPORTED_PROTOCOLS = ("rotation", "pgd", "attack", "transfer", "masking") + SHIFT_PROTOCOLS
 TABLE9_CAPTION = ("Robustness to rotation and flipping at test time (SAN Table 9 layout): top-1 / top-5 "
                   "accuracy (%), drop from the unrotated result in brackets (lower is better).")
@@ -39,13 +41,19 @@ def _write_csv(frame: pd.DataFrame, path: Path) -> Path:
 
 def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
                 plots: bool = True, baseline: str = DEFAULT_BASELINE, preamble: list[str] | None = None,
-                partial: bool = False) -> list[Path]:
+                partial: bool = False, keep: tuple[str, ...] = ()) -> list[Path]:
     """Write the tables, sweeps, intervals and plots of ``run_dirs`` into ``out_dir``; returns
     the files written. ``report.md`` gathers everything: ``preamble`` lines first, then, when
     two or more models ran on the same images, the findings (which model loses least, paired
     bootstrap; :mod:`robust_attn.reports.comparison`), then the tables. ``partial``: unfinished
     attack runs contribute their finished conditions, other unfinished runs are left out, and the
-    report opens by naming what it leaves out (:func:`~robust_attn.reports.tables.load_finished`)."""
+    report opens by naming what it leaves out (:func:`~robust_attn.reports.tables.load_finished`).
+    Files of an earlier report in ``out_dir`` that this one does not write again are named in a
+    warning (``keep``: the names the caller writes there itself)."""
+    if not 0 < level < 1:   # before anything is written
+        raise ValueError(f"the confidence level must be in (0, 1), e.g. 0.95 (--level); got {level}")
+    if n_boot < 1:
+        raise ValueError(f"the bootstrap needs at least 1 resample (--bootstrap); got {n_boot}")
     runs, left_out = load_finished(run_dirs) if partial else (load_runs(run_dirs), [])
     if not runs:
         raise ValueError("nothing finished to report: every run given is unfinished, and none is an attack run "
@@ -56,6 +64,7 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
         raise ValueError(f"runs of unknown protocol(s) {unknown}; the report knows {', '.join(REPORTED_PROTOCOLS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    earlier = {p.name for p in out.iterdir() if p.is_file() and p.suffix in REPORT_SUFFIXES}
     files: list[Path] = []
     md = ["# Robustness report", "", "Runs: " + ", ".join(f"`{r.path}`" for r in runs), ""]
     unfinished = [r for r in runs if r.unfinished]
@@ -141,4 +150,8 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
                to_markdown(shown_ci)]
     atomic_write_text(out / "report.md", "\n".join(md))
     files.append(out / "report.md")
+    stale = sorted(earlier - {f.name for f in files} - set(keep))
+    if stale:
+        warnings.warn(f"{out} still holds {len(stale)} file(s) of an earlier report that this one did not "
+                      f"write: {', '.join(stale)}; delete them, or report into an empty folder")
     return files
