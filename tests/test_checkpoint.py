@@ -66,6 +66,18 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
 
 
+def test_an_atomic_write_has_the_permissions_of_a_plain_one(tmp_path):
+    from robust_attn.utils.io import atomic_write_text
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")                          # what open() gives under this process's umask
+    atomic_write_text(tmp_path / "new.txt", "x")   # not mkstemp's 0600
+    assert (tmp_path / "new.txt").stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+    plain.chmod(0o640)                             # an existing file keeps its own
+    atomic_write_text(plain, "y")
+    assert plain.stat().st_mode & 0o777 == 0o640 and plain.read_text() == "y"
+
+
 def test_wrapper_normalizes_inside():
     inner = torch.nn.Identity()
     wrapped = NormalizedModel(inner, (0.5,), (0.25,))

@@ -47,6 +47,9 @@ def bad_preprocessing(num_classes=10):
     net = make(num_classes)
     net.preprocessing = {"size": 64}
     return net
+
+def raises(num_classes=10):
+    raise RuntimeError("weights file not found")
 """
 
 
@@ -343,7 +346,9 @@ def test_eval_transform_resizes_and_crops_without_normalizing():
     ("zo:resnet26", "Did you mean 'zoo:'"),
     ("{tmp}/missing.py:make", "does not exist"),
     ("{tmp}/m.py:not_a_module", "returned a dict, not a torch.nn.Module"),
-    ("{tmp}/m.py:nothing", "has no function 'nothing'; it defines: bad_preprocessing, five, make, not_a_module, with_"),
+    ("{tmp}/m.py:nothing", "has no function 'nothing'; it defines: bad_preprocessing, five, make, not_a_module, "
+                           "raises, with_"),
+    ("{tmp}/m.py:raises", "raised RuntimeError: weights file not found (at {tmp}/m.py:"),
     ("{tmp}/m.py:five", "outputs 5 classes but the dataset has 10"),
     ("{tmp}/m.py", "name the function"),
     ("bad-source:x", "unknown model source 'bad-source'"),
@@ -352,7 +357,7 @@ def test_eval_transform_resizes_and_crops_without_normalizing():
 def test_bad_specs_are_clear_errors(spec, message, tmp_path, user_file, capsys):
     spec = spec.format(tmp=user_file.parent)
     assert main(["eval", "rotation", "--model", spec, *CLI, "--out", str(tmp_path / "run")]) == 2
-    assert message in capsys.readouterr().err
+    assert message.format(tmp=user_file.parent) in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

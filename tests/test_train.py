@@ -196,6 +196,16 @@ def test_cli_trains_with_overrides_and_reports_bad_recipes(tmp_path, capsys):
     assert "Did you mean 'momentum'" in capsys.readouterr().err
     assert cli_main(["train", str(tmp_path / "missing.toml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert cli_main(["train", str(tmp_path)]) == 2
+    assert "is a folder, not a recipe file" in capsys.readouterr().err
+    for override, message in [("data.workers=-3", "data.workers must be 0"),
+                              ("data.limit_train=-5", "data.limit_train must be at least 1"),
+                              ("data.limit_eval=0", "data.limit_eval must be at least 1")]:
+        assert cli_main(["train", str(path), "--out", str(tmp_path / "y"), override]) == 2
+        assert message in capsys.readouterr().err
+    assert cli_main(["train", str(path), "--out", str(tmp_path / "y"), "--stop-after", "0"]) == 2
+    assert "--stop-after takes the number of epochs" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
 
 
 def test_torchrun_two_processes_gloo(tmp_path):

@@ -79,6 +79,35 @@ def test_torchvision_entry_is_recorded_without_downloading(tmp_path):
     assert entry.source == "torchvision" and entry.torchvision == {"model": "resnet50", "weights": "IMAGENET1K_V1"}
 
 
+def test_add_refuses_to_replace_an_entry_unless_forced(tmp_path, checkpoint, capsys):
+    path, _ = checkpoint
+    manifest_path = tmp_path / "manifest.json"
+    add = ["zoo", "add", "resnet26", "--dataset", "synthetic", "--checkpoint", str(path), "--manifest",
+           str(manifest_path)]
+    assert main([*add, "--command", "first"]) == 0
+    assert main([*add, "--command", "second"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("robust-attn zoo: error: ") and "already has resnet26 (synthetic)" in err and "--force" in err
+    assert Manifest(manifest_path).get("resnet26", "synthetic").command == "first"
+    assert main([*add, "--command", "second", "--force"]) == 0
+    assert Manifest(manifest_path).get("resnet26", "synthetic").command == "second"
+
+
+def test_add_and_verify_name_what_is_missing(tmp_path, capsys):
+    manifest_path = tmp_path / "manifest.json"
+    assert main(["zoo", "add", "x", "--dataset", "synthetic", "--checkpoint", str(tmp_path / "none.safetensors"),
+                 "--manifest", str(manifest_path)]) == 2
+    assert "checkpoint " + str(tmp_path / "none.safetensors") + " does not exist" in capsys.readouterr().err
+    assert main(["zoo", "add", "x", "--dataset", "fashion_mnist", "--torchvision", "resnet50",
+                 "--manifest", str(manifest_path)]) == 2
+    assert "1000 classes, but --dataset fashion_mnist has 10" in capsys.readouterr().err
+    assert not manifest_path.exists()
+    assert main(["zoo", "verify", "--manifest", str(manifest_path)]) == 2   # not "0/0 verified"
+    assert f"no manifest at {manifest_path}" in capsys.readouterr().err
+    assert main(["zoo", "list", "zzz*"]) == 2
+    assert "no architecture matches 'zzz*'" in capsys.readouterr().err
+
+
 def test_torchvision_entry_names_are_checked_when_added(tmp_path, capsys):
     tvm = pytest.importorskip("torchvision.models")
     manifest_path = tmp_path / "manifest.json"

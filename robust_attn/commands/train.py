@@ -33,8 +33,12 @@ def run(args: argparse.Namespace) -> int:
 
     from robust_attn.train import load_recipe, train
 
+    if args.stop_after is not None and args.stop_after < 1:
+        raise UserError(f"--stop-after takes the number of epochs to train before stopping, at least 1; "
+                        f"got {args.stop_after}")
     if not Path(args.recipe).is_file():
-        raise UserError(f"recipe {args.recipe} does not exist; the shipped ones are in zoo/recipes/")
+        what = "is a folder, not a recipe file" if Path(args.recipe).is_dir() else "does not exist"
+        raise UserError(f"recipe {args.recipe} {what}; the shipped ones are zoo/recipes/*.toml in the repository")
     recipe = load_recipe(args.recipe, args.overrides, check_data=not args.print_recipe)
     if args.print_recipe:
         print(json.dumps(recipe.to_dict(), indent=2, sort_keys=True))

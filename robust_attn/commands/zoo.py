@@ -3,6 +3,7 @@ resolutions, beside the papers' figures where ../reports/reference has them."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from robust_attn.cli import UserError
 from robust_attn.complexity import model_complexity
@@ -29,9 +30,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--checkpoint", help="a robust-attn checkpoint (.safetensors with its .json sidecar)")
     source.add_argument("--torchvision", metavar="MODEL", help="a torchvision model name, e.g. resnet50")
     add.add_argument("--weights", default="DEFAULT", help="torchvision weights enum member (with --torchvision)")
-    add.add_argument("--command", default="", help="the command that reproduces the checkpoint")
+    add.add_argument("--command", dest="reproduce_command", default="",
+                     help="the command that reproduces the checkpoint")
     add.add_argument("--log", default="", help="the training log (metrics.csv)")
     add.add_argument("--manifest", default=None, help="manifest file (default zoo/manifest.json)")
+    add.add_argument("--force", action="store_true", help="replace an entry of the same name and dataset")
     add.set_defaults(func=run_add)
 
     imp = zoo_sub.add_parser("import", help="convert another project's checkpoint into a robust-attn checkpoint")
@@ -51,7 +54,10 @@ def run_list(args: argparse.Namespace) -> int:
               f"{'params(32)':>10} {'MACs(32)':>8}")
     print(header)
     print("-" * len(header))
-    for name in list_models(args.pattern):
+    names = list_models(args.pattern)
+    if not names:
+        raise UserError(f"no architecture matches {args.pattern!r}; `robust-attn zoo list` lists them all")
+    for name in names:
         big = model_complexity(name, 1000, "imagenet")
         small = model_complexity(name, 100, "cifar")
         ref = reference.get(name)
@@ -66,6 +72,9 @@ def run_list(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     manifest = Manifest(args.manifest)
+    if not manifest.path.is_file():
+        raise UserError(f"no manifest at {manifest.path}; give --manifest the path of one (the zoo's is "
+                        f"zoo/manifest.json in the repository)")
     results = verify_zoo(manifest)
     for entry, error in results:
         print(f"{'FAIL' if error else 'ok':<4} {entry.name:<18} {entry.dataset:<14} {error or entry.sha256[:16]}")
@@ -75,11 +84,27 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_add(args: argparse.Namespace) -> int:
+    from robust_attn.data import dataset_info
+
     manifest = Manifest(args.manifest)
+    if (args.name, args.dataset) in manifest.entries and not args.force:
+        raise UserError(f"{manifest.path} already has {args.name} ({args.dataset}); give the new entry another "
+                        f"name, or pass --force to replace it")
     if args.checkpoint:
+        if not Path(args.checkpoint).is_file():
+            raise UserError(f"checkpoint {args.checkpoint} does not exist"
+                            + (" (it is a folder; give the .safetensors file in it)" if Path(args.checkpoint).is_dir()
+                               else "; give the .safetensors file `robust-attn train` wrote"))
         entry = entry_from_checkpoint(args.name, args.dataset, args.checkpoint, manifest,
-                                      command=args.command, log=args.log)
+                                      command=args.reproduce_command, log=args.log)
     else:
+        try:
+            classes = dataset_info(args.dataset).num_classes
+        except ValueError:   # imagefolder: its class count comes from a root, checked when it is loaded
+            classes = None
+        if classes not in (None, 1000):
+            raise UserError(f"--torchvision models carry ImageNet's 1000 classes, but --dataset {args.dataset} "
+                            f"has {classes}; register them with --dataset imagenet")
         entry = ZooEntry(name=args.name, dataset=args.dataset, source="torchvision",
                          torchvision={"model": args.torchvision, "weights": _torchvision_weights(args)},
                          notes="ImageNet weights through torchvision's weights API (needs network on first load)")

@@ -45,7 +45,8 @@ def default_data_root() -> Path:
 def missing_dataset_error(name: str, searched: Sequence[os.PathLike | str], how_to_get: str) -> FileNotFoundError:
     where = ", ".join(str(p) for p in searched)
     return FileNotFoundError(f"dataset {name!r} not found; searched {where}. {how_to_get} "
-                             f"Pass root=... (recipe: data.root) or set ${DATA_ENV} to the folder that holds it.")
+                             f"Give the folder that holds it (--root DIR; root=... in Python; data.root in a recipe) "
+                             f"or set ${DATA_ENV}.")
 
 
 class TensorImageDataset(Dataset):

@@ -33,8 +33,9 @@ def load_registry(request: SourceRequest) -> LoadedModel:
                               "its architecture")
         path = Path(request.checkpoint)
         if not path.is_file():
-            raise SourceError(f"checkpoint {path} does not exist; train one with `robust-attn train` or check "
-                              f"the path")
+            what = "is a folder; give the .safetensors file in it" if path.is_dir() else \
+                "does not exist; train one with `robust-attn train` or check the path"
+            raise SourceError(f"checkpoint {path} {what}")
         sha = sha256_file(path)
         model = load_checkpoint(path, map_location=request.device)
         check_trained_on(path, info.name, allow_other=request.other_dataset)

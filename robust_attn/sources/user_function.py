@@ -27,6 +27,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -93,6 +94,11 @@ def _call(fn, kwargs: dict, num_classes: int, where: str):
         return fn(**kwargs)
     except TypeError as err:
         raise SourceError(f"calling {where}(**{kwargs}) failed: {err}; check --model-args") from err
+    except Exception as err:   # the user's own code failed: say where, in one line
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        raise SourceError(f"calling {where}(**{kwargs}) raised {type(err).__name__}: {err} (at "
+                          f"{frame.filename}:{frame.lineno}); fix the function, or run it in Python to see "
+                          f"the whole traceback") from err
 
 
 @register_source(CALLABLE, check=check_user_function)

@@ -251,6 +251,11 @@ def _validate(recipe: Recipe, check_data: bool) -> None:
                         ("optim.base_batch", o.base_batch)]:
         if value < 1:
             raise RecipeError(f"{name} must be positive, got {value}")
+    if d.workers < 0:
+        raise RecipeError(f"data.workers must be 0 (load in the main process) or more, got {d.workers}")
+    for name, value in [("data.limit_train", d.limit_train), ("data.limit_eval", d.limit_eval)]:
+        if value is not None and value < 1:
+            raise RecipeError(f"{name} must be at least 1, or unset for the whole split; got {value}")
     if o.lr <= 0 or not 0 <= o.label_smoothing < 1 or o.weight_decay < 0 or not 0 <= o.momentum < 1:
         raise RecipeError(f"optim settings out of range: lr {o.lr} > 0, 0 <= label_smoothing {o.label_smoothing} < 1, "
                           f"weight_decay {o.weight_decay} >= 0, 0 <= momentum {o.momentum} < 1")

@@ -11,11 +11,16 @@ from typing import Iterator
 
 __all__ = ["atomic_path", "atomic_write_text", "atomic_write_json", "sha256_file", "sha256_bytes"]
 
+_UMASK = os.umask(0)   # read once (setting it is the only way to read it), then put back
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is fsynced and renamed onto
-    ``path`` (atomic on POSIX), on an exception it is removed and ``path`` is untouched."""
+    ``path`` (atomic on POSIX), on an exception it is removed and ``path`` is untouched. The file
+    gets the permissions ``path`` had, or for a new file those of ``open`` (0666 less the umask),
+    not the temporary file's owner-only 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -25,6 +30,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = 0o666 & ~_UMASK
+        os.chmod(tmp_path, mode)
         os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():
