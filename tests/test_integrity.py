@@ -224,6 +224,20 @@ def test_seal_adopts_old_chunks_without_checksums(finished):
     pd.testing.assert_frame_equal(load_records(finished.root), good)
 
 
+def test_overlapping_chunks_are_an_error_not_an_image_counted_twice(tmp_path):
+    """Chunks of two batch sizes in one folder ([0, 4) and [2, 6)), each intact: reading them must
+    refuse, since images 2 and 3 would count twice in every aggregate."""
+    store = _open(tmp_path / "run")
+    data = _dataset()
+    for start, stop in ((0, 4), (2, 6)):
+        images = torch.stack([data[i][0] for i in range(start, stop)])
+        labels = torch.stack([data[i][1] for i in range(start, stop)])
+        store.write_chunk("a", start, stop, _records(images, labels, torch.arange(start, stop), "a"))
+    assert store.verify() == []   # each file matches its checksum
+    with pytest.raises(ValueError, match="overlapping chunks"):
+        load_records(store.root, require_complete=False)
+
+
 def test_committed_packed_runs_carry_checksums_and_verify():
     runs = sorted((REPO / "reports").glob("*/runs/*/records.csv.gz"))
     if not runs:
@@ -334,6 +348,44 @@ def test_a_killed_claimant_is_taken_over_and_a_live_one_is_respected(tmp_path):
     assert ("a", 4) in ev.calls and stats.computed == 9 - stats.skipped
     assert load_records(root)["value"].notna().all() and len(load_records(root)) == 33
     assert not list(root.rglob("*.claim.*"))
+
+
+def test_a_claim_whose_pid_is_reused_or_a_zombie_is_taken_over_and_a_live_one_is_not(tmp_path):
+    """On this host a claim's process is identified by pid and start time: a live pid with another
+    start time (the pid reused) or a zombie (killed, not yet reaped) holds nothing."""
+    import socket
+
+    from robust_attn.claims import _process_start, claim_chunk
+
+    chunk = tmp_path / "run" / "records" / "a" / "000000000-000000004.csv"
+    folder = tmp_path / "run" / "claims" / "a"
+    folder.mkdir(parents=True)
+
+    def claimed_by(pid, start):
+        for old in folder.iterdir():
+            old.unlink()
+        (folder / f"{chunk.name}.claim.0").write_text(json.dumps(
+            {"pid": pid, "host": socket.gethostname(), "start": start, "token": "t", "time": "then"}))
+        return claim_chunk(chunk, timeout=3600)
+
+    parent = os.getppid()
+    assert claimed_by(parent, _process_start(parent)) is None            # alive: respected
+    taken = claimed_by(parent, "1")                                       # its pid, another start time
+    assert taken is not None and taken.path.name == f"{chunk.name}.claim.1"
+    taken.release()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        deadline = time.time() + 10
+        while _process_start(pid) != "Z" and time.time() < deadline:
+            time.sleep(0.01)
+        assert _process_start(pid) == "Z"
+        zombie = claimed_by(pid, None)
+        assert zombie is not None and zombie.path.name == f"{chunk.name}.claim.1"
+        zombie.release()
+    finally:
+        os.waitpid(pid, 0)
 
 
 class Stopping(Counting):

@@ -190,6 +190,22 @@ def test_unbounded_success_matches_pgd(resnet, batch):
     assert check_unbounded(records).verdict == "pass"
 
 
+def test_unbounded_success_attacks_at_eps_one_the_whole_image():
+    """A model whose decision needs every pixel moved by more than 0.25 (the mean brightness must
+    cross 0.5 from 0.25): only a radius near the whole range can fool it, as eps = 1 can."""
+    class MeanBrightness(torch.nn.Module):
+        def forward(self, x):
+            z = 10 * (x.mean((1, 2, 3)) - 0.5)
+            return torch.stack([-z, z], 1)
+
+    model = MeanBrightness().eval()
+    images = (0.25 + 0.02 * torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(0))).clamp(0, 1)
+    labels = torch.zeros(6, dtype=torch.long)
+    assert unbounded_success(model, images, labels, steps=10)["success"].tolist() == [1] * 6
+    smaller = make_attack(AttackConfig("pgd", eps=0.2, steps=10)).run(model, images, labels).adv
+    assert not _fooled(model, smaller, labels).any()   # so the check's radius matters here
+
+
 # ------------------------------------------------------------------ input gradients
 
 
