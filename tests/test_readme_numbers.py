@@ -118,11 +118,17 @@ def test_each_readme_result_is_in_a_committed_report(line, model, header, cell):
             f"README line {line}: {model} {header} {value}, the reports say {sorted(TOP1[(model, header)])}")
 
 
+# a value and its interval in prose: "5.8 [2.9, 8.7]", and as the reports' findings write them,
+# "0.83 points more [0.16, 1.54]", "68.97 points, 95% interval [68.17, 69.75]", "28.48 %, 95% interval [...]"
+PROSE_INTERVAL = re.compile(rf"({NUMBER})(?:\s?%|\s+points?)?(?:\s+(?:more|less))?(?:,\s+95%\s+interval)?"
+                            rf"\s+\[({NUMBER}),\s+({NUMBER})\]")
+
+
 def readme_prose_intervals(text: str) -> list[tuple[int, str]]:
     """``(line number, "X [L, H]")`` of the README outside tables (an interval may wrap a line)."""
     prose = "\n".join("" if line.startswith("|") else line for line in text.splitlines())
-    return [(prose.count("\n", 0, m.start()) + 1, " ".join(m.group(0).split()))
-            for m in re.finditer(rf"{NUMBER}\s+\[{NUMBER},\s+{NUMBER}\]", prose)]
+    return [(prose.count("\n", 0, m.start()) + 1, f"{m.group(1)} [{m.group(2)}, {m.group(3)}]")
+            for m in PROSE_INTERVAL.finditer(prose)]
 
 
 PROSE = readme_prose_intervals(README.read_text())
