@@ -118,6 +118,57 @@ def test_dlr_needs_enough_classes():
     dlr_loss(torch.randn(2, 3), torch.tensor([0, 1]))   # 3 classes are enough for eq. 5
 
 
+# ------------------------------------------------------------------ the random start x(0)
+
+def _interior(n: int = 6, seed: int = 3) -> torch.Tensor:
+    """Images with every value in [0.25, 0.75]: a start of radius <= 0.25 per pixel is never clipped."""
+    return 0.25 + 0.5 * torch.rand(n, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_linf_random_start_is_uniform_in_the_cube_scaled_onto_the_eps_sphere():
+    """x(0) for L-inf (module docstring of apgd.py, as the official AutoAttack code; Algorithm 1
+    leaves x(0) open): u ~ U[-1, 1]^d, x(0) = x + eps * u / ||u||_inf, clipped to [0, 1]: every
+    image starts on the boundary of the eps-ball, ||x(0) - x||_inf == eps, not at a fraction of it."""
+    images, eps = _interior(), 8 / 255
+    start = random_start(images, "linf", eps, torch.Generator().manual_seed(5))
+    delta = start - images
+    torch.testing.assert_close(_size(delta, "linf"), torch.full((6,), eps), rtol=1e-6, atol=0)
+    # the direction is uniform in the cube, not a corner: about half the pixels move less than eps / 2
+    inner = (delta.abs() < eps / 2).float().mean().item()
+    assert 0.35 < inner < 0.65, inner
+    u = 2 * torch.rand(images.shape, generator=torch.Generator().manual_seed(5)) - 1   # the same draw, by hand
+    torch.testing.assert_close(start, images + eps * u / u.flatten(1).abs().amax(1).view(-1, 1, 1, 1),
+                               rtol=0, atol=1e-7)
+
+
+def test_l2_random_start_is_a_gaussian_direction_on_the_eps_sphere():
+    """x(0) for L2: g ~ N(0, I), x(0) = x + eps * g / ||g||_2, clipped to [0, 1]:
+    ||x(0) - x||_2 == eps for every (interior) image."""
+    images, eps = _interior(), 0.5
+    start = random_start(images, "l2", eps, torch.Generator().manual_seed(5))
+    delta = start - images
+    torch.testing.assert_close(_size(delta, "l2"), torch.full((6,), eps), rtol=1e-6, atol=0)
+    g = torch.randn(images.shape, generator=torch.Generator().manual_seed(5))   # the same draw, by hand
+    torch.testing.assert_close(delta, eps * g / g.flatten(1).norm(dim=1).view(-1, 1, 1, 1), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm,eps", [("linf", 8 / 255), ("l2", 0.5)])
+def test_random_start_is_deterministic_per_seed_and_clipped_to_the_unit_box(norm, eps):
+    images = _interior()
+    images[0] = 0.0   # on the box's faces the start is clipped: in [0, 1], inside the ball
+    images[1] = 1.0
+    state = torch.get_rng_state()
+    a = random_start(images, norm, eps, torch.Generator().manual_seed(1))
+    b = random_start(images, norm, eps, torch.Generator().manual_seed(1))
+    c = random_start(images, norm, eps, torch.Generator().manual_seed(2))
+    assert torch.equal(torch.get_rng_state(), state)   # drawn from the generator given, not the global RNG
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.min() >= 0 and a.max() <= 1
+    size = _size(a - images, norm)
+    assert (size <= eps * (1 + 1e-6)).all()
+    torch.testing.assert_close(size[2:], torch.full((4,), eps), rtol=1e-6, atol=0)
+
+
 # ------------------------------------------------------------------ the reference: Algorithm 1
 
 def _torchattacks_checkpoints(n_iter: int) -> list[int]:
@@ -222,9 +273,10 @@ def _reference_run(model, images, x_init, loss_of, success_of, norm, eps, n_iter
                 x_success=[v for v in first], step=eta)
 
 
-def _reference_attack(model, images, labels, config: AttackConfig, steps, targets=None):
+def _reference_attack(model, images, labels, config: AttackConfig, steps, targets=None, runs_log=None):
     """The attack around Algorithm 1: clean successes kept, ``restarts`` runs per target on the
-    images not yet fooled (one random_start per run for the whole batch), first success, else best."""
+    images not yet fooled (one random_start per run for the whole batch), first success, else best.
+    ``runs_log``, a list, receives per run a dict {image: (best loss of the run, success)}."""
     with torch.no_grad():
         logits = model(images)
     n = images.shape[0]
@@ -252,6 +304,9 @@ def _reference_attack(model, images, labels, config: AttackConfig, steps, target
                 continue
             res = _reference_run(model, images[idx], start[idx], lambda z, idx=idx: loss(z, idx),
                                  lambda z, idx=idx: succ(z, idx), config.norm, config.eps, steps)
+            if runs_log is not None:
+                runs_log.append({i: (res["loss_best"][j].item(), res["success"][j])
+                                 for j, i in enumerate(idx.tolist())})
             for j, i in enumerate(idx.tolist()):
                 if res["success"][j]:
                     out[i], done[i] = res["x_success"][j], True
@@ -298,6 +353,27 @@ def test_attack_matches_reference_short(model, config):
     mine = make_attack(config).run(model, images, labels, targets if config.targeted else None).adv
     ref = _reference_attack(model, images, labels, config, 8, targets)
     assert _agreement(mine, ref) == 4
+
+
+@pytest.mark.parametrize("config", CASES[1:2] + CASES[3:4], ids=lambda c: c.name)
+def test_attack_with_several_runs_per_image_matches_reference_short(model, config):
+    """Several runs per image: 2 restarts (APGD-CE, L2) and 2 target classes of untargeted APGD-T
+    (L2). Per image, the first successful iterate over all runs is returned, else the highest-loss
+    point over all runs (Algorithm 1's x_max, the best over restarts and targets; module docstring
+    of apgd.py). 8 iterations and a small radius fool some images and leave others, and for an
+    unfooled one the first run has the higher loss, so "keep the best run" and "keep the last run"
+    differ (a mutation keeping the last run's point fails here)."""
+    images, labels = _batch(model, 6)
+    config = dataclasses.replace(config, steps=8, options={**config.options, "early_stop": False})
+    mine = make_attack(config).run(model, images, labels).adv
+    runs = []
+    ref = _reference_attack(model, images, labels, config, 8, runs_log=runs)
+    assert _agreement(mine, ref) == 6
+    assert len(runs) == 2   # two runs: 2 restarts x 1 target, or 1 restart x 2 target classes
+    fooled = _predict(model, ref) != labels
+    assert fooled.any() and not fooled.all()   # both outcomes: first success, and best loss over the runs
+    first_run_best = [i for i in (~fooled).nonzero().flatten().tolist() if runs[0][i][0] > runs[1][i][0]]
+    assert first_run_best, "for no unfooled image did the first run beat the last one"
 
 
 @pytest.mark.parametrize("config", CASES, ids=lambda c: c.name)

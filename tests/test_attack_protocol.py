@@ -76,6 +76,72 @@ def registered(monkeypatch):
     return add
 
 
+class BudgetBreaker(Attack):
+    """Returns what ``options["mode"]`` says, to trip the output check of Attack.run: "linf-2eps"
+    (every pixel moved by 2 eps), "l2-2eps" (a perturbation of L2 norm 2 eps), "just-over" (1.01 eps,
+    beyond the check's float slack of 1e-5 / 1e-4), "at-eps" (exactly eps: allowed), "nan", or
+    "below-0" (within eps but under 0)."""
+
+    name = "test-budget-breaker"
+
+    def _run(self, model, images, labels, targets):
+        mode, eps = self.config.options["mode"], self.config.eps
+        if mode in ("linf-2eps", "l2-2eps", "just-over", "at-eps"):
+            scale = {"linf-2eps": 2.0, "l2-2eps": 2.0, "just-over": 1.01, "at-eps": 1.0}[mode]
+            if self.config.norm == "linf":
+                return AttackOutput(images + scale * eps)
+            delta = torch.ones_like(images)
+            return AttackOutput(images + scale * eps * delta / delta.flatten(1).norm(dim=1).view(-1, 1, 1, 1))
+        if mode == "nan":
+            adv = images.clone()
+            adv[0, 0, 0, 0] = float("nan")
+            return AttackOutput(adv)
+        return AttackOutput(images - eps / 2)   # mode "below-0": inside the ball, outside [0, 1]
+
+
+@pytest.mark.parametrize("norm,mode,message", [
+    ("linf", "linf-2eps", r"exceeded its linf budget 0\.0313725: largest perturbation 0\.0627"),
+    ("linf", "just-over", "exceeded its linf budget"),
+    ("l2", "l2-2eps", r"exceeded its l2 budget 0\.1: largest perturbation 0\.2"),
+    ("l2", "just-over", "exceeded its l2 budget"),
+])
+def test_an_attack_leaving_its_eps_ball_is_an_error(registered, norm, mode, message):
+    """Attack.run checks every attack's output (base.Attack._check_output): a perturbation larger
+    than eps in the attack's norm is a bug in the attack, raised, never recorded as a robust
+    accuracy at that eps."""
+    registered(BudgetBreaker)
+    images = torch.full((3, 3, 4, 4), 0.5)
+    images[:, 0, 0, 0] = torch.tensor([0.3, 0.4, 0.6])
+    labels = _PixelModel()(images).argmax(1)
+    eps = 8 / 255 if norm == "linf" else 0.1
+    attack = make_attack(AttackConfig("test-budget-breaker", norm=norm, eps=eps, options={"mode": mode}))
+    with pytest.raises(RuntimeError, match=message):
+        attack.run(_PixelModel().eval(), images, labels)
+    ok = make_attack(AttackConfig("test-budget-breaker", norm=norm, eps=eps, options={"mode": "at-eps"}))
+    assert ok.run(_PixelModel().eval(), images, labels).adv.shape == images.shape   # exactly eps is allowed
+
+
+@pytest.mark.parametrize("mode,message", [
+    ("nan", "non-finite values"),
+    ("below-0", r"test-budget-breaker left \[0, 1\]: values in \[-0\.01569"),
+])
+def test_an_attack_returning_nan_or_leaving_the_unit_box_is_an_error(registered, mode, message):
+    """The other half of the output check: the images returned are finite and in [0, 1] (a
+    perturbation inside the eps-ball that leaves the pixel range is no valid image)."""
+    registered(BudgetBreaker)
+    images = torch.zeros(2, 3, 4, 4)   # on the box's lower face: minus eps/2 leaves it
+    images[:, 1] = 0.1
+    labels = _PixelModel()(images).argmax(1)
+    attack = make_attack(AttackConfig("test-budget-breaker", eps=8 / 255, options={"mode": mode}))
+    with pytest.raises(RuntimeError, match=message):
+        attack.run(_PixelModel().eval(), images, labels)
+
+
+def test_the_budget_breaker_is_not_left_registered():
+    """The test attacks are registered per test (monkeypatch): none stays in the registry."""
+    assert "test-budget-breaker" not in list_attacks() and "test-sign-noise" not in list_attacks()
+
+
 def test_margin_is_label_logit_minus_best_other():
     logits = torch.tensor([[1.0, 3.0, 2.0], [5.0, -1.0, 4.5]])
     labels = torch.tensor([2, 0])

@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn as nn
 
 from robust_attn.attacks import apgd, apgd_run, autoattack, fab, square
 from robust_attn.attacks.base import AttackConfig, make_attack
@@ -48,3 +50,52 @@ def test_the_study_runs_the_specified_radii_on_the_specified_subset(spec):
     assert study["images"] == default.attack_limit
     assert (study["square_alone"]["eps"], study["square_alone"]["queries"]) == (default.square_eps,
                                                                                 default.square_queries)
+
+
+@pytest.mark.parametrize("num_classes,expected", [(4, 3), (5, 4), (9, 8), (10, 9), (100, 9)])
+def test_targeted_members_take_every_wrong_class_when_there_are_fewer_than_ten(num_classes, expected):
+    """Section 5 / the standard version: APGD-T and FAB-T target the 9 most likely wrong classes;
+    with fewer than 10 classes every wrong class, min(9, C - 1) (module docstring of autoattack.py)."""
+    ensemble = make_attack(AttackConfig("autoattack", eps=8 / 255))
+    for position, member in enumerate(ensemble.member_names):
+        config = ensemble.member_config(member, position, num_classes=num_classes)
+        if member in ("apgd-t", "fab-t"):
+            assert config.options["n_target_classes"] == expected, member
+            assert make_attack(config).target_classes(num_classes) == expected, member
+        else:
+            assert "n_target_classes" not in config.options, member
+
+
+class _FiveClasses(nn.Module):
+    """A linear 5-class model on 3 x 8 x 8 images whose class 0 leads by far: no member fools it
+    at eps 1/255, so every member runs on every image."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(5, 3 * 8 * 8, generator=g))
+        self.bias = nn.Parameter(torch.tensor([40.0, 0.0, 0.0, 0.0, 0.0]))
+
+    def forward(self, x):
+        return x.flatten(1) @ self.weight.t() + self.bias
+
+
+def test_a_short_autoattack_run_on_a_five_class_model_completes(monkeypatch):
+    """The whole standard ensemble (APGD-CE, APGD-T, FAB-T, Square; 2 iterations, 3 queries) on
+    a 5-class model: the targeted members run with the 4 wrong classes as targets and it finishes."""
+    ensemble = make_attack(AttackConfig("autoattack", eps=1 / 255, steps=2, queries=3))
+    made = []   # the configs the ensemble builds its members from while it runs
+    real = autoattack.make_attack
+
+    def recording(config):
+        made.append(config)
+        return real(config)
+    monkeypatch.setattr(autoattack, "make_attack", recording)
+    images = 0.25 + 0.5 * torch.rand(3, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    labels = torch.zeros(3, dtype=torch.long)
+    out = ensemble.run(_FiveClasses().eval(), images, labels)
+    assert [c.attack for c in made] == list(autoattack.STANDARD)   # every member ran
+    assert {c.attack: c.options.get("n_target_classes") for c in made} == {
+        "apgd-ce": None, "apgd-t": 4, "fab-t": 4, "square": None}
+    assert out.by == ["", "", ""] and out.adv.shape == images.shape
+    assert (out.queries == 1 + 3).all()   # Square's: its clean check and 3 queries per image

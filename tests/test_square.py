@@ -5,9 +5,12 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+import robust_attn.attacks.square as square_module
 from robust_attn.attacks.base import AttackConfig, AttackInputError, make_attack
-from robust_attn.attacks.square import P_INIT, Square, _margin, p_schedule, square_run, square_side
+from robust_attn.attacks.square import (P_INIT, Square, _margin, _rectangle, eta_pattern, p_schedule, square_run,
+                                        square_side)
 from robust_attn.registry import create_model
 from robust_attn.wrapper import NormalizedModel
 
@@ -226,3 +229,154 @@ def test_clear_errors(setup):
         make_attack(AttackConfig("square", norm="l2", eps=0.5, queries=3)).run(model, images[:, :, :4, :4], labels)
     with pytest.raises(AttackInputError, match="needs targets"):
         make_attack(AttackConfig("square", targeted=True, queries=3)).run(model, images, labels)
+
+
+# ------------------------------------------------------------------ targeted loss, eta, init, restarts
+
+def _spy_on_square_run(monkeypatch):
+    """Replace ``square_run`` as Square calls it by a wrapper that records its arguments and results."""
+    calls = []
+    real = square_module.square_run
+
+    def spy(model, images, active, loss_fn, success_fn, *args, **kwargs):
+        res = real(model, images, active, loss_fn, success_fn, *args, **kwargs)
+        calls.append({"active": active.clone(), "loss_fn": loss_fn, "success_fn": success_fn,
+                      "x_best": res.x_best.clone(), "loss": res.loss.clone(), "success": res.success.clone()})
+        return res
+    monkeypatch.setattr(square_module, "square_run", spy)
+    return calls
+
+
+def test_targeted_loss_is_the_cross_entropy_of_the_target_class(setup, monkeypatch):
+    """Algorithm 1's loss in targeted mode is the cross-entropy of the target class, as the paper's
+    targeted experiments (and the official code) use, not torchattacks' default margin of the
+    target (deviation 5 of the module docstring); untargeted it is the margin z_y - max_{j != y} z_j.
+    The loss Square hands to its runs is evaluated on logits written by hand."""
+    model, images, labels = setup
+    calls = _spy_on_square_run(monkeypatch)
+    targets = (labels + 1) % 10
+    make_attack(AttackConfig("square", eps=1 / 255, targeted=True, queries=2, seed=0)).run(
+        model, images, labels, targets)
+    make_attack(AttackConfig("square", eps=1 / 255, queries=2, seed=0)).run(model, images, labels)
+    assert len(calls) == 2
+    z = torch.tensor([[2.0, 0.5, -1.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+                      [0.0, 4.0, 1.0, 1.0, 0.0, -2.0, 0.0, 0.0, 0.5, 0.0]])
+    idx = torch.tensor([2, 5])   # the logits of images 2 and 5 of the batch
+    targeted, untargeted = calls
+    expected = F.cross_entropy(z, targets[idx], reduction="none")
+    torch.testing.assert_close(targeted["loss_fn"](z, idx), expected)
+    # the two rules differ on these logits: the margin of the target would not pass
+    assert not torch.allclose(-_margin(z, targets[idx]), expected)
+    assert torch.equal(targeted["success_fn"](z, idx), z.argmax(1) == targets[idx])
+    y = labels[idx]
+    by_hand = torch.stack([z[i, y[i]] - torch.cat([z[i, :y[i]], z[i, y[i] + 1:]]).max() for i in range(2)])
+    torch.testing.assert_close(untargeted["loss_fn"](z, idx), by_hand)
+    assert torch.equal(untargeted["success_fn"](z, idx), z.argmax(1) != y)
+
+
+def _paper_eta_rectangle(h1: int, h2: int, n: int) -> torch.Tensor:
+    """Square Attack, section 3.2 (L2): eta^(h1,h2)_{r,s} = sum_{k=0}^{M(r,s)} 1 / (n + 1 - k)^2 with
+    M(r,s) = n - max(|r - floor(h1/2) - 1|, |s - floor(h2/2) - 1|), r, s counted from 1."""
+    out = torch.zeros(h1, h2, dtype=torch.float64)
+    for r in range(1, h1 + 1):
+        for s in range(1, h2 + 1):
+            m = n - max(abs(r - h1 // 2 - 1), abs(s - h2 // 2 - 1))
+            out[r - 1, s - 1] = sum(1.0 / (n + 1 - k) ** 2 for k in range(m + 1))
+    return out
+
+
+def test_eta_rectangle_by_hand():
+    """eta_r of a 2 x 5 and a 3 x 5 rectangle (the halves of eta for s = 5, n = floor(5/2) = 2): at
+    Chebyshev distance d from the centre, sum_{k=d+1}^{3} 1/k^2: d = 0: 49/36, d = 1: 13/36, d = 2: 4/36."""
+    top = torch.tensor([[4, 13, 13, 13, 4],
+                        [4, 13, 49, 13, 4]], dtype=torch.float64)
+    bottom = torch.tensor([[4, 13, 13, 13, 4],
+                           [4, 13, 49, 13, 4],
+                           [4, 13, 13, 13, 4]], dtype=torch.float64)
+    for rows, expected in ((2, top), (3, bottom)):
+        got = _rectangle(rows, 5, torch.float64, None)
+        torch.testing.assert_close(got, expected / expected.norm(), rtol=1e-12, atol=0)   # unit L2 norm
+        torch.testing.assert_close(expected / 36, _paper_eta_rectangle(5, rows, 2).t(), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("s", [3, 5, 6, 7, 15])
+def test_eta_pattern_is_eq_4(s):
+    """eta (eq. 4, Algorithm 3) of side s: two rectangles (eta^(s,k), -eta^(s,s-k)), k = floor(s/2),
+    n = floor(s/2), opposite in sign; unit L2 norm (drawn as here, or transposed, with probability
+    1/2). As in the authors' code (``eta_rectangles``), each rectangle is normalised before the
+    whole: the halves carry equal energy. Here the rectangles are stacked along rows (the paper's
+    transposed; the random transpose makes both orientations equally likely)."""
+    k, n = s // 2, s // 2
+    eta = eta_pattern(s, torch.float64)
+    assert eta.shape == (s, s)
+    torch.testing.assert_close(eta.norm(), torch.tensor(1.0, dtype=torch.float64), rtol=1e-12, atol=0)
+    top, bottom = eta[:k], eta[k:]
+    assert (top > 0).all() and (bottom < 0).all()
+    r1, r2 = _paper_eta_rectangle(s, k, n).t(), _paper_eta_rectangle(s, s - k, n).t()
+    torch.testing.assert_close(top, r1 / r1.norm() / 2 ** 0.5, rtol=1e-12, atol=0)
+    torch.testing.assert_close(bottom, -r2 / r2.norm() / 2 ** 0.5, rtol=1e-12, atol=0)
+    # the peak is at each rectangle's centre, and the values fall off with the distance from it
+    assert top[k // 2, s // 2] == top.max() and bottom[(s - k) // 2, s // 2] == bottom.min()
+    assert top[k // 2, 0] < top[k // 2, s // 2]
+
+
+def test_linf_initialization_is_vertical_stripes():
+    """Algorithm 2's init: x + eps * rho, one sign rho in {-1, 1} per image, channel and column
+    (vertical stripes of width one). On interior images (no clipping) the start's perturbation is
+    +-eps everywhere and constant down each column; columns and channels get their own signs."""
+    n, c, h, w = 4, 3, 8, 8
+    images = 0.25 + 0.5 * torch.rand(n, c, h, w, generator=torch.Generator().manual_seed(3))
+    eps = 8 / 255
+    linear = nn.Linear(c * h * w, 5)
+
+    class Flat(nn.Module):
+        def forward(self, x):
+            return linear(x.flatten(1))
+
+    with torch.no_grad():
+        res = square_run(Flat().eval(), images, torch.ones(n, dtype=torch.bool),
+                         lambda z, i: z[:, 0], lambda z, i: torch.zeros(len(i), dtype=torch.bool),
+                         "linf", eps, 1, P_INIT, torch.Generator().manual_seed(0))   # budget 1: the init only
+    delta = res.x_best - images
+    torch.testing.assert_close(delta.abs(), torch.full_like(delta, eps), rtol=1e-5, atol=0)
+    sign = delta.sign()
+    assert torch.equal(sign, sign[:, :, :1, :].expand_as(sign)), "the sign changes down a column"
+    assert (sign[:, :, 0, :] > 0).any() and (sign[:, :, 0, :] < 0).any()
+    assert not torch.equal(sign[:, 0], sign[:, 1]), "channels share their stripes"
+
+
+class _Unfoolable(nn.Module):
+    """A linear model with a large lead for class 0: no perturbation of eps 8/255 fools it, but its
+    margin (Square's loss) moves with every pixel."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.weight = nn.Parameter(torch.randn(5, 3 * 8 * 8, generator=g))
+        self.bias = nn.Parameter(torch.tensor([60.0, 0.0, 0.0, 0.0, 0.0]))
+
+    def forward(self, x):
+        return x.flatten(1) @ self.weight.t() + self.bias
+
+
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+def test_restarts_keep_the_lowest_loss_point_of_images_never_fooled(norm, monkeypatch):
+    """Over restarts (module docstring), an image never fooled gets the lowest-loss point over all
+    restarts, not the last restart's: its returned margin is the minimum of the restarts' losses
+    and the image is the x_best of the restart that reached it."""
+    model = _Unfoolable().eval()
+    images = 0.25 + 0.5 * torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(6))
+    labels = torch.zeros(8, dtype=torch.long)
+    calls = _spy_on_square_run(monkeypatch)
+    out = make_attack(AttackConfig("square", norm=norm, eps=EPS[norm], queries=6, restarts=3, seed=2)).run(
+        model, images, labels)
+    assert len(calls) == 3 and not any(call["success"].any() for call in calls)
+    losses = torch.stack([call["loss"] for call in calls])   # (restarts, images)
+    best = losses.argmin(0)
+    assert (best < 2).any(), "the last restart is the best for every image: the rule is not exercised"
+    with torch.no_grad():
+        margin = _margin(model(out.adv), labels)
+    torch.testing.assert_close(margin, losses.min(0).values, rtol=1e-5, atol=1e-5)
+    for i in range(8):
+        assert torch.equal(out.adv[i], calls[best[i]]["x_best"][i]), i
+    assert (out.queries == 1 + 3 * 6).all()
