@@ -197,6 +197,10 @@ def _relative_to(manifest: Manifest, path: Path) -> str:
 def entry_from_checkpoint(name: str, dataset: str, weights: str | os.PathLike, manifest: Manifest,
                           **extra) -> ZooEntry:
     """A manifest entry for an existing robust-attn checkpoint (its sidecar supplies the rest)."""
+    if not Path(weights).is_file():   # before its sidecar is looked for, which would be named instead
+        raise ValueError(f"checkpoint {weights} does not exist"
+                         + (" (it is a folder; give the .safetensors file in it)" if Path(weights).is_dir()
+                            else "; give the .safetensors file `robust-attn train` wrote"))
     weights = Path(weights).resolve()
     meta = read_sidecar(weights)
     load_checkpoint(weights)  # refuse a file that does not fit its architecture before listing it

@@ -36,6 +36,20 @@ def tiny_resnet(seed: int = 1, num_classes: int = 10, **arch) -> NormalizedModel
     return NormalizedModel(net, MEAN, STD).eval()
 
 
+class LeadingLinear(nn.Module):
+    """A linear 5-class model on 3 x 8 x 8 images (weights drawn with ``seed``) whose class 0 leads
+    by ``lead`` logits: no small perturbation fools it, yet every logit moves with every pixel."""
+
+    def __init__(self, seed: int, lead: float):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(5, 3 * 8 * 8, generator=g))
+        self.bias = nn.Parameter(torch.tensor([lead, 0.0, 0.0, 0.0, 0.0]))
+
+    def forward(self, x):
+        return x.flatten(1) @ self.weight.t() + self.bias
+
+
 def subprocess_env() -> dict:
     """The environment for a ``python -m robust_attn.cli`` child: one thread, this checkout first,
     no leftover torchrun variables."""

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 
 from robust_attn.attacks import apgd, apgd_run, autoattack, fab, square
 from robust_attn.attacks.base import AttackConfig, make_attack
 from robust_attn.study import StudyConfig
+from helpers import LeadingLinear
 
 
 @pytest.fixture(scope="module")
@@ -66,20 +66,6 @@ def test_targeted_members_take_every_wrong_class_when_there_are_fewer_than_ten(n
             assert "n_target_classes" not in config.options, member
 
 
-class _FiveClasses(nn.Module):
-    """A linear 5-class model on 3 x 8 x 8 images whose class 0 leads by far: no member fools it
-    at eps 1/255, so every member runs on every image."""
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.weight = nn.Parameter(torch.randn(5, 3 * 8 * 8, generator=g))
-        self.bias = nn.Parameter(torch.tensor([40.0, 0.0, 0.0, 0.0, 0.0]))
-
-    def forward(self, x):
-        return x.flatten(1) @ self.weight.t() + self.bias
-
-
 def test_a_short_autoattack_run_on_a_five_class_model_completes(monkeypatch):
     """The whole standard ensemble (APGD-CE, APGD-T, FAB-T, Square; 2 iterations, 3 queries) on
     a 5-class model: the targeted members run with the 4 wrong classes as targets and it finishes."""
@@ -93,7 +79,7 @@ def test_a_short_autoattack_run_on_a_five_class_model_completes(monkeypatch):
     monkeypatch.setattr(autoattack, "make_attack", recording)
     images = 0.25 + 0.5 * torch.rand(3, 3, 8, 8, generator=torch.Generator().manual_seed(1))
     labels = torch.zeros(3, dtype=torch.long)
-    out = ensemble.run(_FiveClasses().eval(), images, labels)
+    out = ensemble.run(LeadingLinear(seed=0, lead=40.0).eval(), images, labels)   # no member fools it at 1/255
     assert [c.attack for c in made] == list(autoattack.STANDARD)   # every member ran
     assert {c.attack: c.options.get("n_target_classes") for c in made} == {
         "apgd-ce": None, "apgd-t": 4, "fab-t": 4, "square": None}

@@ -13,6 +13,7 @@ from robust_attn.attacks.square import (P_INIT, Square, _margin, _rectangle, eta
                                         square_side)
 from robust_attn.registry import create_model
 from robust_attn.wrapper import NormalizedModel
+from helpers import LeadingLinear
 
 EPS = {"linf": 8 / 255, "l2": 0.5}
 
@@ -345,26 +346,12 @@ def test_linf_initialization_is_vertical_stripes():
     assert not torch.equal(sign[:, 0], sign[:, 1]), "channels share their stripes"
 
 
-class _Unfoolable(nn.Module):
-    """A linear model with a large lead for class 0: no perturbation of eps 8/255 fools it, but its
-    margin (Square's loss) moves with every pixel."""
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(4)
-        self.weight = nn.Parameter(torch.randn(5, 3 * 8 * 8, generator=g))
-        self.bias = nn.Parameter(torch.tensor([60.0, 0.0, 0.0, 0.0, 0.0]))
-
-    def forward(self, x):
-        return x.flatten(1) @ self.weight.t() + self.bias
-
-
 @pytest.mark.parametrize("norm", ["linf", "l2"])
 def test_restarts_keep_the_lowest_loss_point_of_images_never_fooled(norm, monkeypatch):
     """Over restarts (module docstring), an image never fooled gets the lowest-loss point over all
     restarts, not the last restart's: its returned margin is the minimum of the restarts' losses
     and the image is the x_best of the restart that reached it."""
-    model = _Unfoolable().eval()
+    model = LeadingLinear(seed=4, lead=60.0).eval()   # unfooled at 8/255; its margin moves with every pixel
     images = 0.25 + 0.5 * torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(6))
     labels = torch.zeros(8, dtype=torch.long)
     calls = _spy_on_square_run(monkeypatch)

@@ -42,10 +42,6 @@ def run_report(args) -> int:
         if not (Path(run) / "run.json").is_file():
             raise UserError(f"{run} is not a run directory (no run.json); pass directories written by "
                             f"`robust-attn eval rotation|pgd --out DIR`")
-    if args.bootstrap < 1:
-        raise UserError(f"--bootstrap takes the number of resamples, at least 1 (default 1000); got {args.bootstrap}")
-    if not 0 < args.level < 1:
-        raise UserError(f"--level takes a confidence level in (0, 1), e.g. 0.95; got {args.level:g}")
     if args.pack and args.partial:
         raise UserError("--pack keeps finished runs only, so it does not go with --partial; report the "
                         "unfinished runs without --pack, and pack them once they finish")

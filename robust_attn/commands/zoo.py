@@ -3,7 +3,6 @@ resolutions, beside the papers' figures where ../reports/reference has them."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from robust_attn.cli import UserError
 from robust_attn.complexity import model_complexity
@@ -91,10 +90,6 @@ def run_add(args: argparse.Namespace) -> int:
         raise UserError(f"{manifest.path} already has {args.name} ({args.dataset}); give the new entry another "
                         f"name, or pass --force to replace it")
     if args.checkpoint:
-        if not Path(args.checkpoint).is_file():
-            raise UserError(f"checkpoint {args.checkpoint} does not exist"
-                            + (" (it is a folder; give the .safetensors file in it)" if Path(args.checkpoint).is_dir()
-                               else "; give the .safetensors file `robust-attn train` wrote"))
         entry = entry_from_checkpoint(args.name, args.dataset, args.checkpoint, manifest,
                                       command=args.reproduce_command, log=args.log)
     else:

@@ -51,9 +51,9 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
     Files of an earlier report in ``out_dir`` that this one does not write again are named in a
     warning (``keep``: the names the caller writes there itself)."""
     if not 0 < level < 1:   # before anything is written
-        raise ValueError(f"the confidence level must be in (0, 1), e.g. 0.95 (--level); got {level}")
+        raise ValueError(f"--level takes a confidence level in (0, 1), e.g. 0.95; got {level:g}")
     if n_boot < 1:
-        raise ValueError(f"the bootstrap needs at least 1 resample (--bootstrap); got {n_boot}")
+        raise ValueError(f"--bootstrap takes the number of resamples, at least 1 (default 1000); got {n_boot}")
     runs, left_out = load_finished(run_dirs) if partial else (load_runs(run_dirs), [])
     if not runs:
         raise ValueError("nothing finished to report: every run given is unfinished, and none is an attack run "
