@@ -5,7 +5,8 @@ model name must be a value and interval of that model in some CSV of ``reports/`
 accuracy, comparison, headline and corruption tables), and every cell under a column header
 that names a robust-accuracy column (``clean``, ``APGD-CE 2/255``, ``AutoAttack 8/255``, ...)
 must be that model's top-1 there, each to the decimals the README gives; every ``X [L, H]`` in
-its text must be one a report gives (in a CSV or its report.md); and the zoo tables must list
+its text must be one a report gives (in a CSV or its report.md) for a model its sentence names
+(or a Kendall's tau, where the sentence says tau); and the zoo tables must list
 every shipped checkpoint as ``zoo/manifest.json`` records it. A README number copied
 by hand, rounded twice (-5.65 from -5.6465 written -5.7) or left behind when a report was
 regenerated fails here."""
@@ -27,6 +28,7 @@ TRIPLES = (("value", "low", "high"), ("top1", "low", "high"),
 NUMBER = r"[-+]?\d+(?:\.\d+)?"
 CELL = re.compile(rf"^({NUMBER})(?: \[({NUMBER}), ({NUMBER})\])?")
 INTERVAL = re.compile(rf"({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
+TAU = re.compile(rf"Kendall's tau ({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
 # README numbers from runs not yet in a committed report (issue #14: Fashion-MNIST AutoAttack at
 # 4/255, ea's and gsa's at 1 and 2/255, aa's at 1/255, from `robust-attn report ... --partial` on runs/study-fashion_mnist-aa4
 # while the other radii finish); once reports/autoattack-fashion_mnist has them, this test says to
@@ -36,18 +38,21 @@ INTERIM = {"49.2 [46.2, 52.2]", "42.1 [39.2, 45.2]", "35.1 [32.1, 38.2]", "31.9 
            "5.8 [2.9, 8.7]", "34.2 [31.0, 37.6]", "-3.5 [-5.8, -1.2]", "2.2 [-0.6, +5.1]",
            "81.0 [78.5, 83.5]", "1.1 [-1.0, +3.2]", "68.2 [65.3, 71.1]", "3.8 [1.4, 6.2]",
            "+10.6 [+8.0, +13.2]", "69.4 [66.5, 72.2]", "83.3 [81.0, 85.4]", "-0.8 [-2.6, +1.1]",
-           "35.0 [32.0, 38.1]", "2.3 [-0.5, +5.2]", "4.5 [3.2, 5.7]", "34.1 [30.8, 37.5]"}
-# also interim, but a committed report holds the same three numbers for another comparison, so the
-# text check cannot tell them apart: gsa's 2/255 drop against resnet26's, "2.2 [-0.2, +4.6]"
+           "35.0 [32.0, 38.1]", "2.3 [-0.5, +5.2]", "4.5 [3.2, 5.7]", "34.1 [30.8, 37.5]",
+           "2.2 [-0.2, +4.6]"}
 
 
 def _committed():
-    """Per model: every (value, low, high) of the report CSVs, and every robust-accuracy top-1
-    per column name; and every ``X [L, H]`` written in a report.md (Kendall's tau, paired
-    differences)."""
-    triples, top1, written = defaultdict(set), defaultdict(set), set()
+    """Per model: every (value, low, high) of the report CSVs and of the report.md tables, and
+    every robust-accuracy top-1 per column name; and every Kendall's tau interval a report.md
+    writes."""
+    triples, top1, taus = defaultdict(set), defaultdict(set), set()
     for report in sorted(ROOT.glob("reports/*/report.md")):
-        written |= {tuple(float(x) for x in m.groups()) for m in INTERVAL.finditer(report.read_text())}
+        text = report.read_text()
+        taus |= {tuple(float(x) for x in m.groups()) for m in TAU.finditer(text)}
+        for _, _, cells in table_rows(text):
+            model = cells[0].split(" [")[0]
+            triples[model] |= {tuple(float(x) for x in m.groups()) for c in cells for m in INTERVAL.finditer(c)}
     for csv in sorted(ROOT.glob("reports/*/*.csv")):
         table = pd.read_csv(csv)
         if "model" not in table:
@@ -59,7 +64,7 @@ def _committed():
         if {"column", "top1"} <= set(table.columns):
             for model, column, value in table[["model", "column", "top1"]].itertuples(index=False):
                 top1[(model, column)].add(value)
-    return triples, top1, written
+    return triples, top1, taus
 
 
 def _matches(written: tuple[str, ...], values) -> bool:
@@ -90,7 +95,7 @@ def readme_result_cells(text: str, models: set[str]) -> list[tuple[int, str, str
             if (model := cells[0].split(" [")[0]) in models for h, c in zip(header[1:], cells[1:])]
 
 
-TRIPLE_SETS, TOP1, WRITTEN = _committed()
+TRIPLE_SETS, TOP1, TAUS = _committed()
 # the cells with something to check: a value with its interval, or a value under a robust-accuracy column
 CELLS = [c for c in readme_result_cells(README.read_text(), set(TRIPLE_SETS) | {m for m, _ in TOP1})
          if (m := CELL.match(c[3])) and (m.group(2) is not None or (c[1], c[2]) in TOP1)]
@@ -122,29 +127,76 @@ def test_each_readme_result_is_in_a_committed_report(line, model, header, cell):
 # "0.83 points more [0.16, 1.54]", "68.97 points, 95% interval [68.17, 69.75]", "28.48 %, 95% interval [...]"
 PROSE_INTERVAL = re.compile(rf"({NUMBER})(?:\s?%|\s+points?)?(?:\s+(?:more|less))?(?:,\s+95%\s+interval)?"
                             rf"\s+\[({NUMBER}),\s+({NUMBER})\]")
+# how the README's text names the models (besides their zoo names)
+MODEL_NAMES = {"ResNet-26": "resnet26", "SASA": "sasa_resnet26", "AA": "aa_resnet26", "GSA": "gsa_resnet26",
+               "EA": "ea_resnet26", "SAN10 pairwise": "san10_pairwise", "SAN10 patchwise": "san10_patchwise",
+               "sasa": "sasa_resnet26", "aa": "aa_resnet26", "gsa": "gsa_resnet26", "ea": "ea_resnet26"}
+# where a statement ends: a full stop, a blank line, a list item, a table row
+STATEMENT_END = re.compile(r"(?<=[.])\s+(?=[A-Z*(])|\n\s*\n|\n(?=\s*(?:- |\|))|(?<=\|)\n")
 
 
-def readme_prose_intervals(text: str) -> list[tuple[int, str]]:
-    """``(line number, "X [L, H]")`` of the README outside tables (an interval may wrap a line)."""
+def models_named(text: str, models) -> set[str]:
+    """The models ``text`` names, by zoo name or as ``MODEL_NAMES`` writes them (whole words)."""
+    names = {m: m for m in models} | MODEL_NAMES
+    return {model for name, model in names.items() if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text)}
+
+
+def readme_prose_intervals(text: str) -> list[tuple[int, str, frozenset, bool]]:
+    """``(line number, "X [L, H]", models its statement names, whether it names Kendall's tau)`` of
+    every interval in the README outside its top-level tables (an interval may wrap a line; the
+    statement is the sentence, list item or table row that holds it)."""
     prose = "\n".join("" if line.startswith("|") else line for line in text.splitlines())
-    return [(prose.count("\n", 0, m.start()) + 1, f"{m.group(1)} [{m.group(2)}, {m.group(3)}]")
-            for m in PROSE_INTERVAL.finditer(prose)]
+    models = set(TRIPLE_SETS)
+    found, start = [], 0
+    for end in [m.start() for m in STATEMENT_END.finditer(prose)] + [len(prose)]:
+        statement = prose[start:end]
+        named = frozenset(models_named(statement, models))
+        for m in PROSE_INTERVAL.finditer(statement):
+            found.append((prose.count("\n", 0, start + m.start()) + 1,
+                          f"{m.group(1)} [{m.group(2)}, {m.group(3)}]", named, "tau" in statement))
+        start = end
+    return found
 
 
 PROSE = readme_prose_intervals(README.read_text())
 
 
-@pytest.mark.parametrize("line, interval", PROSE, ids=[f"{n}" for n, _ in PROSE])
-def test_each_interval_in_the_readme_text_is_in_a_committed_report(line, interval):
-    """A value with its interval in the README's text (a paired difference, written with either
-    sign, "5.8 points more lost"; a Kendall's tau) is one of a report's."""
+def in_reports(interval: str, named: frozenset, tau: bool) -> bool:
+    """Whether a report gives ``interval`` (either sign) for one of the ``named`` models (any
+    model's where none is named), or as a Kendall's tau where its statement names one."""
     written = INTERVAL.fullmatch(interval).groups()
-    known = set().union(*TRIPLE_SETS.values()) | WRITTEN
-    found = any(_matches(written, t) or _matches(written, (-t[0], -t[2], -t[1])) for t in known)
+    known = set().union(*(TRIPLE_SETS[m] for m in (named or TRIPLE_SETS))) | (TAUS if tau or not named else set())
+    return any(_matches(written, t) or _matches(written, (-t[0], -t[2], -t[1])) for t in known)
+
+
+@pytest.mark.parametrize("line, interval, named, tau", PROSE, ids=[f"{p[0]}" for p in PROSE])
+def test_each_interval_in_the_readme_text_is_in_a_committed_report(line, interval, named, tau):
+    """A value with its interval in the README's text (a paired difference, written with either
+    sign, "5.8 points more lost"; a Kendall's tau) is one a report gives, for one of the models
+    its sentence names (any model's where it names none)."""
+    found = in_reports(interval, named, tau)
     if interval in INTERIM:
         assert not found, f"README line {line}: {interval} is in a committed report now: remove it from INTERIM"
     else:
-        assert found, f"README line {line}: {interval} is in no committed report"
+        assert found, (f"README line {line}: {interval} is in no committed report"
+                       + (f" for {', '.join(sorted(named))}, the models its sentence names" if named else ""))
+
+
+def test_an_interval_written_for_the_wrong_model_is_caught():
+    """The prose check reads which model a sentence is about: aa_resnet26's own interval passes
+    beside its name and fails beside another's; a tau passes only where the sentence says tau."""
+    aa = sorted(t for t in TRIPLE_SETS["aa_resnet26"] if t not in TRIPLE_SETS["ea_resnet26"])[0]
+    cell = f"{aa[0]:.4f} [{aa[1]:.4f}, {aa[2]:.4f}]"
+    text = (f"AA keeps {cell} here.\nAnd the wrapped sentence about EA keeps\n{cell} there.\n\n"
+            f"- ResNet-26 and SAN10 pairwise: {cell}.\n")
+    (_, _, aa_named, _), (line, _, ea_named, _), (_, _, pair, _) = readme_prose_intervals(text)
+    assert (aa_named, ea_named, line) == ({"aa_resnet26"}, {"ea_resnet26"}, 3)
+    assert pair == {"resnet26", "san10_pairwise"}
+    assert in_reports(cell, aa_named, False) and not in_reports(cell, ea_named, False)
+    assert in_reports(cell, frozenset(), False)
+    tau = sorted(TAUS)[0]
+    tau_cell = f"{tau[0]:+.2f} [{tau[1]:+.2f}, {tau[2]:+.2f}]"
+    assert in_reports(tau_cell, ea_named, True) and not in_reports(tau_cell, ea_named, False)
 
 
 def readme_zoo_rows(text: str) -> list[tuple[int, dict[str, str]]]:
