@@ -18,7 +18,7 @@ from robust_attn.protocols.registry import study_protocol
 from robust_attn.results import RunStore
 from robust_attn.shifts.cache import CorruptionCache, OnTheFly, to_float
 from robust_attn.shifts.corruptions import SEVERITIES, check_severity, corruption_names
-from robust_attn.shifts.evaluate import CLEAN, accuracy_by_condition, run_shift
+from robust_attn.protocols.shift_runner import CLEAN, accuracy_by_condition, run_shift
 
 __all__ = ["PROTOCOL", "corruption_conditions", "run_corruption", "summarize_corruption", "check_frost"]
 

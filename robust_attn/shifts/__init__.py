@@ -10,5 +10,6 @@ Dietterich, ICLR 2019), occlusion and patch shuffling (Naseer et al., NeurIPS 20
 * :mod:`robust_attn.shifts.metrics`: corruption error (CE), mCE and relative mCE.
 
 The protocols that evaluate models on them are :mod:`robust_attn.protocols.corruption`,
-:mod:`robust_attn.protocols.occlusion` and :mod:`robust_attn.protocols.shuffle`.
+:mod:`robust_attn.protocols.occlusion` and :mod:`robust_attn.protocols.shuffle`, through their
+shared loop :mod:`robust_attn.protocols.shift_runner`.
 """
