@@ -405,3 +405,13 @@ def test_protocol_spec_file_agrees_with_the_code():
         np.testing.assert_allclose(np.array(values, dtype=float), np.array(params[name], dtype=float), err_msg=name)
     for factors, (start, stop, step) in zip(blur.ZOOM, params["zoom_blur"]):
         np.testing.assert_array_equal(factors, np.arange(start, stop, step))
+
+
+@pytest.mark.parametrize("severity, small", [(3, 12), (4, 9)])   # 32 * 0.4 = 12.8 -> 12, 32 * 0.3 = 9.6 -> 9
+def test_pixelate_truncates_the_reduced_size(severity, small):
+    from PIL import Image
+    from robust_attn.shifts.corruptions import corrupt
+
+    image = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    ref = np.asarray(Image.fromarray(image).resize((small, small), Image.BOX).resize((32, 32), Image.NEAREST))
+    assert np.array_equal(corrupt(image, "pixelate", severity), ref)

@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import os
 import pickle
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -299,3 +300,57 @@ def test_imagenet_folder_layout_and_transforms(tmp_path):
     assert train[0][0].shape == (3, 224, 224)
     small = build_dataset("imagenet", root=tmp_path, split="test", limit=3)
     assert len(small) == 3 and small.targets == [small[i][1] for i in range(3)]
+
+
+def test_val_split_is_never_augmented_even_when_asked():
+    plain = build_dataset("synthetic", split="val")
+    asked = build_dataset("synthetic", split="val", augment=True)
+    assert len(asked) == len(plain)
+    torch.manual_seed(0)
+    for i in range(0, len(plain), 7):
+        assert torch.equal(asked[i][0], plain[i][0]), i
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_idx_file_with_trailing_bytes_is_refused(tmp_path, compress):
+    from robust_attn.data.fashion_mnist import read_idx
+
+    body = struct.pack(">BBBB", 0, 0, 0x08, 3) + struct.pack(">III", 2, 2, 2) + bytes(range(8))
+    good, bad = tmp_path / "good-idx3-ubyte", tmp_path / "bad-idx3-ubyte"
+    for path, raw in ((good, body), (bad, body + b"\x00")):
+        path.write_bytes(gzip.compress(raw) if compress else raw)
+    assert read_idx(good).shape == (2, 2, 2)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        read_idx(bad)
+
+
+def test_random_crop_reaches_every_offset_of_the_padded_image():
+    torch.manual_seed(0)
+    image = torch.arange(1, 17, dtype=torch.float32).view(1, 4, 4)
+    p = 2
+    padded = torch.nn.functional.pad(image, (p, p, p, p))
+    crop = RandomCropFlip(p, flip=False)
+    seen = set()
+    for _ in range(400):
+        out = crop(image)
+        hits = [(t, s) for t in range(2 * p + 1) for s in range(2 * p + 1)
+                if torch.equal(out, padded[:, t:t + 4, s:s + 4])]
+        assert len(hits) == 1
+        seen.add(hits[0])
+    assert seen == {(t, s) for t in range(2 * p + 1) for s in range(2 * p + 1)}
+
+
+def test_subset_indices_are_sorted_and_distinct():
+    keep = subset_indices(1000, 50, seed=0)
+    assert keep == sorted(keep) and len(set(keep)) == 50 and keep[-1] - keep[0] > 500
+    test = build_dataset("synthetic", split="test")
+    limited = build_dataset("synthetic", split="test", limit=20)
+    assert torch.equal(limited.images, test.images[subset_indices(len(test), 20)])
+
+
+def test_seeded_augment_differs_between_seeds():
+
+    base = build_dataset("synthetic", split="train", augment=True, limit=20)
+    a, b = SeededAugment(base, seed=3), SeededAugment(base, seed=4)
+    assert any(not torch.equal(a[i][0], b[i][0]) for i in range(20))
+    assert all(torch.equal(a[i][0], SeededAugment(base, seed=3)[i][0]) for i in range(20))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from robust_attn.cli import main
 from robust_attn.data import build_dataset, dataset_info, takes_transform
@@ -226,3 +227,45 @@ def test_imagefolder_cli(tmp_path, capsys):
     rc, _ = _eval(tmp_path / "again", "imagefolder", tmp_path / "imgs",
                   model=(f"{tmp_path / 'net.py'}:imagenet_head",))
     assert rc == 2 and "outputs 1000 classes but the dataset has 2" in capsys.readouterr().err
+
+
+def test_damaged_wnid_list_is_refused(monkeypatch):
+    real = imagenet.resources.files("robust_attn.data").joinpath("imagenet_wnids.txt").read_bytes()
+    lines = real.decode().split()
+    lines[0], lines[1] = lines[1], lines[0]      # two classes swapped: indices 0 and 1 exchanged
+    damaged = ("\n".join(lines) + "\n").encode()
+
+    class _File:
+        def joinpath(self, name):
+            return self
+
+        def read_bytes(self):
+            return damaged
+
+    class _Resources:
+        @staticmethod
+        def files(package):
+            return _File()
+
+    imagenet.wnids.cache_clear()
+    monkeypatch.setattr(imagenet, "resources", _Resources)
+    try:
+        with pytest.raises(RuntimeError, match="does not match its sha256"):
+            imagenet.wnids()
+    finally:
+        imagenet.wnids.cache_clear()
+
+
+def test_imagenet_eval_transform_resizes_the_short_side_to_256_then_crops_224(tmp_path):
+    from PIL import Image
+    import torchvision.transforms.functional as TF
+
+    wnid = "n01440764"
+    folder = tmp_path / "imagenet" / "val" / wnid
+    folder.mkdir(parents=True)
+    pixels = np.random.default_rng(0).integers(0, 256, (300, 400, 3), dtype=np.uint8)   # H 300, W 400
+    Image.fromarray(pixels).save(folder / "a.png")
+    image, label = build_dataset("imagenet", root=tmp_path, split="test")[0]
+    ref = TF.to_tensor(TF.center_crop(TF.resize(Image.fromarray(pixels), 256), 224))   # 256 x 341, then 224 x 224
+    assert image.shape == (3, 224, 224) and label == 0
+    torch.testing.assert_close(image, ref)

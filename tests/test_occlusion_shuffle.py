@@ -1,9 +1,14 @@
 """Occlusion and patch shuffling (Naseer et al. 2021; robust_attn/shifts/occlusion.py, shuffle.py)."""
 from __future__ import annotations
 
+import zlib
+
+import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 
+from robust_attn.data.base import TensorImageDataset
 from robust_attn.shifts.occlusion import drop_patches, occlude_square, square_side
 from robust_attn.shifts.shuffle import from_patches, shuffle_patches, to_patches
 
@@ -116,3 +121,43 @@ def test_protocol_spec_files_agree_with_the_code():
     assert shuf["shuffle"]["grids"] == list(shuffle.DEFAULT_GRIDS) == list(StudyConfig().shuffle_grids)
     assert [c["name"] for c in shuffle.shuffle_conditions(image_size=(32, 32))][1:] == [
         f"shuffle{g}" for g in shuf["shuffle"]["grids"]]
+
+
+class _Recorder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.detach().clone())
+        return torch.zeros(len(x), 10)
+
+
+def test_occlusion_protocol_fills_the_mean_condition_with_the_given_colour(tmp_path):
+    from robust_attn.protocols.occlusion import occlusion_conditions, run_occlusion
+
+    images = torch.full((2, 3, 8, 8), 255, dtype=torch.uint8)      # white images
+    dataset = TensorImageDataset(images, torch.zeros(2, dtype=torch.long))
+    conditions = occlusion_conditions(areas=(25.0,), fills=("mean",), drop=(), image_size=(8, 8))
+    assert [c["name"] for c in conditions] == ["clean", "square25_mean"]
+    model = _Recorder()
+    mean = (0.2, 0.4, 0.6)
+    run_occlusion(model, dataset, tmp_path / "run", conditions=conditions, mean=mean, batch_size=2, progress=False)
+    assert len(model.seen) == 2
+    occluded = model.seen[1]
+    # a 4x4 square (25% of 8x8) per image, filled with the mean colour; the rest stays white
+    for k in range(2):
+        filled = (occluded[k] != 1).any(0)
+        assert int(filled.sum()) == 16
+        colour = occluded[k][:, filled]
+        torch.testing.assert_close(colour, torch.tensor(mean).view(3, 1).expand(3, 16))
+
+
+def test_patch_permutations_draw_from_the_documented_streams():
+    from robust_attn.shifts.shuffle import patch_permutations
+
+    for grid in (2, 4):
+        perms = patch_permutations(grid, [0, 7], seed=3)
+        for row, index in zip(perms, (0, 7)):
+            rng = np.random.default_rng([3, zlib.crc32(f"shuffle{grid}".encode()), index])
+            assert row.tolist() == rng.permutation(grid * grid).tolist()

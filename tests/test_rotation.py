@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import sys
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -167,3 +168,13 @@ def test_protocol_spec_file_agrees_with_the_code():
     conds = rotation_conditions(extra["angle_step"], hflip=extra["hflip"])
     assert [c.name for c in rotation_conditions()] == [c.name for c in conds]  # the defaults
     assert {(c.interpolation, c.fill) for c in conds if c.kind == "angle"} == {(extra["interpolation"], extra["fill"])}
+
+
+def test_rotation_drop_is_positive_when_accuracy_falls():
+
+    records = pd.DataFrame({"condition": ["none"] * 4 + ["cw90"] * 4,
+                            "top1": [1, 1, 1, 0, 1, 0, 0, 0], "top5": [1, 1, 1, 1, 1, 1, 0, 0]})
+    summary = summarize_rotation(records).set_index("condition")
+    assert summary.loc["none", "top1"] == 75 and summary.loc["cw90", "top1"] == 25
+    assert summary.loc["cw90", "top1_drop"] == 50 and summary.loc["cw90", "top5_drop"] == 50
+    assert summary.loc["none", "top1_drop"] == 0

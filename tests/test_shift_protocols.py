@@ -12,6 +12,7 @@ import torch
 
 from robust_attn.cli import main
 from robust_attn.data import build_dataset
+from robust_attn.data.base import TensorImageDataset
 from robust_attn.protocols.corruption import corruption_conditions, run_corruption
 from robust_attn.protocols.occlusion import occlusion_conditions, run_occlusion
 from robust_attn.protocols.shuffle import run_shuffle, shuffle_conditions
@@ -418,3 +419,101 @@ def test_cache_waits_for_a_file_another_process_holds_and_makes_it_if_that_proce
     lock.close()   # the other process dies without making its file
     worker.join(60)
     assert not worker.is_alive() and held.is_file()
+
+
+def test_to_uint8_rounds_to_the_nearest_grey_level():
+
+    levels = torch.arange(256, dtype=torch.float32)
+    # just below and just above each level: both must map back to that level
+    below = ((levels - 0.3).clamp(0, 255) / 255).view(1, 1, 16, 16).expand(1, 3, 16, 16)
+    above = ((levels + 0.3).clamp(0, 255) / 255).view(1, 1, 16, 16).expand(1, 3, 16, 16)
+    expected = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    for images in (below, above):
+        out = to_uint8(images)
+        assert out.shape == (1, 16, 16, 3) and out.dtype == np.uint8
+        assert (out[0, ..., 0] == expected).all()
+    # and a uint8 image survives the round trip through float exactly
+    pixels = np.arange(256 * 3, dtype=np.int64).reshape(1, 16, 16, 3).astype(np.uint8)
+    assert np.array_equal(to_uint8(to_float(pixels)), pixels)
+
+
+def test_cache_made_from_other_images_is_refused(tmp_path):
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8, generator=gen)
+    b = a.clone()
+    b[0, 0, 0, 0] ^= 1     # one grey level of one pixel differs: other images, same count and shape
+    labels = torch.arange(4)
+    key = {"name": "tiny", "split": "test", "limit": None}
+    CorruptionCache(tmp_path, TensorImageDataset(a, labels), key).ensure([("contrast", 1)])
+    other = CorruptionCache(tmp_path, TensorImageDataset(b, labels), key)
+    with pytest.raises(ValueError, match="made from other images.*clean_sha256"):
+        other.ensure([("contrast", 2)])
+
+
+def test_shift_records_count_a_label_in_the_five_best_as_a_top5_hit():
+    from robust_attn.protocols.shift_runner import prediction_records
+
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 2.0, 1.0, -1.0],     # label 2: second best
+                           [0.0, 5.0, 4.0, 3.0, 2.0, 1.0, -1.0],     # label 6: last, outside the five
+                           [9.0, 5.0, 4.0, 3.0, 2.0, 1.0, -1.0]])    # label 0: best
+    records = prediction_records(logits, torch.tensor([2, 6, 0]), torch.tensor([10, 11, 12]))
+    assert records["top1"].tolist() == [0, 0, 1]
+    assert records["top5"].tolist() == [1, 0, 1]
+    assert records["pred"].tolist() == [1, 1, 0] and records["index"].tolist() == [10, 11, 12]
+
+
+def test_imagenet_c_files_are_sorted_within_each_class(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    for wnid in ("n01440764", "n01443537"):
+        folder = tmp_path / "fog" / "1" / wnid
+        folder.mkdir(parents=True)
+        for k in range(5):
+            (folder / f"ILSVRC2012_val_{wnid[-2:]}{k}.JPEG").write_bytes(b"")
+    real = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter(sorted(real(self), reverse=True)))   # any listing order
+    files = ImageNetC(tmp_path).files("fog", 1)
+    names = [f.name for f, _ in files]
+    assert [label for _, label in files] == [0] * 5 + [1] * 5
+    assert names[:5] == sorted(names[:5]) and names[5:] == sorted(names[5:])
+
+
+def test_published_images_of_another_size_are_refused(tmp_path):
+
+    n = 3
+    np.save(tmp_path / "fog.npy", np.zeros((5 * n, 16, 16, 3), dtype=np.uint8))
+    np.save(tmp_path / "labels.npy", np.zeros(5 * n, dtype=np.int64))
+    source = PublishedCorruptions(CifarC(tmp_path, per_severity=n))
+    images = torch.zeros(2, 3, 32, 32)
+    with pytest.raises(ValueError, match="16x16, the test images 32x32"):
+        source("fog", 1, images, torch.tensor([0, 1]), labels=torch.tensor([0, 0]))
+
+
+def test_published_subset_reads_the_positions_of_the_limited_set(tmp_path):
+
+    n = 4
+    data = np.arange(5 * n, dtype=np.uint8).repeat(8 * 8 * 3).reshape(5 * n, 8, 8, 3)   # item k is all k
+    np.save(tmp_path / "fog.npy", data)
+    np.save(tmp_path / "labels.npy", np.zeros(5 * n, dtype=np.int64))    # one class: the label check cannot help
+    source = PublishedCorruptions(CifarC(tmp_path, per_severity=n), positions=[1, 3])
+    out = source("fog", 2, torch.zeros(2, 3, 8, 8), torch.tensor([0, 1]), labels=torch.tensor([0, 0]))
+    assert out[:, 0, 0, 0].tolist() == [n + 1, n + 3]
+
+
+def test_cache_file_damaged_after_it_was_made_is_refused_when_read(tmp_path):
+
+    gen = torch.Generator().manual_seed(0)
+    dataset = TensorImageDataset(torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8, generator=gen),
+                                 torch.arange(4))
+    key = {"name": "tiny", "split": "test", "limit": None}
+    maker = CorruptionCache(tmp_path, dataset, key)
+    maker.ensure([("contrast", 3)])
+    path = maker.path("contrast", 3)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF                                  # one pixel of the last image changed on disk
+    path.write_bytes(bytes(raw))
+    reader = CorruptionCache(tmp_path, dataset, key)   # another process (a study worker) reads it
+    images = torch.stack([dataset[i][0] for i in range(4)])
+    with pytest.raises(ValueError, match="is damaged"):
+        reader("contrast", 3, images, torch.arange(4))

@@ -17,6 +17,7 @@ from robust_attn.cli import main
 from robust_attn.data import dataset_info
 from robust_attn.sources import (LoadedModel, Preprocessing, SourceError, load_model_spec, parse_spec, spec_label,
                                  state_dict_sha256)
+from robust_attn.sources.base import load_weights_file
 from robust_attn.wrapper import NormalizedModel
 
 SYNTH = dataset_info("synthetic")
@@ -365,3 +366,65 @@ def test_loaded_model_is_returned_in_eval_mode_on_the_device(user_file):
     loaded = load_model_spec(f"{user_file}:make", dataset_info=SYNTH, device="cpu")
     assert isinstance(loaded, LoadedModel) and not loaded.model.training
     assert next(loaded.model.parameters()).device.type == "cpu"
+
+
+def test_user_function_with_var_keywords_gets_the_dataset_class_count(tmp_path):
+    path = tmp_path / "kw.py"
+    path.write_text("import torch.nn as nn\n\n"
+                    "def make(**kwargs):\n"
+                    "    return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),\n"
+                    "                         nn.Linear(3, kwargs.get('num_classes', 1000)))\n")
+    loaded = load_model_spec(f"{path}:make", dataset_info=SYNTH, check=False)
+    with torch.no_grad():
+        assert loaded.model(torch.rand(2, 3, 8, 8)).shape == (2, SYNTH.num_classes)
+
+
+@pytest.mark.parametrize("change", ["missing", "extra"])
+def test_weights_file_with_missing_or_extra_keys_is_refused(tmp_path, change):
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    state = dict(net.state_dict())
+    if change == "missing":
+        del state["3.bias"]
+    else:
+        state["4.weight"] = torch.zeros(2, 2)
+    path = tmp_path / "w.pth"
+    torch.save(state, path)
+    fresh = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    with pytest.raises(SourceError, match="do not fit"):
+        load_weights_file(fresh, path, "m.py:make")
+
+
+def test_weights_hash_covers_buffers():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    b = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    b.load_state_dict(a.state_dict())
+    assert state_dict_sha256(a) == state_dict_sha256(b)
+    b[1].running_mean.add_(0.5)          # same parameters, other BN statistics: other weights
+    assert state_dict_sha256(a) != state_dict_sha256(b)
+    inner = nn.Linear(3, 2)
+    assert state_dict_sha256(NormalizedModel(inner, (0.5,) * 3, (0.25,) * 3)) != \
+        state_dict_sha256(NormalizedModel(inner, (0.4,) * 3, (0.25,) * 3))
+
+
+def test_record_preprocessing_keeps_the_weights_own_apart_when_not_applied(capsys):
+    from robust_attn.sources.inputs import record_preprocessing
+
+    own = Preprocessing(mean=(0.5,) * 3, std=(0.5,) * 3, input_size=224, resize_size=256, crop_size=224)
+    desc = {"model": "m", "preprocessing": own.as_dict()}
+    out = record_preprocessing(desc, None)          # a tensor dataset: images used as they are
+    assert out["preprocessing"] is None and out["weights_preprocessing"] == own.as_dict()
+    assert "evaluated as they are" in capsys.readouterr().err
+    applied = record_preprocessing(desc, own)       # a file dataset: the model's transform applied
+    assert applied["preprocessing"] == own.as_dict() and "weights_preprocessing" not in applied
+
+
+@pytest.mark.parametrize("mode", ["squash", "border"])
+def test_timm_crop_modes_other_than_center_are_refused(mode):
+    from robust_attn.sources.timm_source import preprocessing_of
+
+    config = {"input_size": (3, 224, 224), "interpolation": "bicubic", "mean": (0.5,) * 3, "std": (0.5,) * 3,
+              "crop_pct": 0.9}
+    assert preprocessing_of(dict(config, crop_mode="center")).resize_size == 248
+    with pytest.raises(SourceError, match=f"crop_mode='{mode}'"):
+        preprocessing_of(dict(config, crop_mode=mode))
