@@ -23,11 +23,14 @@ def seal(store: RunStore) -> list[Path]:
     desc = store.description()
     if store.packed:
         return _seal_packed(store, desc)
+    chunks = store.chunks()
+    sealed = [(c, a, b) for c, a, b in chunks if store.checksum_path(store.chunk_path(c, a, b)).is_file()]
+    store.check_chunks(sealed)  # the checksums already there are verified first; damage raises
     written = []
-    for c, a, b in store.chunks():
+    for c, a, b in chunks:
         path = store.chunk_path(c, a, b)
         side = store.checksum_path(path)
-        if side.is_file():
+        if (c, a, b) in sealed:
             continue
         data = path.read_bytes()
         try:

@@ -23,6 +23,7 @@ from torch.utils.data import TensorDataset
 from robust_attn.cli import main
 from robust_attn.protocols.runner import open_run, run_chunks
 from robust_attn.results import DamagedRecordsError, RunStore, load_records
+from robust_attn.results import main as results_main
 from helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,6 +223,22 @@ def test_seal_adopts_old_chunks_without_checksums(finished):
     assert len(finished.seal()) == 8
     _run(finished.root)
     pd.testing.assert_frame_equal(load_records(finished.root), good)
+
+
+def test_seal_verifies_the_checksums_already_there(finished):
+    """Sealing a run whose chunks have checksums must not call an altered one sealed: it names
+    the damage and writes nothing, also for the chunks still to adopt."""
+    finished.checksum_path(finished.chunk_path("b", 4, 8)).unlink()  # one old chunk to adopt
+    path = finished.chunk_path("a", 0, 4)
+    intact = path.read_bytes()
+    path.write_bytes(intact.replace(b",", b";", 1))
+    with pytest.raises(DamagedRecordsError, match=r"000000000-000000004.csv: sha256 differs.*--repair"):
+        finished.seal()
+    assert results_main(["seal", str(finished.root)]) == 2  # the command says so too, not "sealed"
+    assert not finished.checksum_path(finished.chunk_path("b", 4, 8)).exists()
+    path.write_bytes(intact)  # restored from a copy
+    assert finished.seal() == [finished.checksum_path(finished.chunk_path("b", 4, 8))]
+    assert finished.verify() == []
 
 
 def test_overlapping_chunks_are_an_error_not_an_image_counted_twice(tmp_path):
