@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from robust_attn import create_model
-from robust_attn.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, sidecar_path
+from robust_attn.checkpoint import (CheckpointError, check_safetensors_file, load_checkpoint, save_checkpoint,
+                                    sidecar_path)
 from robust_attn.utils.io import atomic_write_text, sha256_file
 from robust_attn.wrapper import NormalizedModel
 
@@ -85,3 +86,14 @@ def test_wrapper_normalizes_inside():
     torch.testing.assert_close(wrapped(x), (x - 0.5) / 0.25)
     with pytest.raises(ValueError, match="std"):
         NormalizedModel(inner, (0.5,), (0.0,))
+
+
+def test_a_sidecar_given_as_the_weights_is_named_json(tmp_path):
+    """Passing the .json sidecar (or any JSON file) where the weights go names it as JSON text and
+    says to pass the .safetensors file, instead of a bare 'not a safetensors file'."""
+    save_checkpoint(tmp_path / "m.safetensors", tiny())
+    wrong = tmp_path / "wrong.safetensors"
+    wrong.write_bytes(sidecar_path(tmp_path / "m.safetensors").read_bytes())
+    with pytest.raises(CheckpointError) as err:
+        check_safetensors_file(wrong)
+    assert "JSON text" in str(err.value) and "pass the .safetensors weights file" in str(err.value)

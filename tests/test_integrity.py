@@ -516,3 +516,117 @@ def test_sigkill_at_20_random_points_then_resume_equals_an_uninterrupted_run_byt
     assert not list(killed.rglob("*.claim.*"))  # stale claims go once their chunks are written
     assert a.pack(tmp_path / "pa").root.joinpath("records.csv.gz").read_bytes() == \
         b.pack(tmp_path / "pb").root.joinpath("records.csv.gz").read_bytes()
+
+
+# --- mutation review: sealing, packed manifests, the verify command, claims ---------------------------
+@pytest.mark.parametrize("copied_from", [("b", 0, 4), ("a", 4, 8)], ids=["other images", "other condition"])
+def test_seal_refuses_an_old_chunk_holding_another_chunks_records(finished, copied_from):
+    """Sealing must not adopt a chunk file whose rows are other images or another condition (a
+    misplaced copy): its records would count as the chunk's in every aggregate."""
+    path = finished.chunk_path("b", 4, 8)
+    finished.checksum_path(path).unlink()   # an old chunk, written before checksums existed
+    path.write_bytes(finished.chunk_path(*copied_from).read_bytes())
+    with pytest.raises(DamagedRecordsError, match=r"not the images \[4, 8\) of b"):
+        finished.seal()
+    assert not finished.checksum_path(path).exists()
+
+
+def _old_packed(finished, tmp_path, edit):
+    """``finished`` packed, then made an old packed run (no checksums.json) whose records text
+    went through ``edit`` (bytes -> bytes)."""
+    packed = finished.pack(tmp_path / "packed")
+    (packed.root / "checksums.json").unlink()
+    gz = packed.root / "records.csv.gz"
+    gz.write_bytes(gzip.compress(edit(gzip.decompress(gz.read_bytes())), mtime=0))
+    return packed
+
+
+def test_seal_refuses_an_old_packed_run_holding_a_record_twice(finished, tmp_path):
+    """A packed file with one record repeated (every image still present) is not adopted: the image
+    would count twice in its condition's accuracy."""
+    packed = _old_packed(finished, tmp_path, lambda text: text + text.splitlines(keepends=True)[5])
+    with pytest.raises(DamagedRecordsError, match="once"):
+        packed.seal()
+    assert not (packed.root / "checksums.json").exists()
+
+
+def test_seal_refuses_an_old_packed_run_whose_last_line_is_cut(finished, tmp_path):
+    """A packed file cut inside its last value still parses as every record once, but the value is
+    wrong: sealing must refuse it rather than checksum the damage."""
+    packed = _old_packed(finished, tmp_path, lambda text: text[:-2])
+    with pytest.raises(DamagedRecordsError, match="lines but 33 records"):
+        packed.seal()
+    assert not (packed.root / "checksums.json").exists()
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda files: files.pop("records.csv.gz"), "lists no records.csv.gz"),
+    (lambda files: files["records.csv.gz"].update(rows=34), "33 rows, recorded 34"),
+], ids=["records not listed", "row count edited"])
+def test_an_edited_packed_manifest_is_damage(finished, tmp_path, edit, words):
+    """checksums.json that no longer covers the records (their entry deleted, or its row count
+    changed) makes the packed run damaged, not silently unchecked."""
+    packed = finished.pack(tmp_path / "packed")
+    manifest = json.loads((packed.root / "checksums.json").read_text())
+    edit(manifest["files"])
+    (packed.root / "checksums.json").write_text(json.dumps(manifest))
+    with pytest.raises(DamagedRecordsError, match=words):
+        load_records(packed.root)
+    assert any(words in why for _, why in packed.verify())
+
+
+def test_packing_writes_the_same_bytes_whatever_the_time(finished, tmp_path, monkeypatch):
+    """A packed run committed beside a report must be byte-reproducible: packing again later gives
+    the same records.csv.gz (no timestamp in the gzip header)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(gzip, "time", SimpleNamespace(time=lambda: 1_000_000_000.0))
+    first = (finished.pack(tmp_path / "first").root / "records.csv.gz").read_bytes()
+    monkeypatch.setattr(gzip, "time", SimpleNamespace(time=lambda: 1_700_000_000.0))
+    again = (finished.pack(tmp_path / "again").root / "records.csv.gz").read_bytes()
+    assert first == again
+
+
+def test_a_chunk_entry_whose_row_count_was_edited_is_damage(finished):
+    """A manifest entry whose sha256 matches but whose row count is not the chunk's (edited or
+    copied from another run) must not pass as intact."""
+    path = finished.chunk_path("b", 4, 8)
+    side = finished.checksum_path(path)
+    side.write_text(json.dumps(dict(json.loads(side.read_text()), rows=5)))
+    with pytest.raises(DamagedRecordsError) as err:
+        load_records(finished.root)
+    assert [p for p, _ in err.value.problems] == [path]
+    assert [p for p, _ in finished.verify()] == [path]
+
+
+def test_results_verify_command_exits_2_naming_a_damaged_chunk(finished, capsys):
+    """``python -m robust_attn.results verify RUN`` says intact only for an intact run; a damaged
+    chunk is exit code 2 naming the file and --repair."""
+    assert results_main(["verify", str(finished.root)]) == 0
+    assert f"{finished.root}: intact" in capsys.readouterr().out
+    path = finished.chunk_path("c", 8, 11)
+    _drop_last_line(path)
+    assert results_main(["verify", str(finished.root)]) == 2
+    captured = capsys.readouterr()
+    assert str(path) in captured.err and "--repair" in captured.err and "intact" not in captured.out
+
+
+def test_a_chunk_finished_by_another_process_while_claiming_is_not_claimed(tmp_path, monkeypatch):
+    """When another process writes the chunk between our look and our claim, the claim is dropped
+    (None: nothing to compute) and no claim file stays behind."""
+    from robust_attn import claims
+
+    store = _open(tmp_path / "run")
+    chunk = store.chunk_path("a", 0, 4)
+    listed = claims._claim_files
+
+    def finished_meanwhile(path):
+        found = listed(path)
+        chunk.parent.mkdir(parents=True, exist_ok=True)
+        chunk.write_text("condition,index\n")   # the other process's rename lands now
+        return found
+
+    monkeypatch.setattr(claims, "_claim_files", finished_meanwhile)
+    assert store.claim("a", 0, 4) is None
+    monkeypatch.undo()
+    assert not list((tmp_path / "run").rglob("*.claim.*"))

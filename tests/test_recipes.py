@@ -120,3 +120,30 @@ def test_inherit_overrides_and_cycles(tmp_path):
         parse_overrides(["epochs"])
     assert parse_overrides(["optim.milestones=[1, 2]", "a.b.c='x'"]) == {"optim": {"milestones": [1, 2]},
                                                                         "a": {"b": {"c": "x"}}}
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"optim": {"nesterov": True, "momentum": 0.0}}, "optim.nesterov needs optim.momentum > 0"),
+    ({"optim": {"label_smoothing": 1.0}}, "0 <= label_smoothing 1.0 < 1"),
+    ({"optim": {"min_lr": -0.1}}, "must not be negative"),
+    ({"epochs": True}, "epochs must be int, got bool True"),
+    ({"epochs": 0}, "epochs must be at least 1, got 0"),
+], ids=["nesterov without momentum", "label smoothing 1", "negative min_lr", "boolean epochs", "zero epochs"])
+def test_out_of_range_settings_are_refused_naming_the_key(change, message):
+    """Settings that would train nonsense (no epochs, all-uniform targets, a negative floor,
+    nesterov without momentum, true as a count) are refused on load, naming the key."""
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict({**good(), **change})
+    assert message in str(err.value)
+
+
+def test_recipe_hash_does_not_depend_on_where_the_file_lies(tmp_path):
+    """The resolved recipe's sha256 (checked by --resume and zoo verify) is the settings' alone: the
+    same recipe read from another folder hashes the same; a changed setting does not."""
+    text = 'model = "resnet26"\ndataset = "synthetic"\nepochs = 2\n[optim]\nlr = 0.2\n'
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "r.toml").write_text(text)
+    here, there = (load_recipe(tmp_path / f / "r.toml", check_data=False) for f in ("a", "b"))
+    assert here.source != there.source and here.sha256() == there.sha256()
+    assert load_recipe(tmp_path / "a" / "r.toml", ["epochs=3"], check_data=False).sha256() != here.sha256()

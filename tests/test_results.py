@@ -267,3 +267,15 @@ def test_each_chunk_names_the_hardware_that_computed_it_and_a_packed_run_keeps_t
     assert sum(counts.values()) == 9 and counts.get("not recorded") == 1
     assert len(set(counts) & {"cpu", "cuda"}) == 1
     assert store.verify() == []
+
+
+def test_records_follow_the_order_of_the_descriptions_conditions(tmp_path):
+    """Records (and so every table built from them) list the conditions in the run's order, not
+    alphabetically: a run of conditions c, a, b reads back as c, a, b."""
+    store = open_run(tmp_path / "run", {"model": "m"}, protocol="p", parameters={"k": 1}, conditions=["c", "a", "b"],
+                     num_images=11, chunk_size=4)
+    run_chunks(store, _dataset(), ["c", "a", "b"], Counting(), chunk_size=4, progress=False)
+    records = load_records(store.root)
+    assert list(records["condition"].unique()) == ["c", "a", "b"]
+    assert records[records["condition"] == "a"]["index"].tolist() == list(range(11))
+

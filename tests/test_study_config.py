@@ -180,3 +180,17 @@ def test_python_m_cli_prints_user_errors_without_a_traceback(tmp_path):
                             env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("robust-attn study: error: study config") and "does not exist" in result.stderr
+
+
+@pytest.mark.parametrize("text, message", [
+    ('dataset = "imagenet"\nlimit = true\nmodels = ["resnet26"]', "limit must be an integer, got bool True"),
+    ('dataset = "imagenet"\ncorruptions = 5\nmodels = ["resnet26"]', "corruptions must be a string, got int 5"),
+    ('dataset = "imagenet"\nmodels = [{ spec = "resnet26", checkpoint = 5 }]',
+     "models[0]: model 'resnet26': checkpoint must be a path string, got 5"),
+], ids=["boolean limit", "number for a string", "number for a checkpoint path"])
+def test_wrongly_typed_values_are_refused_naming_the_key(tmp_path, text, message):
+    """A value of the wrong type (true as a count, a number where a name or path goes) is a
+    StudyConfigError naming the file and the key, not accepted or a traceback later."""
+    with pytest.raises(StudyConfigError) as caught:
+        load_study_config(_write(tmp_path, text))
+    assert message in str(caught.value) and str(tmp_path / "study.toml") in str(caught.value)

@@ -244,3 +244,100 @@ def test_git_commit_is_marked_dirty_when_tracked_files_changed(tmp_path):
     plain = tmp_path.parent / f"{tmp_path.name}_no_git"
     plain.mkdir()
     assert _git_commit(plain) is None
+
+
+# --- mutation review: what the trainer does with the recipe's optimization settings ----------------
+
+def _first_step_reference(recipe):
+    """The parameters after one SGD step done by hand on all training images (one batch): the
+    recipe's label smoothing, clipping, weight decay (none on <2-d parameters with
+    no_decay_norm_bias), first-step momentum (nesterov: (1 + momentum) times the step) and the
+    linearly scaled peak rate. Returns (the batch's loss, {name: expected tensor})."""
+    from robust_attn.data import build_dataset
+
+    o, d = recipe.optim, recipe.data
+    data = build_dataset(recipe.dataset, d.root, "train", augment=d.augment, holdout=d.holdout, limit=d.limit_train)
+    images = torch.stack([data[i][0] for i in range(len(data))])
+    labels = torch.tensor([int(data[i][1]) for i in range(len(data))])
+    torch.manual_seed(recipe.seed)
+    model = build_model(recipe).train()
+    loss = nn.CrossEntropyLoss(label_smoothing=o.label_smoothing)(model(images), labels)
+    loss.backward()
+    params = dict(model.named_parameters())
+    grads = {k: p.grad.detach().clone() for k, p in params.items()}
+    if o.clip_grad_norm > 0:
+        norm = torch.stack([g.norm() for g in grads.values()]).norm()
+        grads = {k: g * min(1.0, o.clip_grad_norm / (float(norm) + 1e-6)) for k, g in grads.items()}
+    lr = o.lr * d.batch_size / o.base_batch
+    expected = {}
+    for name, p in params.items():
+        decay = 0.0 if o.no_decay_norm_bias and p.ndim < 2 else o.weight_decay
+        step = grads[name] + decay * p.detach()
+        expected[name] = p.detach() - lr * (1 + o.momentum if o.nesterov else 1.0) * step
+    return loss.item(), expected
+
+
+@pytest.mark.parametrize("optim", [
+    {"nesterov": True, "no_decay_norm_bias": True, "label_smoothing": 0.2},
+    {"nesterov": False, "no_decay_norm_bias": False, "label_smoothing": 0.0, "clip_grad_norm": 0.05},
+], ids=["nesterov, no decay on norms, smoothing", "plain, clipped"])
+def test_one_training_step_is_the_recipes_sgd_step(tmp_path, optim):
+    """The trainer must apply the recipe's label smoothing, nesterov, weight-decay exclusions,
+    gradient clipping and linearly scaled rate: one step equals the same SGD step done by hand."""
+    raw = tiny_recipe(epochs=1, data={"batch_size": 4, "limit_train": 4, "limit_eval": 4, "augment": False},
+                      optim={"lr": 0.05, "base_batch": 2, "warmup_epochs": 0.0, "momentum": 0.9,
+                             "weight_decay": 0.05, **optim})
+    recipe = recipe_from_dict(raw)
+    result = train(recipe, tmp_path, progress=False, log=quiet)
+    loss, expected = _first_step_reference(recipe)
+    assert result["history"][0]["train_loss"] == pytest.approx(loss, rel=1e-5)
+    trained = load_file(result["weights"])
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_resume_refuses_checkpoint_weights_replaced_after_their_state(tmp_path):
+    """--resume must not continue from a checkpoint folder whose model.safetensors no longer matches
+    the state.pt written with it (a copy mixed up or a file replaced)."""
+    from safetensors.torch import save_file
+
+    recipe = recipe_from_dict(tiny_recipe(data={"limit_train": 8}))
+    train(recipe, tmp_path, progress=False, log=quiet, stop_after=1)
+    weights = tmp_path / "checkpoints" / "epoch_0001" / "model.safetensors"
+    state = load_file(weights)
+    name = next(k for k, v in state.items() if v.is_floating_point())
+    state[name] = state[name] + 1.0
+    save_file(state, str(weights))
+    with pytest.raises(ResumeError, match="inconsistent"):
+        train(recipe, tmp_path, resume=True, progress=False, log=quiet)
+
+
+def test_stop_after_counts_the_epochs_of_each_invocation(tmp_path):
+    """A time-limited job resumed with --stop-after 1 trains one more epoch each time, not none."""
+    recipe = recipe_from_dict(tiny_recipe(epochs=3, data={"limit_train": 8}))
+    train(recipe, tmp_path, progress=False, log=quiet, stop_after=1)
+    second = train(recipe, tmp_path, resume=True, progress=False, log=quiet, stop_after=1)
+    assert [row["epoch"] for row in second["history"]] == [1, 2] and second["weights"] is None
+    assert (tmp_path / "checkpoints" / "LAST").read_text().strip() == "epoch_0002"
+
+
+def test_step_milestones_are_epochs():
+    """optim.milestones are epochs: at 5 steps an epoch, milestones [1, 2] cut the rate after steps
+    5 and 10, not after steps 1 and 2."""
+    model = nn.Linear(2, 2)
+    opt = build_optimizer(model, lr=0.4, momentum=0.0, nesterov=False, weight_decay=0.0)
+    sched = build_scheduler(opt, steps_per_epoch=5, epochs=3, warmup_epochs=0, schedule="step", milestones=[1, 2],
+                            gamma=0.1)
+    seen = []
+    for _ in range(15):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([0.4] * 5 + [0.04] * 5 + [0.004] * 5)
+
+
+def test_cosine_floor_is_a_fraction_of_the_peak():
+    """optim.min_lr = 0.1: the cosine rate starts at the peak, is 55% of it halfway, ends at 10%."""
+    assert lr_factor(0, 100, 0, "cosine", min_factor=0.1) == pytest.approx(1.0)
+    assert lr_factor(50, 100, 0, "cosine", min_factor=0.1) == pytest.approx(0.55)
+    assert lr_factor(100, 100, 0, "cosine", min_factor=0.1) == pytest.approx(0.1)

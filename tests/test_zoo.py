@@ -249,3 +249,42 @@ def test_shipped_checkpoint_reproduces_its_stated_test_accuracy(entry):
     assert abs(top1 - entry.metrics["eval_top1"]) < 0.02 and abs(top5 - entry.metrics["eval_top5"]) < 0.02
     if entry.dataset == "fashion_mnist":
         assert top1 >= 90.0          # issue 5: every zoo model reaches 90% top-1 on the test set
+
+
+def test_a_manifest_entry_with_an_unknown_key_names_it(tmp_path, capsys):
+    """A misspelt key in a hand-edited manifest entry is a ValueError naming the key and the entry
+    (exit code 2 through the CLI), not a TypeError traceback."""
+    manifest_path = tmp_path / "manifest.json"
+    entry = {"name": "resnet26", "dataset": "synthetic", "weights": "w.safetensors", "sha256": "0" * 64,
+             "sah256": "0" * 64}
+    manifest_path.write_text(json.dumps({"models": [entry]}))
+    with pytest.raises(ValueError, match=r"unknown keys \['sah256'\] in entry 'resnet26'"):
+        Manifest(manifest_path)
+    assert main(["zoo", "verify", "--manifest", str(manifest_path)]) == 2
+    assert "unknown keys ['sah256']" in capsys.readouterr().err
+
+
+def test_add_refuses_a_checkpoint_whose_weights_do_not_fit_its_sidecar(tmp_path, checkpoint, capsys):
+    """`zoo add` must not list weights that cannot be loaded as the architecture their sidecar
+    names: the error comes now, not at the first evaluation."""
+    path, _ = checkpoint
+    sidecar = path.with_suffix(".json")
+    meta = json.loads(sidecar.read_text())
+    meta["arch"]["num_classes"] = 5
+    sidecar.write_text(json.dumps(meta))
+    manifest_path = tmp_path / "manifest.json"
+    assert main(["zoo", "add", "resnet26", "--dataset", "synthetic", "--checkpoint", str(path), "--manifest",
+                 str(manifest_path)]) == 2
+    assert "do not fit architecture resnet26" in capsys.readouterr().err
+    assert not manifest_path.exists()
+
+
+def test_add_refuses_a_training_log_that_does_not_exist(tmp_path, checkpoint, capsys):
+    """`zoo add --log` with a mistyped path is refused, so the manifest never points at no log."""
+    path, _ = checkpoint
+    manifest_path = tmp_path / "manifest.json"
+    log = tmp_path / "metrcs.csv"
+    assert main(["zoo", "add", "resnet26", "--dataset", "synthetic", "--checkpoint", str(path), "--manifest",
+                 str(manifest_path), "--log", str(log)]) == 2
+    assert f"training log {log} does not exist" in capsys.readouterr().err
+    assert not manifest_path.exists()
