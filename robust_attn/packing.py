@@ -46,6 +46,9 @@ def verify_packed(root: Path, seal_hint: str) -> tuple[list[tuple[Path, str]], b
                                 f"existed, or deleted); `{seal_hint}` checks and adopts an intact old packed run")], None
     except (ValueError, KeyError, TypeError):
         return [(manifest_path, "unreadable")], None
+    if not isinstance(files, dict) or not all(isinstance(e, dict) for e in files.values()):
+        return [(manifest_path, "unreadable: \"files\" must map each file's name to its "
+                                "{\"sha256\", \"rows\"}")], None
     problems, records = [], None
     if PACKED not in files:
         problems.append((manifest_path, f"lists no {PACKED}"))

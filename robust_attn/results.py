@@ -295,12 +295,17 @@ class RunStore:
                           f"intact old chunks)")
         except ValueError:
             return data, f"unreadable checksum file {self.checksum_path(path).name}"
+        if not isinstance(entry, dict):
+            return data, (f"checksum file {self.checksum_path(path).name} holds a JSON "
+                          f"{type(entry).__name__}, not an object")
         if sha256_bytes(data) != entry.get("sha256"):
             rows, recorded = csv_rows(data), entry.get("rows")
             how = "truncated" if rows < 0 or (isinstance(recorded, int) and rows < recorded) else "altered"
             shown = "a cut line" if rows < 0 else f"{rows} rows"
             return data, f"sha256 differs from the recorded one ({how}: {shown}, recorded {recorded} rows)"
-        if entry.get("rows") != stop - start or csv_rows(data) != stop - start:
+        if entry.get("rows") != stop - start:
+            return data, f"the checksum file records {entry.get('rows')!r} rows, expected {stop - start}"
+        if csv_rows(data) != stop - start:
             return data, f"{csv_rows(data)} rows, expected {stop - start}"
         return data, None
 

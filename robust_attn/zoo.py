@@ -87,7 +87,11 @@ class Manifest:
             if not isinstance(listed, dict) or not isinstance(listed.get("models", []), list):
                 raise ValueError(f"zoo manifest {self.path} must be an object {{\"models\": [...]}}; restore it "
                                  f"or rebuild it with `robust-attn zoo add`")
-            for raw in listed.get("models", []):
+            for i, raw in enumerate(listed.get("models", [])):
+                if not isinstance(raw, dict) or not {"name", "dataset"} <= set(raw):
+                    raise ValueError(f"{self.path}: entry {i} of \"models\" must be an object with at least "
+                                     f"\"name\" and \"dataset\", got {raw!r}; restore the manifest or "
+                                     f"re-add the model with `robust-attn zoo add`")
                 unknown = set(raw) - known
                 if unknown:
                     raise ValueError(f"{self.path}: unknown keys {sorted(unknown)} in entry {raw.get('name')!r}")

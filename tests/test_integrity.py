@@ -597,6 +597,31 @@ def test_a_chunk_entry_whose_row_count_was_edited_is_damage(finished):
         load_records(finished.root)
     assert [p for p, _ in err.value.problems] == [path]
     assert [p for p, _ in finished.verify()] == [path]
+    assert "records 5 rows, expected 4" in str(err.value)   # the recorded count, not the chunk's
+
+
+@pytest.mark.parametrize("content", ["[]", '"sha256"', "4"])
+def test_a_checksum_file_that_is_not_a_json_object_is_damage(finished, content):
+    """A chunk's checksum file holding valid JSON that is not an object is damage named by file,
+    not an AttributeError from the reader."""
+    path = finished.chunk_path("b", 4, 8)
+    finished.checksum_path(path).write_text(content)
+    with pytest.raises(DamagedRecordsError, match="not an object") as err:
+        load_records(finished.root)
+    assert [p for p, _ in err.value.problems] == [path]
+
+
+@pytest.mark.parametrize("files", [[], {"records.csv.gz": "0" * 64}], ids=["a list", "entry a string"])
+def test_a_packed_manifest_whose_files_are_not_objects_is_damage(finished, tmp_path, files):
+    """checksums.json whose "files" is a list, or whose entry is not an object, is an unreadable
+    manifest (DamagedRecordsError naming it), not an AttributeError."""
+    packed = finished.pack(tmp_path / "packed")
+    manifest = json.loads((packed.root / "checksums.json").read_text())
+    manifest["files"] = files
+    (packed.root / "checksums.json").write_text(json.dumps(manifest))
+    with pytest.raises(DamagedRecordsError, match="unreadable"):
+        load_records(packed.root)
+    assert [p.name for p, _ in packed.verify()] == ["checksums.json"]
 
 
 def test_results_verify_command_exits_2_naming_a_damaged_chunk(finished, capsys):

@@ -264,6 +264,18 @@ def test_a_manifest_entry_with_an_unknown_key_names_it(tmp_path, capsys):
     assert "unknown keys ['sah256']" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("raw", ["resnet26", {"dataset": "synthetic", "source": "torchvision"}, None])
+def test_a_manifest_entry_that_is_not_an_object_with_a_name_is_a_clear_error(tmp_path, capsys, raw):
+    """A manifest entry that is a bare string, or an object without "name", is a ValueError that
+    names the entry's position (exit code 2 through the CLI), not an AttributeError or TypeError."""
+    manifest_path = tmp_path / "manifest.json"
+    manifest_path.write_text(json.dumps({"models": [raw]}))
+    with pytest.raises(ValueError, match=r'entry 0 of "models" must be an object with at least "name"'):
+        Manifest(manifest_path)
+    assert main(["zoo", "verify", "--manifest", str(manifest_path)]) == 2
+    assert "entry 0 of" in capsys.readouterr().err
+
+
 def test_add_refuses_a_checkpoint_whose_weights_do_not_fit_its_sidecar(tmp_path, checkpoint, capsys):
     """`zoo add` must not list weights that cannot be loaded as the architecture their sidecar
     names: the error comes now, not at the first evaluation."""
