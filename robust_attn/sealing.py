@@ -38,7 +38,7 @@ def seal(store: RunStore) -> list[Path]:
         except ValueError as err:
             raise DamagedRecordsError(f"cannot seal {path}: {err}; delete it and run the command again",
                                       [(path, str(err))]) from None
-        ok = (len(frame) == b - a == csv_rows(data) and "index" in frame
+        ok = (len(frame) == b - a == csv_rows(data) and {"index", "condition"} <= set(frame)
               and sorted(frame["index"].tolist()) == list(range(a, b)) and (frame["condition"] == c).all())
         if not ok:
             raise DamagedRecordsError(f"cannot seal {path}: its rows are not the images [{a}, {b}) of {c}; "
@@ -60,6 +60,9 @@ def _seal_packed(store: RunStore, desc: dict) -> list[Path]:
                                   f"or pack it again", [(store.root / PACKED, str(err))]) from None
     _check_complete(frame, desc, store.root / PACKED)
     rows = csv_rows(gzip.decompress((store.root / PACKED).read_bytes()))
+    if rows < 0:
+        raise DamagedRecordsError(f"cannot seal {store.root}: {PACKED}'s last line is cut ({len(frame)} "
+                                  f"records parse); restore it or pack it again")
     if rows != len(frame):
         raise DamagedRecordsError(f"cannot seal {store.root}: {PACKED} has {rows} lines but {len(frame)} "
                                   f"records; restore it or pack it again")

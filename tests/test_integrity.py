@@ -531,6 +531,18 @@ def test_seal_refuses_an_old_chunk_holding_another_chunks_records(finished, copi
     assert not finished.checksum_path(path).exists()
 
 
+def test_seal_refuses_an_old_chunk_without_a_condition_column(finished):
+    """An old chunk file whose header lost its condition column cannot be adopted: the refusal
+    names the file and the fix, not a KeyError."""
+    path = finished.chunk_path("b", 4, 8)
+    finished.checksum_path(path).unlink()
+    frame = pd.read_csv(path)
+    path.write_text(frame.drop(columns="condition").to_csv(index=False))
+    with pytest.raises(DamagedRecordsError, match=r"not the images \[4, 8\) of b; delete it"):
+        finished.seal()
+    assert not finished.checksum_path(path).exists()
+
+
 def _old_packed(finished, tmp_path, edit):
     """``finished`` packed, then made an old packed run (no checksums.json) whose records text
     went through ``edit`` (bytes -> bytes)."""
@@ -554,7 +566,7 @@ def test_seal_refuses_an_old_packed_run_whose_last_line_is_cut(finished, tmp_pat
     """A packed file cut inside its last value still parses as every record once, but the value is
     wrong: sealing must refuse it rather than checksum the damage."""
     packed = _old_packed(finished, tmp_path, lambda text: text[:-2])
-    with pytest.raises(DamagedRecordsError, match="lines but 33 records"):
+    with pytest.raises(DamagedRecordsError, match="last line is cut"):
         packed.seal()
     assert not (packed.root / "checksums.json").exists()
 
