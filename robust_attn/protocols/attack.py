@@ -48,7 +48,7 @@ from robust_attn.attacks.base import AttackConfig, make_attack
 from robust_attn.distributed import barrier
 from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
 from robust_attn.protocols.registry import study_protocol
-from robust_attn.protocols.runner import open_run, run_chunks
+from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
 
 __all__ = ["PROTOCOL", "CLEAN", "attack_records", "computation_order", "logit_margin", "make_evaluator",
            "resume_order", "run_attack", "saved_states", "state_path", "summarize_attack", "config_from_condition"]
@@ -83,7 +83,8 @@ def attack_records(indices: torch.Tensor, labels: torch.Tensor, targets: torch.T
                    clean_logits: torch.Tensor, logits: torch.Tensor, images: torch.Tensor, adv: torch.Tensor,
                    queries: torch.Tensor | None = None, by: Sequence[str] | None = None) -> pd.DataFrame:
     """The per-image records of one attacked batch (module docstring)."""
-    pred, clean_pred = logits.argmax(1), clean_logits.argmax(1)
+    pred = finite_logits(logits, indices, "attacked images").argmax(1)
+    clean_pred = finite_logits(clean_logits, indices, "clean images").argmax(1)
     delta = (adv - images).flatten(1).double()
     success = pred == targets if targets is not None else pred != labels
     n = len(labels)

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader
 
 from robust_attn.distributed import barrier
 from robust_attn.protocols.registry import study_protocol
-from robust_attn.protocols.runner import open_run, run_chunks, topk_hits
+from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_file
 
 __all__ = ["AttackSetting", "PAPER_SETTINGS", "pgd_settings", "dataset_labels", "prepare_targets", "save_targets", "load_checks",
@@ -202,7 +202,7 @@ def make_evaluator(model: nn.Module, settings: Sequence[AttackSetting], targets:
     by_name = {s.name: s for s in settings}
 
     def records(indices, labels, tgt, logits, linf) -> pd.DataFrame:
-        pred = logits.argmax(dim=1)
+        pred = finite_logits(logits, indices, "PGD").argmax(dim=1)
         return pd.DataFrame({
             "index": indices.numpy(), "label": labels.cpu().numpy(), "target": tgt.cpu().numpy(),
             "pred": pred.cpu().numpy(), "top1": (pred == labels).long().cpu().numpy(),

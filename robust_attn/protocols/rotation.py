@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from robust_attn.distributed import barrier
 from robust_attn.protocols.registry import study_protocol
-from robust_attn.protocols.runner import open_run, run_chunks, topk_hits
+from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
 
 __all__ = ["RotationCondition", "PAPER_CONDITIONS", "rotation_conditions", "rotate_clockwise",
            "flip_upside_down", "flip_left_right", "rotate_angle", "apply_condition",
@@ -139,7 +139,7 @@ def make_evaluator(model: nn.Module, conditions: list[RotationCondition], device
         images = images.to(device)
         labels = labels.to(device)
         for name in todo:
-            logits = model(apply_condition(images, by_name[name]))
+            logits = finite_logits(model(apply_condition(images, by_name[name])), indices, f"condition {name}")
             pred = logits.argmax(dim=1)
             yield name, pd.DataFrame({
                 "index": indices.numpy(),

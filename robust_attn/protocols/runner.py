@@ -168,6 +168,26 @@ def _batches(loader: DataLoader) -> Iterator:
         yield batch[0], batch[1]
 
 
+class NonFiniteLogitsError(ValueError):
+    """The model returned NaN or infinite logits: a prediction (an argmax over them) would be
+    arbitrary, so no record is written from them."""
+
+
+def finite_logits(logits: torch.Tensor, indices: torch.Tensor, what: str) -> torch.Tensor:
+    """``logits`` unchanged when every row is finite; else :class:`NonFiniteLogitsError` naming
+    how many images, the first dataset indices and ``what`` was evaluated (e.g. a condition)."""
+    bad = ~torch.isfinite(logits.detach()).all(dim=1)
+    if bool(bad.any()):
+        shown = torch.as_tensor(indices).cpu()[bad.cpu()][:5].tolist()
+        raise NonFiniteLogitsError(
+            f"the model returned NaN or infinite logits on {int(bad.sum())} of {len(bad)} images ({what}; "
+            f"dataset indices {shown}{' ...' if int(bad.sum()) > 5 else ''}): their predictions would be "
+            f"arbitrary, so nothing of this batch is recorded. Check the model on clean images: a "
+            f"checkpoint that does not load as trained (`robust-attn zoo verify`) or a model whose "
+            f"BatchNorm statistics were not trained (e.g. saved after a few steps) gives such outputs")
+    return logits
+
+
 def topk_hits(logits: torch.Tensor, labels: torch.Tensor, k: int = 5) -> torch.Tensor:
     """1 where ``labels`` is among the ``k`` largest logits (all classes when fewer than ``k``)."""
     k = min(k, logits.shape[1])

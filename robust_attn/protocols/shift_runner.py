@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from robust_attn.distributed import barrier
-from robust_attn.protocols.runner import open_run, run_chunks, topk_hits
+from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
 
 __all__ = ["CLEAN", "Shift", "prediction_records", "make_shift_evaluator", "run_shift", "accuracy_by_condition"]
 
@@ -22,7 +22,7 @@ Shift = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def prediction_records(logits: torch.Tensor, labels: torch.Tensor, indices: torch.Tensor) -> pd.DataFrame:
-    pred = logits.argmax(dim=1)
+    pred = finite_logits(logits, indices, "shifted images").argmax(dim=1)
     return pd.DataFrame({"index": indices.cpu().numpy(), "label": labels.cpu().numpy(), "pred": pred.cpu().numpy(),
                          "top1": (pred == labels).long().cpu().numpy(),
                          "top5": topk_hits(logits, labels, 5).cpu().numpy()})

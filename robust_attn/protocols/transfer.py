@@ -32,7 +32,7 @@ from robust_attn.attacks.base import AttackConfig, make_attack
 from robust_attn.distributed import barrier
 from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
 from robust_attn.protocols.registry import study_protocol
-from robust_attn.protocols.runner import open_run, run_chunks
+from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
 from robust_attn.results import RunStore
 
 __all__ = ["PROTOCOL", "EnsembleModel", "transfer_condition", "split_condition", "run_transfer",
@@ -84,7 +84,9 @@ def check_compatible(source: str, source_model: nn.Module, targets: Mapping[str,
 
 def _records(indices, labels, tgt, source_name, target_name, clean_logits, logits, source_logits,
              images, adv) -> pd.DataFrame:
-    pred, source_pred = logits.argmax(1), source_logits.argmax(1)
+    pred = finite_logits(logits, indices, f"{target_name} on images crafted on {source_name}").argmax(1)
+    source_pred = finite_logits(source_logits, indices, f"source {source_name}").argmax(1)
+    finite_logits(clean_logits, indices, f"{target_name} on clean images")
     hit = (lambda p: p == tgt) if tgt is not None else (lambda p: p != labels)
     delta = (adv - images).flatten(1).double()
     n = len(labels)
