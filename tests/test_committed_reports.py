@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from robust_attn.reports.tables import load_runs
+from robust_attn.reports.runs import load_runs
 from robust_attn.zoo import Manifest
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,8 +20,8 @@ from robust_attn.protocols.pgd import AttackSetting, run_pgd
 from robust_attn.protocols.rotation import rotation_conditions, run_rotation
 from robust_attn.registry import create_model
 from robust_attn.reports import make_report
-from robust_attn.reports.tables import (TOP5_NA, distinct_labels, format_pgd, format_rotation, load_runs, pgd_table,
-                                        rotation_table)
+from robust_attn.reports.runs import distinct_labels, load_runs
+from robust_attn.reports.tables import TOP5_NA, format_pgd, format_rotation, pgd_table, rotation_table
 from robust_attn.utils.io import sha256_file
 from robust_attn.wrapper import NormalizedModel
 

@@ -23,7 +23,8 @@ from robust_attn.reports import make_report
 from robust_attn.reports.agreement import agreement_lines, rank_agreement
 from robust_attn.reports.comparison import compare_models, per_image_losses
 from robust_attn.reports.stats import bootstrap_mean_ci
-from robust_attn.reports.tables import headline_ci, load_runs
+from robust_attn.reports.runs import load_runs
+from robust_attn.reports.tables import headline_ci
 from robust_attn.results import RunStore
 
 DATASET = {"name": "synthetic", "split": "test", "limit": None}

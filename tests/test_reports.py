@@ -18,7 +18,9 @@ from robust_attn.reference import reference_table
 from robust_attn.reports import make_report
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.results import load_records
-from robust_attn.reports.tables import format_rotation, load_runs, rotation_table, to_latex, to_markdown
+from robust_attn.reports.formats import to_latex, to_markdown
+from robust_attn.reports.runs import load_runs
+from robust_attn.reports.tables import format_rotation, rotation_table
 from robust_attn.utils.hardware import hardware_label
 from robust_attn.wrapper import NormalizedModel
 
@@ -227,7 +229,7 @@ def test_autoattack_by_that_disagrees_with_the_record_is_reported(tmp_path):
     correctly (or ``none`` while it misclassifies it) is listed, and the report says so; the
     robust accuracy stays the records' top-1. Consistent records add no such section."""
     from robust_attn.reports.attacks import attack_sections, autoattack_disagreements
-    from robust_attn.reports.tables import Run
+    from robust_attn.reports.runs import Run
 
     condition = {"name": "autoattack_linf_eps1", "attack": "autoattack", "norm": "linf", "eps": 1 / 255}
     description = {"protocol": "attack", "model": "m", "dataset": {"name": "synthetic"},
@@ -309,7 +311,7 @@ def test_model_row_takes_each_key_from_whichever_run_records_it(tmp_path):
     """Runs of one model's weights recorded before spec and params existed lack them: the model
     table fills them from the model's other runs, whatever the order the runs are given in."""
     from robust_attn.reports.models import model_table
-    from robust_attn.reports.tables import Run
+    from robust_attn.reports.runs import Run
 
     base = {"model": "resnet26", "dataset": {"name": "fashion_mnist"}, "zoo_entry": "resnet26",
             "checkpoint": {"sha256": "ab" * 32}}

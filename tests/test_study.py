@@ -11,7 +11,7 @@ import robust_attn
 from robust_attn.checkpoint import save_checkpoint
 from robust_attn.cli import main
 from robust_attn.reports.comparison import compare_models, findings_text, per_image_losses
-from robust_attn.reports.tables import Run
+from robust_attn.reports.runs import Run
 from robust_attn.study import TIMINGS_FILE, StudyConfig, run_study
 from robust_attn.wrapper import NormalizedModel
 

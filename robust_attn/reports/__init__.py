@@ -17,10 +17,11 @@ from robust_attn.reports.comparison import (DEFAULT_BASELINE, HEADLINE_MEASURES,
 from robust_attn.reports.models import MODELS_CAPTION, format_model_table, model_table
 from robust_attn.reports.plots import plot_comparison, plot_pgd, plot_rotation
 from robust_attn.reports.shifts import SHIFT_PROTOCOLS, shift_sections
+from robust_attn.reports.formats import to_latex, to_markdown
+from robust_attn.reports.runs import load_finished, load_runs
 from robust_attn.reports.stats import bootstrap_mean_ci
-from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, load_finished,
-                                        load_runs, pgd_sweep, pgd_table,
-                                        rotation_sweep, rotation_table, to_latex, to_markdown)
+from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, pgd_sweep,
+                                        pgd_table, rotation_sweep, rotation_table)
 from robust_attn.utils.io import atomic_path, atomic_write_text
 
 __all__ = ["make_report", "bootstrap_mean_ci", "load_runs", "rotation_table", "pgd_table"]
@@ -47,7 +48,7 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
     two or more models ran on the same images, the findings (which model loses least, paired
     bootstrap; :mod:`robust_attn.reports.comparison`), then the tables. ``partial``: unfinished
     attack runs contribute their finished conditions, other unfinished runs are left out, and the
-    report opens by naming what it leaves out (:func:`~robust_attn.reports.tables.load_finished`).
+    report opens by naming what it leaves out (:func:`~robust_attn.reports.runs.load_finished`).
     Files of an earlier report in ``out_dir`` that this one does not write again are named in a
     warning (``keep``: the names the caller writes there itself)."""
     if not 0 < level < 1:   # before anything is written

@@ -199,7 +199,7 @@ def masking_table(run_dirs) -> pd.DataFrame:
 def attack_sections(runs, out: Path, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
                     plots: bool = True) -> tuple[list[str], list[Path]]:
     """The report's Markdown lines and files for the attack, transfer and masking runs."""
-    from robust_attn.reports.tables import to_markdown
+    from robust_attn.reports.formats import to_markdown
     from robust_attn.utils.io import atomic_path
 
     md: list[str] = []

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pandas as pd
 
-from robust_attn.reports.tables import Run, run_labels
+from robust_attn.reports.runs import Run, run_labels
 from robust_attn.results import RunStore
 
 __all__ = ["model_table", "format_model_table", "computed_on", "MODELS_CAPTION", "describe_preprocessing"]

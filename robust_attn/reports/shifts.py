@@ -26,7 +26,7 @@ SHIFT_PROTOCOLS = ("corruption", "occlusion", "shuffle")
 
 
 def _labelled(runs, protocol: str) -> list[tuple[str, object]]:
-    from robust_attn.reports.tables import run_labels
+    from robust_attn.reports.runs import run_labels
 
     chosen = [r for r in runs if r.protocol == protocol]
     return list(zip(run_labels([[r] for r in chosen]), chosen)) if chosen else []
@@ -174,7 +174,7 @@ def plot_against(table: pd.DataFrame, x: str, series: list[str], path: Path, xla
 def shift_sections(runs, out: Path, baseline: str, plots: bool = True) -> tuple[list[str], list[Path]]:
     """The report's Markdown lines and files for the corruption, occlusion and shuffle runs."""
     from robust_attn.reports import _write_csv
-    from robust_attn.reports.tables import to_markdown
+    from robust_attn.reports.formats import to_markdown
 
     md: list[str] = []
     files: list[Path] = []

@@ -1,4 +1,5 @@
-"""Tables 9 and 10 of the SAN paper (section 5.4) from stored runs, as CSV, Markdown and LaTeX.
+"""Tables 9 and 10 of the SAN paper (section 5.4) from stored runs, as data frames (written as CSV,
+and as Markdown and LaTeX by :mod:`robust_attn.reports.formats`).
 
 Everything here is computed from the per-image records of the run directories
 (:func:`robust_attn.results.load_records`). Where a run's model and dataset match a row of the
@@ -13,20 +14,17 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS, summarize_pgd
 from robust_attn.protocols.rotation import PAPER_CONDITIONS, summarize_rotation
+from robust_attn.reports.runs import Run, run_labels
 from robust_attn.reports.stats import bootstrap_mean_ci
-from robust_attn.results import RunStore, load_description, load_records
 
-__all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "run_labels", "distinct_labels", "TOP5_NA", "rotation_table",
-           "pgd_table", "rotation_sweep", "pgd_sweep", "headline_ci", "format_rotation", "format_pgd", "to_markdown", "to_latex",
-           "TABLE9_CONDITIONS", "TABLE10_SETTINGS"]
+__all__ = ["TOP5_NA", "rotation_table", "pgd_table", "rotation_sweep", "pgd_sweep", "headline_ci", "format_rotation",
+           "format_pgd", "TABLE9_CONDITIONS", "TABLE10_SETTINGS"]
 
 TABLE9_CONDITIONS = [("none", "no rotation"), ("cw90", "clockwise 90°"), ("cw180", "clockwise 180°"),
                      ("cw270", "clockwise 270°"), ("flip_ud", "upside-down")]
@@ -36,133 +34,6 @@ _REF_PREFIX = {"none": "no_rotation", "cw90": "cw90", "cw180": "cw180", "cw270":
 TABLE10_SETTINGS = [(PAPER_SETTINGS[0], "n2"), (PAPER_SETTINGS[1], "n4")]
 TOP5_NA = "n/a"   # top-5 of a dataset with 5 classes or fewer: always 100%, so not shown
 assert [c.name for c in PAPER_CONDITIONS] == [c for c, _ in TABLE9_CONDITIONS]
-
-
-#: Protocols whose conditions each stand alone, so that a report may show the finished ones of an
-#: unfinished run (:func:`load_finished`): an attack's radii. Rotation, Table 10's PGD and the
-#: shifts average or pair their conditions, so a partial report leaves their unfinished runs out.
-PARTIAL_PROTOCOLS = ("attack",)
-
-
-@dataclass
-class Run:
-    """A run directory: its description and merged records (of a finished run, or of the
-    finished conditions of an unfinished one, which ``unfinished`` then names)."""
-
-    path: Path
-    description: dict
-    records: pd.DataFrame
-    unfinished: tuple[str, ...] = ()
-
-    @property
-    def protocol(self) -> str:
-        return self.description["protocol"]
-
-    @property
-    def model(self) -> str:
-        return self.description["model"]
-
-    @property
-    def dataset(self) -> str:
-        return self.description["dataset"]["name"]
-
-    @property
-    def trained(self) -> bool:
-        """False only for a model known to have random weights (``weights_origin``; runs recorded
-        before it: no checkpoint), never for a user's module of unknown origin."""
-        from robust_attn.sources.provenance import is_random
-
-        return not is_random(self.description)
-
-    @property
-    def num_classes(self) -> int | None:
-        """The dataset's class count: recorded in the run, else the registered dataset's, else
-        (an unregistered dataset) a lower bound from the labels and predictions seen."""
-        for where in (self.description, self.description.get("dataset") or {}):
-            if where.get("num_classes"):
-                return int(where["num_classes"])
-        from robust_attn.data import dataset_info
-
-        try:
-            return dataset_info(self.dataset).num_classes
-        except (KeyError, ValueError):
-            seen = [c for c in ("label", "pred", "target") if c in self.records]
-            return int(self.records[seen].max().max()) + 1 if seen and len(self.records) else None
-
-    @property
-    def top5_meaningful(self) -> bool:
-        """Top-5 says something only with more than 5 classes (with 5 or fewer it is 100%)."""
-        return self.num_classes is None or self.num_classes > 5
-
-
-def load_runs(paths) -> list[Run]:
-    """The finished runs at ``paths`` (an unfinished one is an error naming the command that
-    finishes it)."""
-    return [Run(Path(p), load_description(p), load_records(p)) for p in paths]
-
-
-def load_finished(paths) -> tuple[list[Run], list[Path]]:
-    """What is finished at ``paths``: every finished run, and of an unfinished run of a
-    :data:`PARTIAL_PROTOCOLS` protocol the conditions whose every chunk is written (each over all
-    of its images; its ``unfinished`` names the others). Returns those runs and the unfinished
-    runs of other protocols, left out whole."""
-    runs, left_out = [], []
-    for path in map(Path, paths):
-        store = RunStore(path)
-        description, missing = store.description(), store.missing()
-        if missing and description["protocol"] not in PARTIAL_PROTOCOLS:
-            left_out.append(path)
-            continue
-        records, unfinished = store.finished_records(missing)
-        runs.append(Run(path, description, records, unfinished))
-    return runs, left_out
-
-
-# --- row labels ------------------------------------------------------------------------------
-def _base_label(model: str, dataset: str, trained: bool) -> str:
-    label = model + ("" if trained else " [random weights]")
-    return label if dataset == "imagenet" else f"{label} [{dataset}]"
-
-
-def _identity(runs: list[Run]) -> dict[str, str]:
-    """What tells apart rows of one model on one dataset: split, image count, weights."""
-    run = runs[0]
-    described = run.description.get("dataset") or {}
-    checkpoint = run.description.get("checkpoint")
-    shas = [c.get("sha256") or "" for c in (checkpoint if isinstance(checkpoint, list) else [checkpoint or {}])]
-    if any(shas):
-        weights = "ckpt " + "+".join(sha[:8] for sha in shas)
-    elif run.description.get("weights_sha256"):
-        weights = f"weights {run.description['weights_sha256'][:8]}"
-    else:
-        weights = f"init seed {run.description.get('init_seed')}"
-    images = max((r.records["index"].nunique() if len(r.records) else int(r.description.get("num_images", 0)))
-                 for r in runs)
-    return {"split": str(described.get("split", "")), "images": f"n={images}", "weights": weights}
-
-
-def distinct_labels(items: list[tuple[str, dict[str, str], str]]) -> list[str]:
-    """Row labels that tell rows apart: ``items`` are (base label, identity, fallback name).
-
-    Rows whose base label is shared get, in brackets, the identity entries that differ within
-    that set (e.g. ``resnet26 [fashion_mnist] (n=2000)``, ``(ckpt 1a2b3c4d)``); rows still equal
-    after that get their fallback name (the run directory)."""
-    labels = [base for base, _, _ in items]
-    for base in {b for b in labels if labels.count(b) > 1}:
-        idx = [i for i, (b, _, _) in enumerate(items) if b == base]
-        keys = [k for k in items[idx[0]][1] if len({items[i][1].get(k) for i in idx}) > 1]
-        for i in idx:
-            labels[i] = f"{base} ({', '.join(items[i][1][k] for k in keys)})" if keys else base
-        clashing = [i for i in idx if sum(labels[j] == labels[i] for j in idx) > 1]
-        for i in clashing:
-            labels[i] = (labels[i][:-1] + f", {items[i][2]})") if keys else f"{base} ({items[i][2]})"
-    return labels
-
-
-def run_labels(groups: list[list[Run]]) -> list[str]:
-    """One distinct label per group of runs (a group: runs of the same weights on the same images)."""
-    return distinct_labels([(_base_label(g[0].model, g[0].dataset, g[0].trained), _identity(g),
-                             "+".join(r.path.name for r in g)) for g in groups])
 
 
 def _reference(name: str) -> dict[str, dict]:
@@ -367,51 +238,3 @@ def headline_ci(runs: list[Run], n_boot: int = 1000, seed: int = 0, level: float
                 if cond != CLEAN:
                     add(run, f"{cond}_success_rate", group["success"].to_numpy())
     return pd.DataFrame(rows)
-
-
-# --- output formats --------------------------------------------------------------------------
-def to_markdown(frame: pd.DataFrame) -> str:
-    """A GitHub Markdown table (no tabulate dependency)."""
-    cols = [str(c) for c in frame.columns]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(":--" if i == 0 else "--:" for i in range(len(cols))) + "|"]
-    for _, row in frame.iterrows():
-        lines.append("| " + " | ".join(_fmt(v) for v in row.tolist()) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _fmt(v) -> str:
-    if isinstance(v, (float, np.floating)):
-        return "-" if math.isnan(v) else f"{v:.1f}"
-    return str(v).replace("|", "\\|")
-
-
-_LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
-                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "°": r"$^\circ$"}
-
-
-def _tex(text) -> str:
-    return "".join(_LATEX_ESCAPES.get(ch, ch) for ch in _fmt(text))
-
-
-def to_latex(frame: pd.DataFrame, groups: list[tuple[str, int]] | None = None,
-             subheaders: list[str] | None = None, caption: str = "", label: str = "") -> str:
-    """A booktabs table; ``groups`` adds a first header row of ``(title, column span)`` after the
-    first column and ``subheaders`` replaces the column names below it (the paper's two-level
-    header)."""
-    cols = list(frame.columns)
-    lines = [r"\begin{table}[t]", r"\centering", r"\begin{tabular}{l" + "c" * (len(cols) - 1) + "}", r"\toprule"]
-    if groups:
-        lines.append(" & " + " & ".join(rf"\multicolumn{{{span}}}{{c}}{{{_tex(t)}}}" for t, span in groups) + r" \\")
-        lines.append(" & ".join(_tex(c) for c in (subheaders or cols)) + r" \\")
-    else:
-        lines.append(" & ".join(_tex(c) for c in cols) + r" \\")
-    lines.append(r"\midrule")
-    for _, row in frame.iterrows():
-        lines.append(" & ".join(_tex(v) for v in row.tolist()) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}"]
-    if caption:
-        lines.append(rf"\caption{{{_tex(caption)}}}")
-    if label:
-        lines.append(rf"\label{{{label}}}")
-    lines.append(r"\end{table}")
-    return "\n".join(lines) + "\n"
