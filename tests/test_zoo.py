@@ -278,6 +278,8 @@ def test_shipped_checkpoint_on_a_seeded_fifth_of_the_test_set_is_within_sampling
     assert n == total // 5
     se = (p * (1 - p) / n * (total - n) / (total - 1)) ** 0.5
     assert abs(top1 / 100 - p) <= 4 * se, (top1, 100 * p, 100 * se)
+    if entry.dataset == "fashion_mnist":
+        assert entry.metrics["eval_top1"] >= 90.0   # issue 5, of the stated figure the test above checks with -m slow
 
 
 def test_a_manifest_entry_with_an_unknown_key_names_it(tmp_path, capsys):
