@@ -238,6 +238,7 @@ def _test_set_accuracy(entry, fraction: int = 1):
     from torch.utils.data import DataLoader, Subset
 
     from robust_attn.data import build_dataset
+    from robust_attn.data.splits import subset_indices
     from robust_attn.train import evaluate
 
     try:
@@ -246,8 +247,7 @@ def _test_set_accuracy(entry, fraction: int = 1):
         pytest.skip(str(err))
     size = len(test_set)
     if fraction > 1:
-        order = torch.randperm(size, generator=torch.Generator().manual_seed(0))
-        test_set = Subset(test_set, order[:size // fraction].tolist())
+        test_set = Subset(test_set, subset_indices(size, size // fraction, seed=0))
     model = load_model(entry.name, entry.dataset)
     return (*evaluate(model, DataLoader(test_set, batch_size=500), torch.device("cpu")), size)
 

@@ -14,11 +14,11 @@ import pandas as pd
 from robust_attn.reports.attacks import attack_sections
 from robust_attn.reports.comparison import (DEFAULT_BASELINE, HEADLINE_MEASURES, agreement_findings, compare_models,
                                             findings_text)
+from robust_attn.reports.formats import to_latex, to_markdown
 from robust_attn.reports.models import MODELS_CAPTION, format_model_table, model_table
 from robust_attn.reports.plots import plot_comparison, plot_pgd, plot_rotation
-from robust_attn.reports.shifts import SHIFT_PROTOCOLS, shift_sections
-from robust_attn.reports.formats import to_latex, to_markdown
 from robust_attn.reports.runs import load_finished, load_runs
+from robust_attn.reports.shifts import SHIFT_PROTOCOLS, shift_sections
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, pgd_sweep,
                                         pgd_table, rotation_sweep, rotation_table)
