@@ -322,3 +322,78 @@ def test_model_row_takes_each_key_from_whichever_run_records_it(tmp_path):
     assert rows[0] == rows[1]
     assert len(rows[0]) == 1 and rows[0][0]["spec"] == "zoo:resnet26" and rows[0][0]["params"] == 740000
     assert rows[0][0]["protocols"] == "attack, rotation" and rows[0][0]["weights_sha256"] == "ab" * 32
+
+
+
+def _attack_runs(tmp_path, specs, radii=(2, 8)):
+    """Attack runs (PGD at ``radii``/255, 8 synthetic images) of ``specs``: (folder, model name,
+    weight seed, checkpoint sha256 or None)."""
+    from robust_attn.attacks.base import AttackConfig
+    from robust_attn.protocols.attack import run_attack
+
+    data = build_dataset("synthetic", split="test", limit=8)
+    configs = [AttackConfig("pgd", eps=e / 255, steps=2, step=e / 510) for e in radii]
+    made = []
+    for name, model, seed, sha in specs:
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                            nn.Linear(4, 10))
+        info = {**_info(model, "synthetic"), "model": model,
+                "checkpoint": {"path": f"{name}.safetensors", "sha256": sha} if sha else None}
+        made.append(run_attack(NormalizedModel(net, (0.5,) * 3, (0.25,) * 3).eval(), data, tmp_path / name,
+                               configs=configs, num_classes=10, batch_size=4, run_info=info, progress=False,
+                               checks=False).root)
+    return made
+
+
+def test_two_runs_holding_one_result_are_refused_and_a_folder_given_twice_is_one(tmp_path, capsys):
+    """A run beside its packed copy (or any two runs holding one condition of one model, with the
+    same weights, on the same images) is an error naming both and the fix, before anything is
+    written: the report would count the images twice or keep the first. Each run's own clean
+    condition is exempt, and one folder given twice (overlapping globs) is one run."""
+    from robust_attn.results import RunStore
+
+    run, other = _attack_runs(tmp_path, [("run", "resnet26", 0, None), ("sasa", "sasa_resnet26", 1, None)])
+    copy = RunStore(run).pack(tmp_path / "packed" / "run").root
+    out = tmp_path / "rep"
+    assert main(["report", str(run), str(other), str(copy), "--out", str(out), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    first = load_records(run)["condition"].unique()[1]          # after clean: the 2/255 radius
+    assert f"{run} and {copy} both hold attack condition '{first}' of resnet26" in err
+    assert "give one of the two runs" in err and f"robust-attn diff {run} {copy}" in err
+    assert not out.exists()
+    assert main(["report", str(run), str(other), str(run), "--out", str(out), "--no-plots",
+                 "--bootstrap", "50"]) == 0
+    table = pd.read_csv(out / "robust_accuracy.csv")
+    assert (table["model"] == "resnet26").sum() == 3      # clean and two radii, once each
+    assert (out / "report.md").read_text().count(f"`{run}`") == 1
+    # the same model's run at another radius shares only its clean condition with the first: accepted
+    wider = _attack_runs(tmp_path / "wider", [("run", "resnet26", 0, None)], radii=(4,))[0]
+    make_report([run, other, wider], tmp_path / "ok", n_boot=20, plots=False)
+    assert (pd.read_csv(tmp_path / "ok" / "robust_accuracy.csv")["model"] == "resnet26").sum() == 4
+
+
+def test_two_checkpoints_of_one_model_stay_apart_in_the_findings_and_attack_tables(tmp_path):
+    """Runs of one model name on one dataset with different weights are two rows of the attack
+    tables and two columns of the paired findings, each with its own records' numbers (named
+    ``resnet26 (ckpt aaaaaaaa)``), never one row that keeps whichever came first."""
+    from robust_attn.reports.attacks import robust_accuracy_table
+    from robust_attn.reports.comparison import compare_models
+
+    dirs = _attack_runs(tmp_path, [("a", "resnet26", 0, "a" * 64), ("b", "resnet26", 1, "b" * 64),
+                                   ("s", "sasa_resnet26", 2, "c" * 64)])
+    table = robust_accuracy_table(load_runs(dirs), n_boot=20)
+    findings = compare_models(load_runs(dirs), n_boot=20)
+    names = {"resnet26 (ckpt aaaaaaaa)": dirs[0], "resnet26 (ckpt bbbbbbbb)": dirs[1], "sasa_resnet26": dirs[2]}
+    assert set(table["model"]) == set(findings["model"]) == set(names)
+    for name, path in names.items():
+        records = load_records(path)
+        top1 = records.groupby("condition")["top1"].mean() * 100
+        assert sorted(table.loc[table["model"] == name, "top1"]) == pytest.approx(sorted(top1))
+        clean = records[records["condition"] == "clean"].set_index("index")["top1"]
+        for condition in set(records["condition"]) - {"clean"}:
+            attacked = records[records["condition"] == condition].set_index("index")["top1"]
+            row = findings[(findings["model"] == name) & (findings["measure"] == f"attack_drop:{condition}")]
+            assert row["value"].item() == pytest.approx((clean - attacked).mean() * 100)
+    assert (findings.loc[findings["model"] == "sasa_resnet26", "family"] == "sasa").all()
+    assert (findings.loc[findings["model"].str.startswith("resnet26"), "family"] == "resnet").all()

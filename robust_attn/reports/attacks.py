@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from robust_attn.reports.runs import model_names
 from robust_attn.reports.stats import bootstrap_mean_ci
 
 __all__ = ["ATTACK_LABELS", "robust_accuracy_table", "autoattack_members_table", "autoattack_disagreements",
@@ -42,14 +43,16 @@ def eps_label(condition: dict) -> str:
 def robust_accuracy_table(runs, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
     """Long format: model, dataset, column (``clean`` or an attack label), n, top1, low, high.
     From the runs of the ``attack`` protocol (AutoAttack and Square runs alike); the clean
-    accuracy is taken once per model, from the first run that has it."""
+    accuracy is taken once per model, from the first run that has it. Models are named by
+    :func:`~robust_attn.reports.runs.model_names` (two checkpoints of one model stay apart)."""
     rows = []
     seen_clean = set()
+    names = model_names(runs)
     for run in (r for r in runs if r.protocol == "attack"):
         by_name = {c["name"]: c for c in run.description["conditions"]}
         for condition, group in run.records.groupby("condition", sort=False):
             if condition == "clean":
-                key = (run.model, run.dataset)
+                key = (names[id(run)], run.dataset)
                 if key in seen_clean:
                     continue
                 seen_clean.add(key)
@@ -58,7 +61,7 @@ def robust_accuracy_table(runs, n_boot: int = 1000, seed: int = 0, level: float 
                 label = eps_label(by_name[condition])
             ci = bootstrap_mean_ci(group["top1"].to_numpy(), n_boot=n_boot, seed=seed, level=level)
             order = (0, "", 0.0) if label == "clean" else (1, by_name[condition]["attack"], by_name[condition]["eps"])
-            rows.append({"model": run.model, "dataset": run.dataset, "column": label, "n": len(group),
+            rows.append({"model": names[id(run)], "dataset": run.dataset, "column": label, "n": len(group),
                          "top1": ci.value, "low": ci.low, "high": ci.high, "_order": order})
     if not rows:
         return pd.DataFrame()
@@ -101,10 +104,11 @@ def autoattack_members_table(runs) -> pd.DataFrame:
     from robust_attn.attacks.autoattack import STANDARD
 
     rows = []
+    names = model_names(runs)
     for run, label, group, by in _autoattack_groups(runs):
         counts = by.value_counts()
         members = [m for m in counts.index if m not in ("clean", "none", *STANDARD)]
-        rows.append({"model": run.model, "attack": label, "images": len(group),
+        rows.append({"model": names[id(run)], "attack": label, "images": len(group),
                      **{m: int(counts.get(m, 0)) for m in ("clean", *STANDARD, *members, "none")}})
     return pd.DataFrame(rows).fillna(0) if rows else pd.DataFrame()
 
@@ -127,11 +131,12 @@ def autoattack_disagreements(runs) -> pd.DataFrame:
     flip; the robust accuracy is the records' (``top1``) either way. Columns: ``model, attack,
     named_but_correct, none_but_wrong, indices`` (the first few)."""
     rows = []
+    names = model_names(runs)
     for run, label, group, by in _autoattack_groups(runs):
         named = ~by.isin(("clean", "none")) & (group["top1"] == 1)
         unnamed = (by == "none") & (group["top1"] == 0)
         if named.any() or unnamed.any():
-            rows.append({"model": run.model, "attack": label, "named_but_correct": int(named.sum()),
+            rows.append({"model": names[id(run)], "attack": label, "named_but_correct": int(named.sum()),
                          "none_but_wrong": int(unnamed.sum()),
                          "indices": " ".join(map(str, group["index"][named | unnamed].head(10)))})
     return pd.DataFrame(rows)

@@ -30,6 +30,7 @@ import pandas as pd
 
 from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS
 from robust_attn.reports.attacks import ATTACK_LABELS
+from robust_attn.reports.runs import model_names
 from robust_attn.reports.stats import bootstrap_mean_ci
 
 __all__ = ["per_image_losses", "compare_models", "findings_text", "agreement_findings", "ROTATED",
@@ -77,12 +78,14 @@ def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
 
     The image set is the run's dataset description (name, split, limit) as JSON: only runs on
     the same images are compared. A model with several runs of a protocol contributes each
-    condition once (the first run that has it)."""
+    condition once (the first run that has it). Models are named by
+    :func:`~robust_attn.reports.runs.model_names` (two checkpoints of one model stay apart)."""
     columns: dict[tuple[str, str], dict[str, pd.Series]] = {}
+    names = model_names(runs)
 
     def put(run, key: str, values: pd.Series) -> None:
         images = json.dumps(run.description["dataset"], sort_keys=True)
-        columns.setdefault((images, key), {}).setdefault(run.model, values.astype(float))
+        columns.setdefault((images, key), {}).setdefault(names[id(run)], values.astype(float))
 
     for run in runs:
         if run.protocol == "rotation":
@@ -133,7 +136,7 @@ def _family(model: str) -> str:
     from robust_attn.registry import model_info
 
     try:
-        return model_info(model).family
+        return model_info(model.split(" (")[0]).family   # a name with its weights: model_names
     except (KeyError, ValueError):
         return ""
 

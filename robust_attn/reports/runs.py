@@ -1,8 +1,11 @@
 """The runs a report reads: each run directory's description and merged per-image records
 (:class:`Run`), finished runs (:func:`load_runs`) or what is finished of unfinished ones
-(:func:`load_finished`), and row labels that tell apart runs of one model (:func:`run_labels`)."""
+(:func:`load_finished`), the check that no condition of one model comes from two runs
+(:func:`check_one_result_per_condition`), and row labels and names that tell apart runs of one
+model (:func:`run_labels`, :func:`model_names`)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,8 +13,13 @@ import pandas as pd
 
 from robust_attn.results import RunStore, load_description, load_records
 
-__all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "run_labels", "distinct_labels"]
+__all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "check_one_result_per_condition",
+           "run_labels", "distinct_labels", "model_names"]
 
+
+#: The conditions every run of a protocol has as its own baseline (the unattacked, unshifted or
+#: unrotated images): runs of one model may each hold theirs.
+BASELINE_CONDITIONS = frozenset({"clean", "none"})
 
 #: Protocols whose conditions each stand alone, so that a report may show the finished ones of an
 #: unfinished run (:func:`load_finished`): an attack's radii. Rotation, Table 10's PGD and the
@@ -93,24 +101,48 @@ def load_finished(paths) -> tuple[list[Run], list[Path]]:
     return runs, left_out
 
 
+def check_one_result_per_condition(runs: list[Run]) -> None:
+    """Refuse runs that hold the same condition of one model, with the same weights, on the same
+    images: the report gives one result per model and condition, and would otherwise count the
+    images twice or keep whichever run came first (e.g. a packed copy given beside the run it was
+    packed from). Each run's own baseline condition (:data:`BASELINE_CONDITIONS`) is exempt."""
+    seen: dict[tuple, Run] = {}
+    for run in runs:
+        key = (run.protocol, run.model, json.dumps(run.description["dataset"], sort_keys=True), _weights(run))
+        conditions = run.records["condition"].unique() if len(run.records) else ()
+        for condition in sorted(set(conditions) - BASELINE_CONDITIONS):
+            other = seen.setdefault((*key, condition), run)
+            if other is not run:
+                raise ValueError(
+                    f"{other.path} and {run.path} both hold {run.protocol} condition {condition!r} of "
+                    f"{run.model} with the same weights on the same images; a report gives one result per "
+                    f"model and condition, so give one of the two runs (a packed copy and the run it was "
+                    f"packed from are the same run; `robust-attn diff {other.path} {run.path}` compares two)")
+
+
 # --- row labels ------------------------------------------------------------------------------
 def _base_label(model: str, dataset: str, trained: bool) -> str:
     label = model + ("" if trained else " [random weights]")
     return label if dataset == "imagenet" else f"{label} [{dataset}]"
 
 
+def _weights(run: Run) -> str:
+    """The run's weights, short: ``ckpt 1a2b3c4d`` (checkpoints, by sha256), ``weights ...`` (a
+    model from elsewhere, by the sha256 of its state) or ``init seed N`` (random weights)."""
+    checkpoint = run.description.get("checkpoint")
+    shas = [c.get("sha256") or "" for c in (checkpoint if isinstance(checkpoint, list) else [checkpoint or {}])]
+    if any(shas):
+        return "ckpt " + "+".join(sha[:8] for sha in shas)
+    if run.description.get("weights_sha256"):
+        return f"weights {run.description['weights_sha256'][:8]}"
+    return f"init seed {run.description.get('init_seed')}"
+
+
 def _identity(runs: list[Run]) -> dict[str, str]:
     """What tells apart rows of one model on one dataset: split, image count, weights."""
     run = runs[0]
     described = run.description.get("dataset") or {}
-    checkpoint = run.description.get("checkpoint")
-    shas = [c.get("sha256") or "" for c in (checkpoint if isinstance(checkpoint, list) else [checkpoint or {}])]
-    if any(shas):
-        weights = "ckpt " + "+".join(sha[:8] for sha in shas)
-    elif run.description.get("weights_sha256"):
-        weights = f"weights {run.description['weights_sha256'][:8]}"
-    else:
-        weights = f"init seed {run.description.get('init_seed')}"
+    weights = _weights(run)
     images = max((r.records["index"].nunique() if len(r.records) else int(r.description.get("num_images", 0)))
                  for r in runs)
     return {"split": str(described.get("split", "")), "images": f"n={images}", "weights": weights}
@@ -138,3 +170,15 @@ def run_labels(groups: list[list[Run]]) -> list[str]:
     """One distinct label per group of runs (a group: runs of the same weights on the same images)."""
     return distinct_labels([(_base_label(g[0].model, g[0].dataset, g[0].trained), _identity(g),
                              "+".join(r.path.name for r in g)) for g in groups])
+
+
+def model_names(runs: list[Run]) -> dict[int, str]:
+    """The name the findings and the attack tables give each run's model, by ``id(run)``: the
+    model's name, or, where runs of that name on one dataset hold different weights, the name
+    with the weights (``resnet26 (ckpt 1a2b3c4d)``), so that two checkpoints are never merged
+    into one row or one column of paired losses."""
+    held: dict[tuple[str, str], set[str]] = {}
+    for run in runs:
+        held.setdefault((run.model, run.dataset), set()).add(_weights(run))
+    return {id(run): run.model if len(held[(run.model, run.dataset)]) == 1 else f"{run.model} ({_weights(run)})"
+            for run in runs}
