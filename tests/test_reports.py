@@ -397,3 +397,27 @@ def test_two_checkpoints_of_one_model_stay_apart_in_the_findings_and_attack_tabl
             assert row["value"].item() == pytest.approx((clean - attacked).mean() * 100)
     assert (findings.loc[findings["model"] == "sasa_resnet26", "family"] == "sasa").all()
     assert (findings.loc[findings["model"].str.startswith("resnet26"), "family"] == "resnet").all()
+
+
+def test_pgd_runs_of_one_model_name_with_other_weights_from_elsewhere_are_two_table10_rows(tmp_path):
+    """Two models from elsewhere under one name (no checkpoint: told apart by the sha256 of their
+    state) are two Table 10 rows, each with its own run's numbers, not one row of the first."""
+    from robust_attn.reports.tables import pgd_table
+
+    data = build_dataset("synthetic", split="test", limit=8)
+    dirs = []
+    for seed, sha in ((0, "a" * 64), (3, "b" * 64)):
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                            nn.Linear(4, 10))
+        info = {**_info("resnet26", "imagenet"), "init_seed": None, "weights_sha256": sha}
+        dirs.append(run_pgd(NormalizedModel(net, (0.5,) * 3, (0.25,) * 3).eval(), data, tmp_path / str(seed),
+                            num_classes=10, batch_size=4, run_info=info, settings=[AttackSetting(8, 4, 2)],
+                            progress=False, checks=False).root)
+    table = pgd_table(load_runs(dirs)).set_index("label")
+    ours = table[table["source"] == "ours"]
+    assert sorted(ours.index) == ["resnet26 (weights aaaaaaaa)", "resnet26 (weights bbbbbbbb)"]
+    for label, path in zip(("resnet26 (weights aaaaaaaa)", "resnet26 (weights bbbbbbbb)"), dirs):
+        records = load_records(path)
+        clean = records.loc[records["condition"] == "clean", "top1"]
+        assert ours.loc[label, "clean_top1"] == pytest.approx(clean.mean() * 100)

@@ -14,7 +14,7 @@ import pandas as pd
 from robust_attn.results import RunStore, load_description, load_records
 
 __all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "check_one_result_per_condition",
-           "run_labels", "distinct_labels", "model_names"]
+           "run_labels", "distinct_labels", "model_names", "weights_label"]
 
 
 #: The conditions every run of a protocol has as its own baseline (the unattacked, unshifted or
@@ -108,7 +108,7 @@ def check_one_result_per_condition(runs: list[Run]) -> None:
     packed from). Each run's own baseline condition (:data:`BASELINE_CONDITIONS`) is exempt."""
     seen: dict[tuple, Run] = {}
     for run in runs:
-        key = (run.protocol, run.model, json.dumps(run.description["dataset"], sort_keys=True), _weights(run))
+        key = (run.protocol, run.model, json.dumps(run.description["dataset"], sort_keys=True), weights_label(run))
         conditions = run.records["condition"].unique() if len(run.records) else ()
         for condition in sorted(set(conditions) - BASELINE_CONDITIONS):
             other = seen.setdefault((*key, condition), run)
@@ -126,7 +126,7 @@ def _base_label(model: str, dataset: str, trained: bool) -> str:
     return label if dataset == "imagenet" else f"{label} [{dataset}]"
 
 
-def _weights(run: Run) -> str:
+def weights_label(run: Run) -> str:
     """The run's weights, short: ``ckpt 1a2b3c4d`` (checkpoints, by sha256), ``weights ...`` (a
     model from elsewhere, by the sha256 of its state) or ``init seed N`` (random weights)."""
     checkpoint = run.description.get("checkpoint")
@@ -142,7 +142,7 @@ def _identity(runs: list[Run]) -> dict[str, str]:
     """What tells apart rows of one model on one dataset: split, image count, weights."""
     run = runs[0]
     described = run.description.get("dataset") or {}
-    weights = _weights(run)
+    weights = weights_label(run)
     images = max((r.records["index"].nunique() if len(r.records) else int(r.description.get("num_images", 0)))
                  for r in runs)
     return {"split": str(described.get("split", "")), "images": f"n={images}", "weights": weights}
@@ -179,6 +179,6 @@ def model_names(runs: list[Run]) -> dict[int, str]:
     into one row or one column of paired losses."""
     held: dict[tuple[str, str], set[str]] = {}
     for run in runs:
-        held.setdefault((run.model, run.dataset), set()).add(_weights(run))
-    return {id(run): run.model if len(held[(run.model, run.dataset)]) == 1 else f"{run.model} ({_weights(run)})"
+        held.setdefault((run.model, run.dataset), set()).add(weights_label(run))
+    return {id(run): run.model if len(held[(run.model, run.dataset)]) == 1 else f"{run.model} ({weights_label(run)})"
             for run in runs}

@@ -20,7 +20,7 @@ import pandas as pd
 
 from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS, summarize_pgd
 from robust_attn.protocols.rotation import PAPER_CONDITIONS, summarize_rotation
-from robust_attn.reports.runs import Run, run_labels
+from robust_attn.reports.runs import Run, run_labels, weights_label
 from robust_attn.reports.stats import bootstrap_mean_ci
 
 __all__ = ["TOP5_NA", "rotation_table", "pgd_table", "rotation_sweep", "pgd_sweep", "headline_ci", "format_rotation",
@@ -167,10 +167,9 @@ def pgd_table(runs: list[Run], with_reference: bool = True) -> pd.DataFrame:
 
 
 def _model_key(run: Run) -> tuple:
-    """Runs with equal keys evaluated the same weights on the same images."""
-    checkpoint = run.description.get("checkpoint") or {}
-    return (run.model, json.dumps(run.description["dataset"], sort_keys=True), checkpoint.get("sha256"),
-            run.description.get("init_seed"))
+    """Runs with equal keys evaluated the same weights (a checkpoint's, a model from elsewhere's
+    by the sha256 of its state, or a random initialization's) on the same images."""
+    return (run.model, json.dumps(run.description["dataset"], sort_keys=True), weights_label(run))
 
 
 def format_pgd(table: pd.DataFrame) -> pd.DataFrame:
