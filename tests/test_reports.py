@@ -325,9 +325,9 @@ def test_model_row_takes_each_key_from_whichever_run_records_it(tmp_path):
 
 
 
-def _attack_runs(tmp_path, specs, radii=(2, 8)):
+def _attack_runs(tmp_path, specs, radii=(2, 8), **extra):
     """Attack runs (PGD at ``radii``/255, 8 synthetic images) of ``specs``: (folder, model name,
-    weight seed, checkpoint sha256 or None)."""
+    weight seed, checkpoint sha256 or None); ``extra``: more of run.json."""
     from robust_attn.attacks.base import AttackConfig
     from robust_attn.protocols.attack import run_attack
 
@@ -339,7 +339,7 @@ def _attack_runs(tmp_path, specs, radii=(2, 8)):
         net = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                             nn.Linear(4, 10))
         info = {**_info(model, "synthetic"), "model": model,
-                "checkpoint": {"path": f"{name}.safetensors", "sha256": sha} if sha else None}
+                "checkpoint": {"path": f"{name}.safetensors", "sha256": sha} if sha else None, **extra}
         made.append(run_attack(NormalizedModel(net, (0.5,) * 3, (0.25,) * 3).eval(), data, tmp_path / name,
                                configs=configs, num_classes=10, batch_size=4, run_info=info, progress=False,
                                checks=False).root)
@@ -421,3 +421,18 @@ def test_pgd_runs_of_one_model_name_with_other_weights_from_elsewhere_are_two_ta
         records = load_records(path)
         clean = records.loc[records["condition"] == "clean", "top1"]
         assert ours.loc[label, "clean_top1"] == pytest.approx(clean.mean() * 100)
+
+
+def test_runs_of_one_dataset_that_read_different_data_are_refused(tmp_path, capsys):
+    """CIFAR-10's canonical pixels and its JPEG copy are one dataset name but other images: a
+    report of runs on both would pair models image by image across them, so it is an error
+    naming each variant's runs and the fix; runs on one variant are reported."""
+    jpeg = _attack_runs(tmp_path / "jpeg", [("a", "resnet26", 0, None)], data_variant="cifar10-jpeg")[0]
+    canonical = _attack_runs(tmp_path / "canonical", [("s", "sasa_resnet26", 1, None)], data_variant="cifar10")[0]
+    same = _attack_runs(tmp_path / "same", [("s", "sasa_resnet26", 1, None)], data_variant="cifar10-jpeg")[0]
+    out = tmp_path / "rep"
+    assert main(["report", str(jpeg), str(canonical), "--out", str(out), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert f"cifar10-jpeg: {jpeg}; cifar10: {canonical}" in err and "report each variant separately" in err
+    assert not out.exists()
+    assert main(["report", str(jpeg), str(same), "--out", str(out), "--no-plots", "--bootstrap", "20"]) == 0

@@ -17,7 +17,8 @@ from robust_attn.reports.comparison import (DEFAULT_BASELINE, HEADLINE_MEASURES,
 from robust_attn.reports.formats import to_latex, to_markdown
 from robust_attn.reports.models import MODELS_CAPTION, format_model_table, model_table
 from robust_attn.reports.plots import plot_comparison, plot_pgd, plot_rotation
-from robust_attn.reports.runs import check_one_result_per_condition, load_finished, load_runs
+from robust_attn.reports.runs import (check_one_result_per_condition, check_one_variant_per_dataset,
+                                     load_finished, load_runs)
 from robust_attn.reports.shifts import SHIFT_PROTOCOLS, shift_sections
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, pgd_sweep,
@@ -60,6 +61,7 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
         unique.setdefault(Path(run_dir).resolve(), run_dir)
     run_dirs = list(unique.values())
     runs, left_out = load_finished(run_dirs) if partial else (load_runs(run_dirs), [])
+    check_one_variant_per_dataset(runs)
     check_one_result_per_condition(runs)
     if not runs:
         raise ValueError("nothing finished to report: every run given is unfinished, and none is an attack run "

@@ -1,7 +1,8 @@
 """The runs a report reads: each run directory's description and merged per-image records
 (:class:`Run`), finished runs (:func:`load_runs`) or what is finished of unfinished ones
-(:func:`load_finished`), the check that no condition of one model comes from two runs
-(:func:`check_one_result_per_condition`), and row labels and names that tell apart runs of one
+(:func:`load_finished`), the checks that no condition of one model comes from two runs
+(:func:`check_one_result_per_condition`) and that runs of one dataset read the same data
+(:func:`check_one_variant_per_dataset`), and row labels and names that tell apart runs of one
 model (:func:`run_labels`, :func:`model_names`)."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pandas as pd
 
 from robust_attn.results import RunStore, load_description, load_records
 
-__all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "check_one_result_per_condition",
+__all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "check_one_result_per_condition", "check_one_variant_per_dataset",
            "run_labels", "distinct_labels", "model_names", "weights_label"]
 
 
@@ -118,6 +119,24 @@ def check_one_result_per_condition(runs: list[Run]) -> None:
                     f"{run.model} with the same weights on the same images; a report gives one result per "
                     f"model and condition, so give one of the two runs (a packed copy and the run it was "
                     f"packed from are the same run; `robust-attn diff {other.path} {run.path}` compares two)")
+
+
+def check_one_variant_per_dataset(runs: list[Run]) -> None:
+    """Refuse runs of one dataset that read different data (``data_variant``, e.g. CIFAR-10's
+    canonical pixels ``cifar10`` and its quality-75 JPEG copy ``cifar10-jpeg``): the report pairs
+    models image by image, and the same index would be other pixels. Runs recorded before the
+    variant was (none recorded) pass."""
+    variants: dict[str, dict[str, list[Path]]] = {}
+    for run in runs:
+        if run.description.get("data_variant"):
+            variants.setdefault(run.dataset, {}).setdefault(run.description["data_variant"], []).append(run.path)
+    for dataset, held in variants.items():
+        if len(held) > 1:
+            which = "; ".join(f"{variant}: {', '.join(map(str, paths))}" for variant, paths in held.items())
+            raise ValueError(
+                f"runs of {dataset} read different data ({which}); the report compares models image by "
+                f"image, and these are not the same pixels: report each variant separately, or evaluate "
+                f"every model on one (--root names the data)")
 
 
 # --- row labels ------------------------------------------------------------------------------
