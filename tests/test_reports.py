@@ -436,3 +436,23 @@ def test_runs_of_one_dataset_that_read_different_data_are_refused(tmp_path, caps
     assert f"cifar10-jpeg: {jpeg}; cifar10: {canonical}" in err and "report each variant separately" in err
     assert not out.exists()
     assert main(["report", str(jpeg), str(same), "--out", str(out), "--no-plots", "--bootstrap", "20"]) == 0
+
+
+def test_a_report_that_fails_part_way_leaves_the_earlier_report_as_it_was(runs, tmp_path, monkeypatch):
+    """The report's files are moved into its folder only once all are written: an error (or an
+    interrupt) after some tables were written leaves the earlier report's files byte for byte,
+    no new file beside them, and no hidden staging folder."""
+    import robust_attn.reports as reports
+
+    out = tmp_path / "rep"
+    make_report(runs, out, n_boot=20, plots=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "table10_pgd.csv" in before and not any(n.startswith(".report-") for n in before)
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt   # after Tables 9 and 10 and the findings were written
+
+    monkeypatch.setattr(reports, "headline_ci", broken)
+    with pytest.raises(KeyboardInterrupt):
+        make_report(runs[1:2], out, n_boot=30, plots=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

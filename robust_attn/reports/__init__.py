@@ -6,6 +6,9 @@ numbers, long-format sweeps, bootstrap intervals of the headline numbers, and PN
 """
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -51,7 +54,11 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
     attack runs contribute their finished conditions, other unfinished runs are left out, and the
     report opens by naming what it leaves out (:func:`~robust_attn.reports.runs.load_finished`).
     Files of an earlier report in ``out_dir`` that this one does not write again are named in a
-    warning (``keep``: the names the caller writes there itself)."""
+    warning (``keep``: the names the caller writes there itself).
+
+    The files are written into a hidden folder inside ``out_dir`` and moved into place only once
+    all of them are: a report that fails or is interrupted part-way leaves an earlier report there
+    as it was, never a mix of the two."""
     if not 0 < level < 1:   # before anything is written
         raise ValueError(f"--level takes a confidence level in (0, 1), e.g. 0.95; got {level:g}")
     if n_boot < 1:
@@ -70,9 +77,29 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
     unknown = sorted({r.protocol for r in runs} - set(REPORTED_PROTOCOLS))
     if unknown:
         raise ValueError(f"runs of unknown protocol(s) {unknown}; the report knows {', '.join(REPORTED_PROTOCOLS)}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    earlier = {p.name for p in out.iterdir() if p.is_file() and p.suffix in REPORT_SUFFIXES}
+    final = Path(out_dir)
+    final.mkdir(parents=True, exist_ok=True)
+    earlier = {p.name for p in final.iterdir() if p.is_file() and p.suffix in REPORT_SUFFIXES}
+    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=final))   # same file system: os.replace moves
+    try:
+        staged = _write_report(runs, left_out, staging, n_boot, seed, level, plots, baseline, preamble)
+        files = []
+        for path in dict.fromkeys(staged):
+            dest = final / path.relative_to(staging)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, dest)
+            files.append(dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    stale = sorted(earlier - {f.name for f in files} - set(keep))
+    if stale:
+        warnings.warn(f"{final} still holds {len(stale)} file(s) of an earlier report that this one did not "
+                      f"write: {', '.join(stale)}; delete them, or report into an empty folder")
+    return files
+
+
+def _write_report(runs, left_out, out: Path, n_boot, seed, level, plots, baseline, preamble) -> list[Path]:
+    """Every file of the report of ``runs`` into ``out`` (:func:`make_report`); returns them."""
     files: list[Path] = []
     md = ["# Robustness report", "", "Runs: " + ", ".join(f"`{r.path}`" for r in runs), ""]
     unfinished = [r for r in runs if r.unfinished]
@@ -158,8 +185,4 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
                to_markdown(shown_ci)]
     atomic_write_text(out / "report.md", "\n".join(md))
     files.append(out / "report.md")
-    stale = sorted(earlier - {f.name for f in files} - set(keep))
-    if stale:
-        warnings.warn(f"{out} still holds {len(stale)} file(s) of an earlier report that this one did not "
-                      f"write: {', '.join(stale)}; delete them, or report into an empty folder")
-    return files
+    return [f for f in files if f is not None]
