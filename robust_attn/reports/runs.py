@@ -14,8 +14,8 @@ import pandas as pd
 
 from robust_attn.results import RunStore, load_description, load_records
 
-__all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "check_one_result_per_condition", "check_one_variant_per_dataset",
-           "run_labels", "distinct_labels", "model_names", "weights_label"]
+__all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "check_one_result_per_condition",
+           "check_one_variant_per_dataset", "run_labels", "distinct_labels", "model_names", "weights_label"]
 
 
 #: The conditions every run of a protocol has as its own baseline (the unattacked, unshifted or
@@ -122,20 +122,22 @@ def check_one_result_per_condition(runs: list[Run]) -> None:
 
 
 def check_one_variant_per_dataset(runs: list[Run]) -> None:
-    """Refuse runs of one dataset that read different data (``data_variant``, e.g. CIFAR-10's
-    canonical pixels ``cifar10`` and its quality-75 JPEG copy ``cifar10-jpeg``): the report pairs
-    models image by image, and the same index would be other pixels. Runs recorded before the
-    variant was (none recorded) pass."""
-    variants: dict[str, dict[str, list[Path]]] = {}
+    """Refuse runs of one split of one dataset that read different data (``data_variant``, e.g.
+    CIFAR-10's canonical pixels ``cifar10`` and its quality-75 JPEG copy ``cifar10-jpeg``): the
+    report pairs models image by image, and the same index would be other pixels. Runs recorded
+    before the variant was (none recorded) pass."""
+    variants: dict[tuple[str, str], dict[str, list[Path]]] = {}
     for run in runs:
         if run.description.get("data_variant"):
-            variants.setdefault(run.dataset, {}).setdefault(run.description["data_variant"], []).append(run.path)
-    for dataset, held in variants.items():
+            split = str((run.description.get("dataset") or {}).get("split", ""))
+            variants.setdefault((run.dataset, split), {}).setdefault(
+                run.description["data_variant"], []).append(run.path)
+    for (dataset, split), held in variants.items():
         if len(held) > 1:
             which = "; ".join(f"{variant}: {', '.join(map(str, paths))}" for variant, paths in held.items())
             raise ValueError(
-                f"runs of {dataset} read different data ({which}); the report compares models image by "
-                f"image, and these are not the same pixels: report each variant separately, or evaluate "
+                f"runs of {dataset} ({split}) read different data ({which}); the report compares models "
+                f"image by image, and these are not the same pixels: report each variant separately, or evaluate "
                 f"every model on one (--root names the data)")
 
 
