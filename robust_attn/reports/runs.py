@@ -104,9 +104,10 @@ def load_finished(paths) -> tuple[list[Run], list[Path]]:
 
 def check_one_result_per_condition(runs: list[Run]) -> None:
     """Refuse runs that hold the same condition of one model, with the same weights, on the same
-    images: the report gives one result per model and condition, and would otherwise count the
-    images twice or keep whichever run came first (e.g. a packed copy given beside the run it was
-    packed from). Each run's own baseline condition (:data:`BASELINE_CONDITIONS`) is exempt."""
+    dataset description (name, split, limit; a seeded attack subset of another size counts too):
+    the report gives one result per model and condition, and would otherwise count the images
+    twice or keep whichever run came first (e.g. a packed copy given beside the run it was packed
+    from). Each run's own baseline condition (:data:`BASELINE_CONDITIONS`) is exempt."""
     seen: dict[tuple, Run] = {}
     for run in runs:
         key = (run.protocol, run.model, json.dumps(run.description["dataset"], sort_keys=True), weights_label(run))
@@ -116,8 +117,8 @@ def check_one_result_per_condition(runs: list[Run]) -> None:
             if other is not run:
                 raise ValueError(
                     f"{other.path} and {run.path} both hold {run.protocol} condition {condition!r} of "
-                    f"{run.model} with the same weights on the same images; a report gives one result per "
-                    f"model and condition, so give one of the two runs (a packed copy and the run it was "
+                    f"{run.model} with the same weights on the same dataset and split; a report gives one "
+                    f"result per model and condition, so give one of the two runs (a packed copy and the run it was "
                     f"packed from are the same run; `robust-attn diff {other.path} {run.path}` compares two)")
 
 
