@@ -85,7 +85,7 @@ def _run(protocol, model, conditions: dict[str, list[int]], limit=None):
     rows = []
     for condition, hits in conditions.items():
         rows += [{"condition": condition, "index": i, "top1": h, "success": 0} for i, h in enumerate(hits)]
-    return SimpleNamespace(protocol=protocol, model=model, records=pd.DataFrame(rows),
+    return SimpleNamespace(protocol=protocol, model=model, dataset="synthetic", records=pd.DataFrame(rows),
                            description={"dataset": {"name": "synthetic", "split": "test", "limit": limit}})
 
 
