@@ -607,3 +607,27 @@ def test_a_members_progress_survives_images_put_back_in_play_when_they_are_foole
     assert out.by == (["apgd-ce", "clean", ""] if kept else ["", "clean", ""])
     assert any("still robust; its saved progress was on other images" in line for line in lines) != kept
 
+
+
+def test_transfer_matrix_keeps_two_checkpoints_of_one_source_apart(tmp_path, registered):
+    """Two transfer runs from sources of one name with different weights are two rows of the
+    matrix, each its own records' mean, not one row averaging both."""
+    from robust_attn.reports.attacks import transfer_matrix
+    from robust_attn.reports.runs import load_runs
+
+    registered(SignNoise)
+    dataset = build_dataset("synthetic", split="test", limit=8)
+    target = _tiny_model(seed=5)
+    dirs = []
+    for seed, sha in ((0, "a" * 64), (1, "b" * 64)):
+        info = {"model": "a", "dataset": {"name": "synthetic", "split": "test", "limit": 8},
+                "checkpoint": {"path": f"{seed}.safetensors", "sha256": sha}, "target_models": ["t"]}
+        dirs.append(run_transfer("a", _tiny_model(seed=seed), {"t": target}, dataset, tmp_path / str(seed),
+                                 configs=[AttackConfig("test-sign-noise", eps=64 / 255)], batch_size=4,
+                                 progress=False, run_info=info).root)
+    matrix = transfer_matrix(load_runs(dirs))
+    assert sorted(matrix.index) == ["a (ckpt aaaaaaaa)", "a (ckpt bbbbbbbb)"]
+    for label, path in zip(("a (ckpt aaaaaaaa)", "a (ckpt bbbbbbbb)"), dirs):
+        records = load_records(path)
+        crafted = records[records["condition"].str.startswith("test-sign-noise")]
+        assert matrix.loc[label, "t"] == pytest.approx(crafted["top1"].mean() * 100)

@@ -144,8 +144,11 @@ def autoattack_disagreements(runs) -> pd.DataFrame:
 
 def transfer_matrix(runs, attack: str | None = None) -> pd.DataFrame:
     """Top-1 (percent) of each target (columns) under the images crafted on each source (rows),
-    for one crafting ``attack`` (default: the untargeted one, else the first)."""
-    frames = [r.records for r in runs if r.protocol == "transfer"]
+    for one crafting ``attack`` (default: the untargeted one, else the first). A source named as
+    its run's model is named by :func:`~robust_attn.reports.runs.model_names` (two checkpoints of
+    one model are two rows, not one row of their mean)."""
+    names = model_names(runs)
+    frames = [r.records.replace({"source": {r.model: names[id(r)]}}) for r in runs if r.protocol == "transfer"]
     if not frames:
         return pd.DataFrame()
     records = pd.concat(frames, ignore_index=True)
