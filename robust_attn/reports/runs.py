@@ -15,7 +15,8 @@ import pandas as pd
 from robust_attn.results import RunStore, load_description, load_records
 
 __all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "check_one_result_per_condition",
-           "check_one_variant_per_dataset", "run_labels", "distinct_labels", "model_names", "weights_label"]
+           "check_one_variant_per_dataset", "model_key", "run_labels", "distinct_labels", "model_names",
+           "weights_label"]
 
 
 #: The conditions every run of a protocol has as its own baseline (the unattacked, unshifted or
@@ -110,7 +111,7 @@ def check_one_result_per_condition(runs: list[Run]) -> None:
     from). Each run's own baseline condition (:data:`BASELINE_CONDITIONS`) is exempt."""
     seen: dict[tuple, Run] = {}
     for run in runs:
-        key = (run.protocol, run.model, json.dumps(run.description["dataset"], sort_keys=True), weights_label(run))
+        key = (run.protocol, *model_key(run))
         conditions = run.records["condition"].unique() if len(run.records) else ()
         for condition in sorted(set(conditions) - BASELINE_CONDITIONS):
             other = seen.setdefault((*key, condition), run)
@@ -158,6 +159,12 @@ def weights_label(run: Run) -> str:
     if run.description.get("weights_sha256"):
         return f"weights {run.description['weights_sha256'][:8]}"
     return f"init seed {run.description.get('init_seed')}"
+
+
+def model_key(run: Run) -> tuple:
+    """Runs with equal keys evaluated the same weights (a checkpoint's, a model from elsewhere's
+    by the sha256 of its state, or a random initialization's) on the same dataset description."""
+    return (run.model, json.dumps(run.description["dataset"], sort_keys=True), weights_label(run))
 
 
 def _identity(runs: list[Run]) -> dict[str, str]:

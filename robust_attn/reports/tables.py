@@ -12,7 +12,6 @@ unrotated result in brackets, ``51.8(23.1)``; Table 10 shows clean top-1 and, fo
 """
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -20,7 +19,7 @@ import pandas as pd
 
 from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS, summarize_pgd
 from robust_attn.protocols.rotation import PAPER_CONDITIONS, summarize_rotation
-from robust_attn.reports.runs import Run, run_labels, weights_label
+from robust_attn.reports.runs import Run, model_key, run_labels
 from robust_attn.reports.stats import bootstrap_mean_ci
 
 __all__ = ["TOP5_NA", "rotation_table", "pgd_table", "rotation_sweep", "pgd_sweep", "headline_ci", "format_rotation",
@@ -136,7 +135,7 @@ def pgd_table(runs: list[Run], with_reference: bool = True) -> pd.DataFrame:
     reference = _reference("san_table10_pgd") if with_reference else {}
     groups: dict[tuple, list[Run]] = {}
     for run in (r for r in runs if r.protocol == "pgd"):   # one row per model, checkpoint and image set
-        groups.setdefault(_model_key(run), []).append(run)
+        groups.setdefault(model_key(run), []).append(run)
     rows, papers = [], set()
     for group, label in zip(groups.values(), run_labels(list(groups.values()))):
         summaries = [summarize_pgd(run.records).set_index("condition") for run in group]
@@ -164,12 +163,6 @@ def pgd_table(runs: list[Run], with_reference: bool = True) -> pd.DataFrame:
                 prow[f"{prefix}_top1"] = paper[f"{prefix}_top1"]
             rows.append(prow)
     return pd.DataFrame(rows)
-
-
-def _model_key(run: Run) -> tuple:
-    """Runs with equal keys evaluated the same weights (a checkpoint's, a model from elsewhere's
-    by the sha256 of its state, or a random initialization's) on the same images."""
-    return (run.model, json.dumps(run.description["dataset"], sort_keys=True), weights_label(run))
 
 
 def format_pgd(table: pd.DataFrame) -> pd.DataFrame:
