@@ -22,7 +22,7 @@ CORRUPTION = {"study-fashion_mnist": 10000, "study-cifar10": 2000, "study-cifar1
 ATTACKS = ("study-fashion_mnist", "study-cifar10")
 # the reports with AutoAttack runs: their APGD-CE protocol runs too (or none), and how many models
 AUTOATTACK = {"study-fashion_mnist": (("autoattack", "apgd"), 7), "study-cifar10": (("autoattack", "apgd"), 7),
-              "autoattack-cifar10": (("autoattack",), 7), "autoattack-fashion_mnist": (("autoattack",), 2)}
+              "autoattack-cifar10": (("autoattack",), 7), "autoattack-fashion_mnist": (("autoattack",), 3)}
 # every report with packed runs, and the zoo dataset whose checkpoints computed them
 CHECKPOINTS = {**REPORTS, "autoattack-cifar10": "cifar10", "autoattack-fashion_mnist": "fashion_mnist"}
 # the AutoAttack reports at 1, 2, 4 and 8/255 beside the study they complete, the radii at which
@@ -173,7 +173,8 @@ def test_autoattack_at_every_radius_is_at_most_apgd_ce_alone_and_at_8_matches_th
     """An AutoAttack report (1, 2, 4 and 8/255, the models it has finished) against its study: at
     each small radius its top-1 is not above APGD-CE alone by more than the images on which a
     differently seeded APGD-CE could differ (it should be lower: APGD-CE is its first member), and
-    at 8/255 both leave 0%; clean top-1 is the study's on the same subset."""
+    at 8/255 it is the study's own AutoAttack top-1 (the same images and seed: 0% on CIFAR-10,
+    0-3.3% on Fashion-MNIST); clean top-1 is the study's on the same subset."""
     study_name, radii = AUTOATTACK_RADII[report]
     mine = pd.read_csv(ROOT / "reports" / report / "robust_accuracy.csv").set_index(["model", "column"])
     study = pd.read_csv(ROOT / "reports" / study_name / "robust_accuracy.csv").set_index(["model", "column"])
@@ -187,4 +188,4 @@ def test_autoattack_at_every_radius_is_at_most_apgd_ce_alone_and_at_8_matches_th
         for eps in radii:
             assert mine.loc[(model, f"AutoAttack {eps}/255"), "top1"] <= \
                 study.loc[(model, f"APGD-CE {eps}/255"), "top1"] + 0.5, (model, eps)
-        assert mine.loc[(model, "AutoAttack 8/255"), "top1"] == study.loc[(model, "AutoAttack 8/255"), "top1"] == 0
+        assert mine.loc[(model, "AutoAttack 8/255"), "top1"] == study.loc[(model, "AutoAttack 8/255"), "top1"], model
