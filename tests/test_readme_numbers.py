@@ -134,9 +134,11 @@ STATEMENT_END = re.compile(r"(?<=[.])\s+(?=[A-Z*(])|\n\s*\n|\n(?=\s*(?:- |\|))|(
 
 
 def models_named(text: str, models) -> set[str]:
-    """The models ``text`` names, by zoo name or as ``MODEL_NAMES`` writes them (whole words)."""
+    """The models ``text`` names, by zoo name or as ``MODEL_NAMES`` writes them (whole words; a
+    name of two words may wrap a line)."""
     names = {m: m for m in models} | MODEL_NAMES
-    return {model for name, model in names.items() if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text)}
+    pattern = {name: re.escape(name).replace(r"\ ", r"\s+") for name in names}
+    return {model for name, model in names.items() if re.search(rf"(?<![\w-]){pattern[name]}(?![\w-])", text)}
 
 
 def readme_prose_intervals(text: str) -> list[tuple[int, str, frozenset, bool]]:
@@ -186,10 +188,10 @@ def test_an_interval_written_for_the_wrong_model_is_caught():
     aa = sorted(t for t in TRIPLE_SETS["aa_resnet26"] if t not in TRIPLE_SETS["ea_resnet26"])[0]
     cell = f"{aa[0]:.4f} [{aa[1]:.4f}, {aa[2]:.4f}]"
     text = (f"AA keeps {cell} here.\nAnd the wrapped sentence about EA keeps\n{cell} there.\n\n"
-            f"- ResNet-26 and SAN10 pairwise: {cell}.\n")
-    (_, _, aa_named, _), (line, _, ea_named, _), (_, _, pair, _) = readme_prose_intervals(text)
+            f"- ResNet-26 and SAN10 pairwise: {cell}.\n- And SAN10\n  patchwise's, wrapped: {cell}.\n")
+    (_, _, aa_named, _), (line, _, ea_named, _), (_, _, pair, _), (_, _, wrapped, _) = readme_prose_intervals(text)
     assert (aa_named, ea_named, line) == ({"aa_resnet26"}, {"ea_resnet26"}, 3)
-    assert pair == {"resnet26", "san10_pairwise"}
+    assert pair == {"resnet26", "san10_pairwise"} and wrapped == {"san10_patchwise"}
     assert in_reports(cell, aa_named, False) and not in_reports(cell, ea_named, False)
     assert in_reports(cell, frozenset(), False)
     tau = sorted(TAUS)[0]
