@@ -31,8 +31,9 @@ INTERVAL = re.compile(rf"({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
 TAU = re.compile(rf"Kendall's tau ({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
 # README numbers from runs not yet in a committed report (issue #14: Fashion-MNIST AutoAttack of
 # gsa_resnet26, the last of the six attention models, at 2 and 4/255 from `robust-attn report ...
-# --partial` on runs/study-fashion_mnist-aa4 while its 1/255 finishes, and the "first run" number of
-# its 1/255 run that was lost); once reports/autoattack-fashion_mnist has them, this test says to remove them
+# --partial` on runs/study-fashion_mnist-aa4 while its 1/255 finishes, and the "first run" numbers
+# of its lost 1/255 run); once reports/autoattack-fashion_mnist has them, this test says to remove
+# them here
 INTERIM = {"81.0 [78.5, 83.5]", "1.1 [-1.0, +3.2]", "69.4 [66.5, 72.2]", "35.0 [32.0, 38.1]",
            "2.3 [-0.5, +5.2]", "2.2 [-0.2, +4.6]"}
 
