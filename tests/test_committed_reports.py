@@ -22,7 +22,7 @@ CORRUPTION = {"study-fashion_mnist": 10000, "study-cifar10": 2000, "study-cifar1
 ATTACKS = ("study-fashion_mnist", "study-cifar10")
 # the reports with AutoAttack runs: their APGD-CE protocol runs too (or none), and how many models
 AUTOATTACK = {"study-fashion_mnist": (("autoattack", "apgd"), 7), "study-cifar10": (("autoattack", "apgd"), 7),
-              "autoattack-cifar10": (("autoattack",), 7), "autoattack-fashion_mnist": (("autoattack",), 6)}
+              "autoattack-cifar10": (("autoattack",), 7), "autoattack-fashion_mnist": (("autoattack",), 7)}
 # every report with packed runs, and the zoo dataset whose checkpoints computed them
 CHECKPOINTS = {**REPORTS, "autoattack-cifar10": "cifar10", "autoattack-fashion_mnist": "fashion_mnist"}
 # the AutoAttack reports at 1, 2, 4 and 8/255 beside the study they complete, the radii at which
