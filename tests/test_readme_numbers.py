@@ -29,11 +29,6 @@ NUMBER = r"[-+]?\d+(?:\.\d+)?"
 CELL = re.compile(rf"^({NUMBER})(?: \[({NUMBER}), ({NUMBER})\])?")
 INTERVAL = re.compile(rf"({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
 TAU = re.compile(rf"Kendall's tau ({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
-# README numbers from runs not yet in a committed report (a run under way, reported with
-# `robust-attn report ... --partial`), each as the README writes it, e.g. "69.4 [66.5, 72.2]";
-# once a committed report has one, this test says to remove it here. None now: issue #14's last
-# run (gsa_resnet26's Fashion-MNIST AutoAttack) is packed in reports/autoattack-fashion_mnist
-INTERIM: set[str] = set()
 
 
 def _committed():
@@ -106,10 +101,6 @@ def test_the_readme_has_results_to_check():
 def test_each_readme_result_is_in_a_committed_report(line, model, header, cell):
     written = CELL.match(cell)
     value, low, high = written.groups()
-    if written.group(0) in INTERIM:  # the value and interval, before a note such as "(first run)"
-        assert not any(_matches((value, low, high), t) for t in TRIPLE_SETS[model]), (
-            f"README line {line}: {model} {cell} is in a committed report now: remove it from INTERIM")
-        return
     if low is not None:
         assert any(_matches((value, low, high), t) for t in TRIPLE_SETS[model]), (
             f"README line {line}: {model} {header} {cell} is in no committed report")
@@ -171,12 +162,9 @@ def test_each_interval_in_the_readme_text_is_in_a_committed_report(line, interva
     """A value with its interval in the README's text (a paired difference, written with either
     sign, "5.8 points more lost"; a Kendall's tau) is one a report gives, for one of the models
     its sentence names (any model's where it names none)."""
-    found = in_reports(interval, named, tau)
-    if interval in INTERIM:
-        assert not found, f"README line {line}: {interval} is in a committed report now: remove it from INTERIM"
-    else:
-        assert found, (f"README line {line}: {interval} is in no committed report"
-                       + (f" for {', '.join(sorted(named))}, the models its sentence names" if named else ""))
+    assert in_reports(interval, named, tau), (
+        f"README line {line}: {interval} is in no committed report"
+        + (f" for {', '.join(sorted(named))}, the models its sentence names" if named else ""))
 
 
 def test_an_interval_written_for_the_wrong_model_is_caught():
