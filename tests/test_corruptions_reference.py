@@ -1,9 +1,10 @@
 """Our corruptions against the reference, the ``imagecorruptions`` package (Hendrycks &
 Dietterich's functions for any image size), on the same random draws.
 
-Skipped where ``imagecorruptions`` is not installed (it pulls OpenCV and scikit-image, which
-robust-attn does not need); ``tests/test_corruptions.py`` checks the published formulas without
-it. How the two are made to draw the same random numbers: our corruption runs on a recording
+Skipped where ``imagecorruptions`` is not importable (it pulls OpenCV and scikit-image, which
+robust-attn does not need, and 1.1.2 imports ``pkg_resources``, gone from setuptools 81);
+``tests/test_corruption_fixtures.py`` compares with its stored outputs in every run, on draws
+shared the same way as here. How the two are made to draw the same random numbers: our corruption runs on a recording
 generator; the reference then runs with ``numpy.random``'s functions replaced by replays of
 those values (ours draws whole arrays where the reference draws per pixel, so a replay hands
 out the values in order, in whatever shapes it is asked for); scikit-image's salt-and-pepper
