@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -140,17 +141,54 @@ def test_checkpoint_is_described_by_sha256(tmp_path, capsys):
     assert "holds resnet26" in capsys.readouterr().err
 
 
+def _cifar100_from_the_shared_prefix(shared_dir, root):
+    """``root/cifar-100-python/{test,meta}`` in the canonical layout, built from the shared
+    bundle (``data/cifar100``: the canonical ``meta`` and the first 3 MB of the canonical
+    ``test`` pickle, see its README): the prefix's header (all 10,000 filenames and labels) and
+    its 916 complete pixel rows, the missing rows zero, then the pickle's closing bytes ``tbu.``,
+    the size of the canonical file. Returns the bundle's own decoding of the prefix
+    (``extract_sample.decode``: header fields, pixel rows) to compare with."""
+    import importlib.util
+
+    bundle = shared_dir / "data" / "cifar100"
+    if not (bundle / "test.prefix").is_file() or not (bundle / "meta").is_file():
+        pytest.skip(f"no CIFAR-100 test.prefix and meta in {bundle}")
+    spec = importlib.util.spec_from_file_location("extract_sample", bundle / "extract_sample.py")
+    extract = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(extract)
+    header_fields, rows = extract.decode(str(bundle / "test.prefix"), 10000)
+    raw = (bundle / "test.prefix").read_bytes()
+    start = raw.find(b"T" + (10000 * 3072).to_bytes(4, "little"))
+    pixels = np.zeros((10000, 3072), dtype=np.uint8)
+    pixels[:len(rows)] = rows
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True)
+    (folder / "test").write_bytes(raw[:start + 5] + pixels.tobytes() + b"tbu.")
+    (folder / "meta").write_bytes((bundle / "meta").read_bytes())
+    assert (folder / "test").stat().st_size == 31_049_707   # the canonical test pickle's size
+    return header_fields, rows
+
+
 def test_real_cifar100_sample_if_present(tmp_path, shared_dir):
     from robust_attn.data import build_dataset
 
-    try:
-        build_dataset("cifar100", root=shared_dir / "data", split="test", limit=2)
-    except FileNotFoundError as err:
-        pytest.skip(f"CIFAR-100 test set not readable here: {str(err)[:80]}")
+    header_fields, rows = _cifar100_from_the_shared_prefix(shared_dir, tmp_path / "data")
+    assert len(rows) >= 8
+    data = build_dataset("cifar100", root=tmp_path / "data", split="test")   # limit= would draw a random subset
+    assert len(data) == 10000
+    for i in range(8):
+        image, label = data[i]
+        assert label == header_fields["fine_labels"][i]
+        expected = torch.from_numpy(rows[i].reshape(3, 32, 32).astype(np.float32) / 255)
+        torch.testing.assert_close(image, expected, rtol=0, atol=1e-6)
     assert main(["eval", "rotation", "--model", "resnet26", "--model-args", "width=0.25", "--dataset", "cifar100",
-                 "--root", str(shared_dir / "data"), "--limit", "4", "--batch-size", "2", "--angle-step", "0",
+                 "--root", str(tmp_path / "data"), "--limit", "4", "--batch-size", "2", "--angle-step", "0",
                  "--no-progress", "--out", str(tmp_path / "c")]) == 0
-    assert load_records(tmp_path / "c")["label"].between(0, 99).all()
+    from robust_attn.data.splits import subset_indices
+
+    records = load_records(tmp_path / "c")
+    clean = records[records["condition"] == "none"].sort_values("index")   # --limit: a seeded subset
+    assert clean["label"].tolist() == [header_fields["fine_labels"][i] for i in subset_indices(10000, 4)]
 
 
 @pytest.mark.slow  # ~20 s on a busy machine; test_results.py interrupts a run in-process by default
