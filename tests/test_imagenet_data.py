@@ -152,6 +152,42 @@ def test_flat_val_with_devkit_ground_truth(tmp_path):
         build_dataset("imagenet", root=tmp_path, split="test")
 
 
+def _kaggle_tree(top: Path) -> dict[str, int]:
+    """Kaggle's ImageNet Object Localization download in miniature: ``LOC_val_solution.csv``
+    and ``LOC_synset_mapping.txt`` at ``top``, ``ILSVRC/Data/CLS-LOC/train/<wnid>/`` and the
+    flat ``ILSVRC/Data/CLS-LOC/val/`` (plus the unlabelled ``test/`` Kaggle also ships).
+    Returns val file stem -> label."""
+    data = top / "ILSVRC" / "Data" / "CLS-LOC"
+    val = {1: LAST, 2: FIRST, 3: "n02099601"}
+    for k, wnid in val.items():
+        _image(data / "val" / f"ILSVRC2012_val_{k:08d}.JPEG", 10 * k)
+    for wnid in (FIRST, "n02099601"):
+        _image(data / "train" / wnid / f"{wnid}_1.JPEG", 70)
+    _image(data / "test" / "ILSVRC2012_test_00000001.JPEG", 90)
+    (top / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(
+        f"ILSVRC2012_val_{k:08d},{w} 1 2 30 40 {w} 5 6 70 80\n" for k, w in val.items()))
+    (top / "LOC_synset_mapping.txt").write_text("".join(f"{w} name of {w}\n" for w in imagenet.wnids()))
+    (top / "LOC_sample_submission.csv").write_text("ImageId,PredictionString\n")
+    return {f"ILSVRC2012_val_{k:08d}": imagenet.wnid_index()[w] for k, w in val.items()}
+
+
+@pytest.mark.parametrize("where", ["top", "parent"])
+def test_kaggle_layout_is_found_from_the_root_a_user_gives(tmp_path, where):
+    """--root is Kaggle's top folder (where LOC_val_solution.csv is), or a data root holding it as imagenet/."""
+    top = tmp_path / "imagenet-object-localization-challenge" if where == "top" else tmp_path / "imagenet"
+    labels = _kaggle_tree(top)
+    root = top if where == "top" else tmp_path
+    val = build_dataset("imagenet", root=root, split="test")
+    assert val.source == str(top / "ILSVRC" / "Data" / "CLS-LOC" / "val")
+    assert val.ground_truth == str(top / "LOC_val_solution.csv")
+    assert val.targets == [labels[f"ILSVRC2012_val_{k:08d}"] for k in (1, 2, 3)] == [999, 0, 207]
+    train = build_dataset("imagenet", root=root, split="train")
+    assert sorted(train.targets) == [0, 207] and train.variant == "imagenet"
+    rc, out = _eval(tmp_path, "imagenet", root)
+    assert rc == 0
+    assert json.loads((out / "run.json").read_text())["data_source"] == val.source
+
+
 def test_imagenet_cli_on_both_layouts(tmp_path):
     folders = tmp_path / "folders"
     for wnid in (FIRST, LAST):

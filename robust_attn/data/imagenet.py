@@ -5,13 +5,16 @@ ILSVRC-2012 wnids (``imagenet_wnids.txt`` in this package, sha256-checked when r
 of torchvision's ``ImageFolder`` on the full set, timm and every public ImageNet-1k checkpoint).
 It never depends on the folders present: a subset of the classes keeps the true indices.
 
-Layouts, under ``ROOT/imagenet/`` or ``ROOT/``:
+Layouts, under ``ROOT/imagenet/`` or ``ROOT/``, or under ``ILSVRC/Data/CLS-LOC/`` of either (Kaggle's
+ImageNet Object Localization download, which has ``LOC_val_solution.csv`` and
+``LOC_synset_mapping.txt`` at its top, ``train/`` in class folders and ``val/`` flat):
 
 * ``{train,val}/<wnid>/*.JPEG``: one folder per class (e.g. after the usual ``valprep.sh``).
   A folder whose name is not one of the 1,000 wnids is an error naming it.
 * ``val/ILSVRC2012_val_00000001.JPEG ...``: the flat validation folder as downloaded (image
   files directly in ``val/``) plus a ground-truth file, looked for in ``val/``, then
-  ``ROOT/imagenet/`` (or ``ROOT/``), then ``ROOT``:
+  ``ROOT/imagenet/`` (or ``ROOT/``), then (Kaggle's layout) the folder holding ``ILSVRC/``, then
+  ``ROOT``:
 
   - ``LOC_val_solution.csv`` (Kaggle's ``ImageId,PredictionString``; the first word of the
     prediction string is the wnid);
@@ -32,7 +35,8 @@ training uses a random-resized crop to 224 and horizontal flip; evaluation resiz
 side to 256 and takes the central 224x224 crop, unless ``build(..., transform=)`` gives a
 model's own eval transform.
 
-Where it is looked for: an explicit ``root`` is searched alone (``ROOT/imagenet``, then ``ROOT``)
+Where it is looked for: an explicit ``root`` is searched alone (``ROOT/imagenet``, then ``ROOT``, then
+the same two with ``ILSVRC/Data/CLS-LOC`` appended)
 and a root without the split's folder is an error; without one, the default data root
 (``$ROBUST_ATTN_DATA`` or ``./data``) is searched the same way. There is no other fallback. The
 dataset built (:class:`~robust_attn.data.imagefolder.ImageListDataset`) carries ``variant``
@@ -67,6 +71,8 @@ LOC_SOLUTION = "LOC_val_solution.csv"
 DEVKIT_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
 DEVKIT_FOLDER = "ILSVRC2012_devkit_t12"
 DEVKIT_ARCHIVE = "ILSVRC2012_devkit_t12.tar.gz"
+#: where Kaggle's ImageNet Object Localization download keeps train/ and val/, below its top folder
+KAGGLE = Path("ILSVRC", "Data", "CLS-LOC")
 #: ground-truth files of the flat validation folder, in the order they are preferred
 GROUND_TRUTH_FILES = (LOC_SOLUTION, "val_labels.txt", "val_labels.csv", DEVKIT_TRUTH)
 
@@ -75,7 +81,8 @@ INFO = DatasetInfo(name="imagenet", num_classes=1000, image_size=224, resolution
                    how_to_get="Download ILSVRC-2012 from https://image-net.org (registration needed) and put "
                               "train/ and val/ under ROOT/imagenet/: one folder per wnid, or val/ as the flat "
                               "folder of 50,000 images with LOC_val_solution.csv or the devkit "
-                              "(ILSVRC2012_devkit_t12.tar.gz) beside it.")
+                              "(ILSVRC2012_devkit_t12.tar.gz) beside it; Kaggle's download (ILSVRC/Data/CLS-LOC/ "
+                              "and LOC_val_solution.csv) is read as it unpacks, from its top folder.")
 
 
 @lru_cache(maxsize=1)
@@ -93,7 +100,7 @@ def wnid_index() -> dict[str, int]:
 
 
 def _candidates(root: Path) -> list[Path]:
-    return [root / "imagenet", root]
+    return [root / "imagenet", root, root / "imagenet" / KAGGLE, root / KAGGLE]
 
 
 def _usable(folder: Path) -> bool:
@@ -194,7 +201,8 @@ def read_ground_truth(folder: Path, root: Path | None = None) -> tuple[dict[str,
     """The ground truth of the flat validation folder ``folder``: file stem -> wnid, and where it was read.
 
     Searched in ``folder``, its parent and ``root`` (see the module docstring)."""
-    places = list(dict.fromkeys([folder, folder.parent] + ([Path(root)] if root is not None else [])))
+    kaggle = [folder.parents[3]] if folder.parent.parts[-3:] == KAGGLE.parts else []
+    places = list(dict.fromkeys([folder, folder.parent] + kaggle + ([Path(root)] if root is not None else [])))
     for place in places:
         for name in GROUND_TRUTH_FILES:
             path = place / name
