@@ -269,15 +269,22 @@ def test_shipped_checkpoint_reproduces_its_stated_test_accuracy(entry):
 
 
 @pytest.mark.parametrize("entry", _ZOO, ids=lambda e: f"{e.name}-{e.dataset}")
-def test_shipped_checkpoint_on_a_seeded_fifth_of_the_test_set_is_within_sampling_error(entry):
-    """A seeded fifth of the test set (2,000 images) gives a top-1 within 4 standard errors of the
-    stated whole-set figure (sampling without replacement: p(1-p)/n (N-n)/(N-1); about 2.4 points
-    at 90%). Wrong weights, a wrong preprocessing or a broken operator move it by far more."""
+def test_shipped_checkpoint_on_a_seeded_fifth_of_the_test_set_gets_the_recorded_count(entry):
+    """A seeded fifth of the test set (2,000 images, ``subset_indices(size, size // 5, seed=0)``)
+    gets the number of correct top-1 predictions recorded in the manifest
+    (``metrics.seeded_fifth_top1_correct``), to one image: a logit tie may break the other way
+    under another BLAS, a preprocessing or operator bug moves far more images. The whole-set figure
+    is checked with ``-m slow`` above; this one is also within sampling error of it (4 standard
+    errors, sampling without replacement). A checkpoint trained again needs its count recorded
+    again (the assertion prints it)."""
     p = entry.metrics["eval_top1"] / 100
     top1, _, n, total = _test_set_accuracy(entry, fraction=5)
-    assert n == total // 5
+    assert n == total // 5 == 2000
+    correct = round(top1 * n / 100)
+    assert abs(correct - entry.metrics["seeded_fifth_top1_correct"]) <= 1, \
+        f"{correct} of {n} correct, the manifest records {entry.metrics['seeded_fifth_top1_correct']}"
     se = (p * (1 - p) / n * (total - n) / (total - 1)) ** 0.5
-    assert abs(top1 / 100 - p) <= 4 * se, (top1, 100 * p, 100 * se)
+    assert abs(entry.metrics["seeded_fifth_top1_correct"] / n - p) <= 4 * se
     if entry.dataset == "fashion_mnist":
         assert entry.metrics["eval_top1"] >= 90.0   # issue 5, of the stated figure the test above checks with -m slow
 
