@@ -28,7 +28,8 @@ MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
 
 # The authors' configurations (config/imagenet/*.yaml): blocks per stage and footprints.
-OFFICIAL = {"san10": ((2, 1, 2, 4, 1), (3, 7, 7, 7, 7)), "san15": ((3, 2, 3, 5, 2), (3, 7, 7, 7, 7))}
+OFFICIAL = {"san10": ((2, 1, 2, 4, 1), (3, 7, 7, 7, 7)), "san15": ((3, 2, 3, 5, 2), (3, 7, 7, 7, 7)),
+            "san19": ((3, 3, 4, 6, 3), (3, 7, 7, 7, 7))}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -93,6 +94,8 @@ def random_official(depth: str, pairwise: bool, seed: int = 0) -> dict[str, torc
             out[name] = 0.1 * torch.randn(shape, generator=g)
         else:  # conv / fc weight
             gain = 0.3 if name.endswith(".conv.weight") else 1.0  # the residual branch's last layer
+            if not pairwise and name.endswith("conv_w.5.weight"):
+                gain = 1 / OFFICIAL[depth][1][-1]   # patchwise weights are not normalized: sum of k^2 ~ 1
             out[name] = gain * torch.randn(shape, generator=g) / shape[1] ** 0.5
     return out
 
@@ -114,14 +117,21 @@ def ref_conv1x1(sd, name, x):
     return out
 
 
-def ref_neighbours(x, k):
+def ref_neighbours(x, k, small_maps=False):
     """(N, c, k*k, H, W): x at (h - k//2 + kh, w - k//2 + kw), index kh*k + kw, mirrored once at
-    the borders exactly as the authors' *_refpad CUDA kernels index (-h; 2(H-1) - h)."""
+    the borders exactly as the authors' *_refpad CUDA kernels index (-h; 2(H-1) - h).
+
+    On a map no larger than half the footprint the authors' kernels read out of bounds; with
+    ``small_maps`` the mirroring is repeated there (period 2 (H - 1); a 1-pixel map is constant),
+    the extension the SAN layer defines, so smaller inputs still check the conversion."""
     n, c, h, w = x.shape
     pad = k // 2
-    assert h > pad and w > pad, "the authors' single mirror needs maps larger than half the footprint"
+    assert small_maps or (h > pad and w > pad), "the authors' single mirror needs maps larger than half the footprint"
 
     def mirror(idx, size):
+        if size == 1:
+            return torch.zeros_like(idx)
+        idx = idx.remainder(2 * (size - 1)) if small_maps else idx
         idx = torch.where(idx < 0, -idx, idx)
         return torch.where(idx >= size, 2 * (size - 1) - idx, idx)
 
@@ -134,8 +144,12 @@ def ref_neighbours(x, k):
     return out
 
 
-def ref_sam(sd, p, x, k, pairwise):
+def ref_sam(sd, p, x, k, pairwise, small_maps=False):
     n, _, h, w = x.shape
+
+    def neighbours(t):
+        return ref_neighbours(t, k, small_maps)
+
     x1, x2, x3 = (ref_conv1x1(sd, f"{p}.conv{i}", x) for i in (1, 2, 3))
 
     def conv_w(t):
@@ -146,28 +160,28 @@ def ref_sam(sd, p, x, k, pairwise):
         loc_w = torch.linspace(-1, 1, w, dtype=x.dtype).repeat(h, 1)            # x: along the width
         loc_h = torch.linspace(-1, 1, h, dtype=x.dtype)[:, None].repeat(1, w)   # y: along the height
         pos = ref_conv1x1(sd, f"{p}.conv_p", torch.stack([loc_w, loc_h])[None])
-        delta = x1[:, :, None] - ref_neighbours(x2, k)
-        dpos = (pos[:, :, None] - ref_neighbours(pos, k)).expand(n, -1, -1, -1, -1)
+        delta = x1[:, :, None] - neighbours(x2)
+        dpos = (pos[:, :, None] - neighbours(pos)).expand(n, -1, -1, -1, -1)
         weight = torch.softmax(conv_w(torch.cat([delta, dpos], 1)), dim=2)      # (N, G, K, H, W)
     else:  # eq. 4-5, concatenation: [x1_i, x2_j for all j], channel-major
-        cat = torch.cat([x1, ref_neighbours(x2, k).reshape(n, -1, h, w)], 1)
+        cat = torch.cat([x1, neighbours(x2).reshape(n, -1, h, w)], 1)
         weight = conv_w(cat).reshape(n, -1, k * k, h, w)
     groups = weight.shape[1]
-    v = ref_neighbours(x3, k)
+    v = neighbours(x3)
     out = torch.zeros_like(x3)
     for c in range(x3.shape[1]):   # channel c uses weight group c % G
         out[:, c] = (weight[:, c % groups] * v[:, c]).sum(1)
     return out
 
 
-def ref_san(sd, x, depth, pairwise):
+def ref_san(sd, x, depth, pairwise, small_maps=False):
     layers, kernels = OFFICIAL[depth]
     x = F.relu(ref_bn(sd, "bn_in", ref_conv1x1(sd, "conv_in", x)))
     for s, (blocks, k) in enumerate(zip(layers, kernels)):
         x = ref_conv1x1(sd, f"conv{s}", F.max_pool2d(x, 2, 2))
         for i in range(blocks):
             p = f"layer{s}.{i}"
-            out = ref_sam(sd, f"{p}.sam", F.relu(ref_bn(sd, f"{p}.bn1", x)), k, pairwise)
+            out = ref_sam(sd, f"{p}.sam", F.relu(ref_bn(sd, f"{p}.bn1", x)), k, pairwise, small_maps)
             x = x + ref_conv1x1(sd, f"{p}.conv", F.relu(ref_bn(sd, f"{p}.bn2", out)))
         x = F.relu(ref_bn(sd, f"bn{s}", x))
     return x.mean((2, 3)) @ sd["fc.weight"].t() + sd["fc.bias"]
@@ -177,26 +191,27 @@ def ref_san(sd, x, depth, pairwise):
 # SAN
 
 
-def _check_san_import(tmp_path, attention, size):
-    official = random_official("san10", attention == "pairwise")
-    src = tmp_path / f"san10_{attention}.pth"
+def _check_san_import(tmp_path, attention, size, depth="san10", images=2):
+    official = random_official(depth, attention == "pairwise")
+    arch = f"{depth}_{attention}"
+    src = tmp_path / f"{arch}.pth"
     # as the authors' training script saves it: DataParallel prefix, a state_dict key
     torch.save({"epoch": 100, "state_dict": {f"module.{k}": v for k, v in official.items()}}, src)
     out = tmp_path / "imported.safetensors"
-    import_san_official(src, f"san10_{attention}", out)
+    import_san_official(src, arch, out)
     model = load_checkpoint(out).double()
     meta = json.loads(out.with_suffix(".json").read_text())
     assert meta["origin"]["importer"] == "san-official"
     assert meta["origin"]["source_sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
-    assert meta["arch"]["name"] == f"san10_{attention}" and meta["arch"]["resolution"] == "imagenet"
+    assert meta["arch"]["name"] == arch and meta["arch"]["resolution"] == "imagenet"
     torch.testing.assert_close(torch.tensor(meta["mean"]), MEAN.flatten())
     torch.testing.assert_close(torch.tensor(meta["std"]), STD.flatten())
 
-    x = torch.rand(2, 3, size, size, dtype=torch.float64)
+    x = torch.rand(images, 3, size, size, dtype=torch.float64)
     sd = {k: v.double() for k, v in official.items()}
     with torch.no_grad():
         ours = model(x)
-        ref = ref_san(sd, (x - MEAN.double()) / STD.double(), "san10", attention == "pairwise")
+        ref = ref_san(sd, (x - MEAN.double()) / STD.double(), depth, attention == "pairwise", small_maps=size < 128)
     assert ref.std() > 0.1 and torch.isfinite(ref).all()  # a non-degenerate comparison
     torch.testing.assert_close(ours, ref, rtol=1e-9, atol=1e-10 * ref.abs().max().item())  # float64
 
@@ -205,6 +220,15 @@ def _check_san_import(tmp_path, attention, size):
 def test_san_official_import_matches_the_authors_forward(tmp_path, attention):
     # 128 px: the smallest input whose last stage (4x4) the authors' single mirror can pad (pad 3)
     _check_san_import(tmp_path, attention, 128)
+
+
+@pytest.mark.parametrize("attention", ["pairwise", "patchwise"])
+@pytest.mark.parametrize("depth", ["san10", "san15", "san19"])
+def test_san_official_import_of_every_depth_matches_the_authors_forward_at_64_px(tmp_path, depth, attention):
+    """Every block layout of the authors' configurations (SAN10/15/19: 2-1-2-4-1, 3-2-3-5-2,
+    3-3-4-6-3 blocks), one 64 px image: stages 0-3 (maps 32 to 4 px) padded as the authors'
+    kernels do, the last (2 px) by repeated mirroring (see ``ref_neighbours``)."""
+    _check_san_import(tmp_path, attention, 64, depth, images=1)
 
 
 @pytest.mark.slow
