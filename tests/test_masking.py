@@ -205,6 +205,21 @@ def test_unbounded_success_matches_pgd(resnet, batch, steps):
     assert check_unbounded(records).verdict == ("pass" if records["success"].all() else "flag")
 
 
+def test_unbounded_success_uses_the_whole_cube():
+    """Dark images (pixels 0.1-0.3) and a model that needs their mean above 0.9: at eps = 1 every
+    one is fooled (all pixels to 1), at any eps below 0.6 none is (mean at most 0.3 + eps)."""
+    class FarThreshold(nn.Module):
+        def forward(self, x):
+            z = 10 * (x.mean((1, 2, 3)) - 0.9)
+            return torch.stack([-z, z], 1)
+
+    model = FarThreshold().eval()
+    images = 0.1 + 0.2 * torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    labels = torch.zeros(4, dtype=torch.long)
+    records = unbounded_success(model, images, labels, steps=1, random_start=False)
+    assert records["success"].tolist() == _pgd_eps_one_by_hand(model, images, labels, 1) == [1] * 4
+
+
 def test_unbounded_success_attacks_at_eps_one_the_whole_image():
     """A model whose decision needs every pixel moved by more than 0.25 (the mean brightness must
     cross 0.5 from 0.25): only a radius near the whole range can fool it, as eps = 1 can."""
