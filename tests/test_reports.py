@@ -134,8 +134,8 @@ def test_headline_intervals_recomputed_from_the_record_files(runs, tmp_path):
             alpha = (1 - row["level"]) / 2
             low, high = np.quantile(values[idx].mean(axis=1), [alpha, 1 - alpha])
             assert row["level"] == 0.95 and row["n"] == len(values) == 8
-            assert [row["value"], row["low"], row["high"]] == pytest.approx([100 * values.mean(), 100 * low, 100 * high],
-                                                                           abs=1e-9), row["metric"]
+            expected = [100 * values.mean(), 100 * low, 100 * high]
+            assert [row["value"], row["low"], row["high"]] == pytest.approx(expected, abs=1e-9), row["metric"]
 
 
 @pytest.mark.parametrize("p", [0.3, 0.9])

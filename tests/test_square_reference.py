@@ -23,7 +23,6 @@ given values (and records what it hands out).
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
