@@ -125,3 +125,18 @@ def tiny_imagenet(root: Path, layout: str, per_class: int = 1, size: tuple[int, 
     elif layout != "folders":
         raise ValueError(f"layout is 'folders' or 'flat', got {layout!r}")
     return files
+
+
+def stored_frost_photographs(folder: Path) -> Path:
+    """The six small noise photographs stored with the corruption fixtures
+    (``tests/fixtures/corruptions_32.npz``, ``frost_photo_0`` ...) written to ``folder`` under
+    Hendrycks' file names (PNG bytes under every name), for ``$ROBUST_ATTN_FROST_DIR``."""
+    from PIL import Image
+
+    from robust_attn.shifts.corruptions.weather import FROST_FILES
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with np.load(REPO / "tests" / "fixtures" / "corruptions_32.npz", allow_pickle=False) as packed:
+        for k, name in enumerate(FROST_FILES):
+            Image.fromarray(packed[f"frost_photo_{k}"]).save(folder / name, format="PNG")
+    return folder

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from corruption_draws import KINDS, SharedDraws
+from helpers import stored_frost_photographs
 from robust_attn.shifts.corruptions import COMMON, EXTRA, corrupt_batch
 from robust_attn.shifts.corruptions import weather
 
@@ -41,11 +40,9 @@ def fixtures():
 
 
 @pytest.fixture
-def synthetic_frost(monkeypatch, tmp_path, fixtures):
+def synthetic_frost(monkeypatch, tmp_path):
     """$ROBUST_ATTN_FROST_DIR pointed at the fixture's six noise photographs."""
-    for k, name in enumerate(weather.FROST_FILES):
-        Image.fromarray(fixtures[32][f"frost_photo_{k}"]).save(tmp_path / name, format="PNG")
-    monkeypatch.setenv(weather.FROST_ENV, str(tmp_path))
+    monkeypatch.setenv(weather.FROST_ENV, str(stored_frost_photographs(tmp_path)))
     weather.frost_image.cache_clear()
     yield
     weather.frost_image.cache_clear()
