@@ -13,7 +13,7 @@ from robust_attn.protocols.pgd import AttackSetting, run_pgd
 from robust_attn.protocols.rotation import rotation_conditions, run_rotation
 from robust_attn.protocols.runner import NonFiniteLogitsError, finite_logits
 from robust_attn.protocols.shift_runner import prediction_records
-from robust_attn.results import RunStore
+from robust_attn.runs.store import RunStore
 
 BAD = 5   # the one image (dataset index) on which the model below returns NaN logits
 

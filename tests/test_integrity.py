@@ -22,8 +22,8 @@ from torch.utils.data import TensorDataset
 
 from robust_attn.cli import main
 from robust_attn.protocols.runner import open_run, run_chunks
-from robust_attn.results import DamagedRecordsError, RunStore, load_records
-from robust_attn.results import main as results_main
+from robust_attn.runs.store import DamagedRecordsError, RunStore, load_records
+from robust_attn.runs.store import main as results_main
 from helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,7 +261,7 @@ def test_committed_packed_runs_carry_checksums_and_verify():
         pytest.skip("no committed packed runs")
     for gz in runs:
         store = RunStore(gz.parent)
-        assert (gz.parent / "checksums.json").is_file(), f"{gz.parent}: run `python -m robust_attn.results seal`"
+        assert (gz.parent / "checksums.json").is_file(), f"{gz.parent}: run `python -m robust_attn.runs.store seal`"
         assert store.verify() == [], gz.parent
 
 
@@ -372,7 +372,7 @@ def test_a_claim_whose_pid_is_reused_or_a_zombie_is_taken_over_and_a_live_one_is
     start time (the pid reused) or a zombie (killed, not yet reaped) holds nothing."""
     import socket
 
-    from robust_attn.claims import _process_start, claim_chunk
+    from robust_attn.runs.claims import _process_start, claim_chunk
 
     chunk = tmp_path / "run" / "records" / "a" / "000000000-000000004.csv"
     folder = tmp_path / "run" / "claims" / "a"
@@ -637,7 +637,7 @@ def test_a_packed_manifest_whose_files_are_not_objects_is_damage(finished, tmp_p
 
 
 def test_results_verify_command_exits_2_naming_a_damaged_chunk(finished, capsys):
-    """``python -m robust_attn.results verify RUN`` says intact only for an intact run; a damaged
+    """``python -m robust_attn.runs.store verify RUN`` says intact only for an intact run; a damaged
     chunk is exit code 2 naming the file and --repair."""
     assert results_main(["verify", str(finished.root)]) == 0
     assert f"{finished.root}: intact" in capsys.readouterr().out
@@ -651,7 +651,7 @@ def test_results_verify_command_exits_2_naming_a_damaged_chunk(finished, capsys)
 def test_a_chunk_finished_by_another_process_while_claiming_is_not_claimed(tmp_path, monkeypatch):
     """When another process writes the chunk between our look and our claim, the claim is dropped
     (None: nothing to compute) and no claim file stays behind."""
-    from robust_attn import claims
+    from robust_attn.runs import claims
 
     store = _open(tmp_path / "run")
     chunk = store.chunk_path("a", 0, 4)

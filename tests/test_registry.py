@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import robust_attn
-from robust_attn.registry import _REGISTRY, register_model
+from robust_attn.models.registry import _REGISTRY, register_model
 
 # Every architecture the zoo promises (issue 2).
 EXPECTED = """resnet26 resnet38 resnet50 san10_pairwise san15_pairwise san19_pairwise san10_patchwise

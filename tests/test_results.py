@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 from robust_attn.distributed import shard_indices
 from robust_attn.protocols.runner import chunk_grid, open_run, run_chunks
 from robust_attn.reports.models import computed_on
-from robust_attn.results import RunMismatchError, RunStore, load_records
+from robust_attn.runs.store import RunMismatchError, RunStore, load_records
 from robust_attn.utils.hardware import cpu_fingerprint
 
 

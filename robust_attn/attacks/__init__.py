@@ -17,7 +17,7 @@ import pkgutil
 from robust_attn.attacks.base import (ATTACKS, Attack, AttackConfig, AttackOutput, list_attacks, make_attack,
                                       parse_eps, register_attack)
 from robust_attn.attacks.checks import CheckResult, check_monotone_success, run_checks
-from robust_attn.attacks.pgd import BACKENDS, PGDConfig, targeted_pgd
+from robust_attn.attacks.targeted_pgd import BACKENDS, PGDConfig, targeted_pgd
 from robust_attn.attacks.targets import draw_targets
 
 __all__ = ["targeted_pgd", "draw_targets", "PGDConfig", "BACKENDS", "CheckResult", "run_checks",

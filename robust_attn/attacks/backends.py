@@ -1,4 +1,4 @@
-"""Adapters running the same targeted PGD (see :mod:`robust_attn.attacks.pgd`) through
+"""Adapters running the same targeted PGD (see :mod:`robust_attn.attacks.targeted_pgd`) through
 torchattacks and foolbox, as independent implementations to check the native one against.
 
 torchattacks 3.5 ``PGD`` in ``set_mode_targeted_by_label`` mode takes the targets in place of
@@ -31,7 +31,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from robust_attn.attacks.pgd import PGDConfig, frozen_parameters
+from robust_attn.attacks.targeted_pgd import PGDConfig, frozen_parameters
 
 __all__ = ["torchattacks_pgd", "foolbox_pgd", "run_backend"]
 

@@ -3,7 +3,7 @@
 Every attack is one file in this package holding one :class:`Attack` subclass decorated with
 :func:`register_attack`; nothing else names attacks. An attack is built from an
 :class:`AttackConfig` (validated when made) and run on a model that takes images in [0, 1]
-(a :class:`~robust_attn.wrapper.NormalizedModel`, in eval mode)::
+(a :class:`~robust_attn.models.wrapper.NormalizedModel`, in eval mode)::
 
     >>> from robust_attn.attacks.base import AttackConfig, make_attack
     >>> attack = make_attack(AttackConfig("apgd-ce", norm="linf", eps=8 / 255))
@@ -187,7 +187,7 @@ class Attack:
 
     def run(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
             targets: torch.Tensor | None = None) -> AttackOutput:
-        from robust_attn.attacks.pgd import frozen_parameters, validate_attack_inputs
+        from robust_attn.attacks.targeted_pgd import frozen_parameters, validate_attack_inputs
 
         labels = labels.to(images.device, torch.long)
         if self.config.targeted:

@@ -1,6 +1,6 @@
 """``robust-attn eval rotation|pgd|attack|transfer|corruption|occlusion|shuffle``: the SAN paper's
 robustness protocols (section 5.4) on one model, written to a resumable run directory (see
-:mod:`robust_attn.results`); the evaluation and transfer attacks live in
+:mod:`robust_attn.runs.store`); the evaluation and transfer attacks live in
 :mod:`robust_attn.commands.eval_attacks`, the distribution shifts in
 :mod:`robust_attn.commands.eval_shifts`.
 
@@ -192,7 +192,7 @@ def _setup(args, protocol: str):
 def _repair(args, out: Path, rank: int) -> None:
     """``--repair``: rank 0 deletes the damaged chunks of ``out`` before the run resumes (issue #18)."""
     if getattr(args, "repair", False) and rank == 0:
-        from robust_attn.results import RunStore
+        from robust_attn.runs.store import RunStore
 
         for path in RunStore(out).repair():
             print(f"--repair: {path} was damaged; computing it again", file=sys.stderr)
@@ -216,7 +216,7 @@ def _with_cleanup(fn):
 @_with_cleanup
 def run_rotation_cmd(args) -> int:
     from robust_attn.protocols.rotation import rotation_conditions, run_rotation, summarize_rotation
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     info, rank, world_size, device, model, dataset, out, run_info = _setup(args, "rotation")
     conditions = rotation_conditions(args.angle_step, hflip=not args.no_hflip)
@@ -235,7 +235,7 @@ def run_rotation_cmd(args) -> int:
 @_with_cleanup
 def run_pgd_cmd(args) -> int:
     from robust_attn.protocols.pgd import load_checks, pgd_settings, run_pgd, summarize_pgd
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     eps = parse_list(args.eps, float, "--eps")
     for e in eps:

@@ -68,7 +68,7 @@ def attack_configs(args) -> list:
 @_with_cleanup
 def run_attack_cmd(args) -> int:
     from robust_attn.protocols.attack import run_attack, summarize_attack
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     configs = attack_configs(args)
     if args.targets and not Path(args.targets).is_file():
@@ -104,10 +104,10 @@ def load_named_model(spec: str, info, device, other_dataset: bool = False) -> tu
     """A transfer source or target: a zoo entry name (``NAME`` or ``zoo:NAME``, for the dataset),
     a checkpoint file, or any other model spec (:mod:`robust_attn.sources`; its description
     carries its ``preprocessing``). Returns (name, model, description)."""
-    from robust_attn.checkpoint import check_trained_on, load_checkpoint
+    from robust_attn.models.checkpoint import check_trained_on, load_checkpoint
     from robust_attn.sources import load_model_spec, parse_spec, spec_label
     from robust_attn.utils.io import sha256_file
-    from robust_attn.zoo import Manifest, load_entry
+    from robust_attn.models.manifest import Manifest, load_entry
 
     path = Path(spec)
     if not (spec.endswith(".safetensors") or path.is_file()) and parse_spec(spec)[0] not in ("registry", "zoo"):
@@ -132,7 +132,7 @@ def load_named_model(spec: str, info, device, other_dataset: bool = False) -> tu
         name = entry.name
         desc = {"model": entry.name, "zoo_entry": entry.name,
                 "checkpoint": {"path": entry.weights, "sha256": entry.sha256}}
-    from robust_attn.checkpoint import check_num_classes
+    from robust_attn.models.checkpoint import check_num_classes
 
     model = model.to(device).eval()
     check_num_classes(model, info.num_classes, f"model {spec}", image_size=info.image_size)
@@ -145,7 +145,7 @@ def run_transfer_cmd(args) -> int:
     from robust_attn.distributed import init_distributed
     from robust_attn.protocols.transfer import EnsembleModel, run_transfer, summarize_transfer
     from robust_attn.sources.inputs import model_dataset, same_preprocessing
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     if args.model or args.checkpoint or args.zoo:
         raise UserError("eval transfer takes its models as --source and --target, not --model/--checkpoint/--zoo")

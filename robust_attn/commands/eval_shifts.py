@@ -80,7 +80,7 @@ def _source(args):
 @_with_cleanup
 def run_corruption_cmd(args) -> int:
     from robust_attn.protocols.corruption import check_frost, corruption_conditions, run_corruption, summarize_corruption
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     conditions = corruption_conditions(args.corruptions, parse_list(args.severities, int, "--severities"))
     make_source, images = _source(args)
@@ -110,7 +110,7 @@ def run_corruption_cmd(args) -> int:
 
 
 def _print_mce(records, conditions, baseline: Path) -> None:
-    from robust_attn.results import load_description, load_records
+    from robust_attn.runs.store import load_description, load_records
     from robust_attn.shifts.metrics import error_table, mce_summary
 
     base_desc = load_description(baseline)
@@ -125,7 +125,7 @@ def _print_mce(records, conditions, baseline: Path) -> None:
 @_with_cleanup
 def run_occlusion_cmd(args) -> int:
     from robust_attn.protocols.occlusion import occlusion_conditions, run_occlusion, summarize_occlusion
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     drop = [] if str(args.drop).strip().lower() in ("none", "0", "") else parse_list(args.drop, float, "--drop")
     fills = [f.strip() for f in args.fill.split(",") if f.strip()]
@@ -144,7 +144,7 @@ def run_occlusion_cmd(args) -> int:
 @_with_cleanup
 def run_shuffle_cmd(args) -> int:
     from robust_attn.protocols.shuffle import run_shuffle, shuffle_conditions, summarize_shuffle
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     conditions = shuffle_conditions(parse_list(args.grids, int, "--grids"), image_size=_image_size(args))
     info, rank, world_size, device, model, dataset, out, run_info = _setup(args, "shuffle")

@@ -1,7 +1,7 @@
 """``robust-attn study``: SAN section 5.4 on every zoo model of a dataset (rotation, Table 10
 PGD and an eps sweep on the same images), then the report with the findings
-(:mod:`robust_attn.study`). ``robust-attn study CONFIG.toml`` runs the models a study config
-names, from any source (:mod:`robust_attn.study_config`); the options below then override the
+(:mod:`robust_attn.study.run`). ``robust-attn study CONFIG.toml`` runs the models a study config
+names, from any source (:mod:`robust_attn.study.config`); the options below then override the
 file's values (e.g. ``--limit 100`` for a first try). Resumable: run it again to finish an
 interrupted study. Runs under ``torchrun --nproc_per_node=N -m robust_attn.cli study ...`` too
 (each rank a shard of the images)."""
@@ -22,7 +22,7 @@ _ITEM_TYPES = {"tuple[float, ...]": float, "tuple[int, ...]": int, "tuple[str, .
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from robust_attn.layers.paths import ATTENTION_PATH_HELP, ATTENTION_PATHS
-    from robust_attn.study import BACKENDS, StudyConfig
+    from robust_attn.study.run import BACKENDS, StudyConfig
 
     d = StudyConfig()
     p = sub.add_parser("study", help="rotation, Table 10 PGD, AutoAttack, Square, transfer and gradient-masking "
@@ -84,7 +84,7 @@ def _given(args) -> dict:
     """The StudyConfig fields the command line sets (options left out are not in it): every field
     with an option of its name (``models`` and ``root`` are handled apart), a tuple field parsed
     from a comma list of its item type."""
-    from robust_attn.study import StudyConfig
+    from robust_attn.study.run import StudyConfig
 
     out = {}
     for field in dataclasses.fields(StudyConfig):
@@ -100,8 +100,8 @@ def _given(args) -> dict:
 
 
 def _config(args):
-    from robust_attn.study import StudyConfig
-    from robust_attn.study_config import load_study_config
+    from robust_attn.study.run import StudyConfig
+    from robust_attn.study.config import load_study_config
 
     given = _given(args)
     selected = [m.strip() for m in (args.models or "").split(",") if m.strip()]
@@ -129,7 +129,7 @@ def run_study_cmd(args) -> int:
     import torch
 
     from robust_attn.distributed import cleanup
-    from robust_attn.study import default_workers, run_study
+    from robust_attn.study.run import default_workers, run_study
 
     config, name = _config(args)
     on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")

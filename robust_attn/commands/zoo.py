@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from robust_attn.cli import UserError
-from robust_attn.complexity import model_complexity
-from robust_attn.zoo import Manifest, ZooEntry, entry_from_checkpoint, verify_zoo
-from robust_attn.reference import imagenet_reference
-from robust_attn.registry import list_models, model_info
+from robust_attn.models.complexity import model_complexity
+from robust_attn.models.manifest import Manifest, ZooEntry, entry_from_checkpoint, verify_zoo
+from robust_attn.models.reference import imagenet_reference
+from robust_attn.models.registry import list_models, model_info
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -7,7 +7,7 @@ a user's own image folder (``imagefolder``: one folder per class; needs ``root``
     >>> image, label = test[0]                      # float32 (3, 32, 32) in [0, 1], int
 
 Items are ``(image, label)``: a float32 tensor (3, H, W) in [0, 1] and an int. Nothing is
-normalized here: the model wrapper (:class:`robust_attn.wrapper.NormalizedModel`) normalizes with
+normalized here: the model wrapper (:class:`robust_attn.models.wrapper.NormalizedModel`) normalizes with
 ``info.mean`` / ``info.std``, so attacks work in [0, 1] pixel space.
 
 Splits:

@@ -22,8 +22,8 @@ class DatasetInfo:
     """What a model and a trainer need to know about a dataset besides its images.
 
     ``mean``/``std`` are per-channel statistics of the images in [0, 1] as the model sees them
-    (the :class:`~robust_attn.wrapper.NormalizedModel` normalizes with them); ``resolution`` is the
-    name in :data:`robust_attn.resolution.RESOLUTIONS` whose models take ``image_size`` inputs.
+    (the :class:`~robust_attn.models.wrapper.NormalizedModel` normalizes with them); ``resolution`` is the
+    name in :data:`robust_attn.models.resolution.RESOLUTIONS` whose models take ``image_size`` inputs.
     """
 
     name: str

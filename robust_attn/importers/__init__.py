@@ -3,7 +3,7 @@
 Each importer is one module with a ``convert_*(state_dict, arch) -> our state dict`` (pure key
 renaming plus checks, no arithmetic on the tensors) and an ``import_*(path, arch, out)`` that
 reads the source file, builds our model, loads the converted weights and writes a safetensors
-checkpoint with :func:`robust_attn.checkpoint.save_checkpoint`; the sidecar's ``origin`` names
+checkpoint with :func:`robust_attn.models.checkpoint.save_checkpoint`; the sidecar's ``origin`` names
 the importer, the source file and its sha256.
 
 * :mod:`.san_official`: the SAN authors' checkpoints (hszhao/SAN, ``san10_pairwise`` etc.).
@@ -24,10 +24,10 @@ from typing import Callable, Mapping
 
 import torch
 
-from robust_attn.checkpoint import save_checkpoint
-from robust_attn.registry import create_model
+from robust_attn.models.checkpoint import save_checkpoint
+from robust_attn.models.registry import create_model
 from robust_attn.utils.io import sha256_file
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 __all__ = ["ConversionError", "IMAGENET_MEAN", "IMAGENET_STD", "read_state_dict", "remap", "fc_classes",
            "default_output", "IMPORTERS", "import_checkpoint"]

@@ -52,7 +52,7 @@ import torch
 
 from robust_attn.importers import (ConversionError, convert_and_save, fc_classes, remap)
 from robust_attn.models.san import SAN_LAYERS
-from robust_attn.registry import create_model, list_models, model_info
+from robust_attn.models.registry import create_model, list_models, model_info
 
 __all__ = ["SAN_ARCHS", "official_key", "convert_san_official", "guess_san_arch", "import_san_official"]
 

@@ -25,7 +25,7 @@ import torch
 
 from robust_attn.importers import (ConversionError, convert_and_save, fc_classes, remap)
 from robust_attn.models.resnet import RESNET_LAYERS
-from robust_attn.registry import create_model, list_models, model_info
+from robust_attn.models.registry import create_model, list_models, model_info
 
 __all__ = ["RESNET_ARCHS", "convert_torchvision_resnet", "import_torchvision_resnet"]
 

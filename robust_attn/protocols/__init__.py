@@ -1,7 +1,7 @@
 """Robustness protocols: SAN's rotation/flip (Table 9) and targeted PGD (Table 10), the evaluation
-attacks and transfer attacks. Each protocol writes a run directory (see :mod:`robust_attn.results`)
+attacks and transfer attacks. Each protocol writes a run directory (see :mod:`robust_attn.runs.store`)
 through the shared loop in :mod:`robust_attn.protocols.runner`; aggregates come from the records.
-A protocol joins ``robust-attn study`` by registering a step (:mod:`robust_attn.protocols.registry`);
+A protocol joins ``robust-attn study`` by registering a step (:mod:`robust_attn.protocols.study_step`);
 every module of this package is imported here, so a new protocol is one new file."""
 import importlib
 import pkgutil

@@ -3,7 +3,7 @@
 Where :mod:`robust_attn.protocols.pgd` is SAN's Table 10 (targeted PGD with the paper's weak
 settings), this protocol runs the attacks a careful evaluator adds (PGD with restarts, APGD-CE,
 APGD-T, FAB-T, Square and the AutoAttack ensemble, :mod:`robust_attn.attacks`), each as one
-condition of a resumable, shardable run directory (:mod:`robust_attn.results`), beside the
+condition of a resumable, shardable run directory (:mod:`robust_attn.runs.store`), beside the
 clean condition.
 
 Records, per image and condition:
@@ -47,7 +47,7 @@ import torch.nn as nn
 from robust_attn.attacks.base import AttackConfig, make_attack
 from robust_attn.distributed import barrier
 from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
 
 __all__ = ["PROTOCOL", "CLEAN", "attack_records", "computation_order", "logit_margin", "make_evaluator",

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from robust_attn.protocols.registry import study_protocol
-from robust_attn.results import RunStore
+from robust_attn.protocols.study_step import study_protocol
+from robust_attn.runs.store import RunStore
 from robust_attn.shifts.cache import CorruptionCache, OnTheFly, to_float
 from robust_attn.shifts.corruptions import SEVERITIES, check_severity, corruption_names
 from robust_attn.protocols.shift_runner import CLEAN, accuracy_by_condition, run_shift

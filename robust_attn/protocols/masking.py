@@ -34,9 +34,9 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from robust_attn.attacks import masking
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.runner import open_run
-from robust_attn.results import RunStore, load_description, load_records
+from robust_attn.runs.store import RunStore, load_description, load_records
 from robust_attn.utils.io import atomic_write_json
 
 __all__ = ["PROTOCOL", "white_box_records", "attack_run_checks", "write_checks"]

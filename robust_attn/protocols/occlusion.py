@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.shift_runner import CLEAN, accuracy_by_condition, run_shift
 from robust_attn.shifts.occlusion import check_area, check_grid, drop_patches, occlude_square, square_side
 

@@ -17,7 +17,7 @@ Choices where the paper is silent (stated here and recorded in every run's ``run
 * No random start (the paper's step sizes exactly reach eps in n steps: step = eps / n); a
   sweep without an explicit step uses that rule.
 * The attack runs on the model in eval mode; gradients flow through the normalization inside
-  :class:`robust_attn.wrapper.NormalizedModel`.
+  :class:`robust_attn.models.wrapper.NormalizedModel`.
 * Backend agreement: by default the native attack agrees with torchattacks and foolbox up to
   floating-point ties (a faster float order). ``run_pgd(..., exact=True)`` (``eval pgd --exact``)
   makes the three backends bit-identical at any ``batch_size``, the ragged last chunk included,
@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from robust_attn.distributed import barrier
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_file
 
@@ -265,7 +265,7 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
     """Run (or resume) targeted PGD (clean condition plus each setting) into ``out_dir``.
 
     ``model`` is any module taking [0, 1] images (normalization inside, e.g. a
-    :class:`~robust_attn.wrapper.NormalizedModel`). The targets are drawn with ``seed``, or given
+    :class:`~robust_attn.models.wrapper.NormalizedModel`). The targets are drawn with ``seed``, or given
     as ``targets`` (a tensor: one class per image, in dataset order) or ``targets_file`` (another
     run's ``targets.csv``); they are saved (``targets.csv``). ``model_info`` says where the
     model came from, as for :func:`robust_attn.protocols.rotation.run_rotation` (recorded in
@@ -307,7 +307,7 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
                progress=progress and rank == 0, desc="pgd")
     barrier()
     if checks and rank == 0:
-        from robust_attn.results import load_records
+        from robust_attn.runs.store import load_records
 
         saved = [c for c in load_checks(out_dir) if c.get("setting") != "all"]
         atomic_write_json(checks_path, saved + [_sweep_check(load_records(out_dir), settings)])

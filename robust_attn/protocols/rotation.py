@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from robust_attn.distributed import barrier
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
 
 __all__ = ["RotationCondition", "PAPER_CONDITIONS", "rotation_conditions", "rotate_clockwise",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.shift_runner import CLEAN, accuracy_by_condition, run_shift
 from robust_attn.shifts.occlusion import check_grid
 from robust_attn.shifts.shuffle import shuffle_patches

@@ -31,9 +31,9 @@ import torch.nn as nn
 from robust_attn.attacks.base import AttackConfig, make_attack
 from robust_attn.distributed import barrier
 from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
-from robust_attn.results import RunStore
+from robust_attn.runs.store import RunStore
 
 __all__ = ["PROTOCOL", "EnsembleModel", "transfer_condition", "split_condition", "run_transfer",
            "summarize_transfer", "check_compatible"]

@@ -12,7 +12,7 @@ heat map, and the gradient-masking verdicts.
 * Masking verdicts: every check of ``checks.json`` in the masking runs, per model: name, verdict
   and the evidence's summary.
 
-Everything is computed from the per-image records (:func:`robust_attn.results.load_records`).
+Everything is computed from the per-image records (:func:`robust_attn.runs.store.load_records`).
 """
 from __future__ import annotations
 

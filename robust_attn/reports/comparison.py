@@ -133,7 +133,7 @@ def _attack_label(condition: str) -> str:
 
 
 def _family(model: str) -> str:
-    from robust_attn.registry import model_info
+    from robust_attn.models.registry import model_info
 
     try:
         return model_info(model.split(" (")[0]).family   # a name with its weights: model_names

@@ -2,7 +2,7 @@
 and as Markdown and LaTeX by :mod:`robust_attn.reports.formats`).
 
 Everything here is computed from the per-image records of the run directories
-(:func:`robust_attn.results.load_records`). Where a run's model and dataset match a row of the
+(:func:`robust_attn.runs.store.load_records`). Where a run's model and dataset match a row of the
 published tables (``reports/reference``; ImageNet only, since the paper evaluates on ImageNet
 val-original), the published numbers are placed in the row below ours, marked ``paper``.
 
@@ -36,7 +36,7 @@ assert [c.name for c in PAPER_CONDITIONS] == [c for c, _ in TABLE9_CONDITIONS]
 
 
 def _reference(name: str) -> dict[str, dict]:
-    from robust_attn.reference import reference_table
+    from robust_attn.models.reference import reference_table
 
     return {row["model"]: row for row in reference_table(name).to_dict("records")}
 

@@ -32,7 +32,7 @@ attribute; ``None`` for sources whose weights take the dataset's images as they 
 registry, the zoo's checkpoints, a user's function without one). The run description records
 where the model came from: ``source``, ``spec``, ``weights_origin``, ``weights_sha256``,
 ``params`` and ``preprocessing`` (:mod:`robust_attn.sources.provenance`). Every model is checked
-to output the dataset's number of classes (:func:`robust_attn.checkpoint.check_num_classes`).
+to output the dataset's number of classes (:func:`robust_attn.models.checkpoint.check_num_classes`).
 
 A new source is one new module in this package with a function decorated by
 ``@register_source("prefix")`` (optionally ``check=``: what is wrong with a spec before anything
@@ -177,7 +177,7 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
 
     The description records where the model came from (:mod:`robust_attn.sources.provenance`):
     ``source``, ``spec``, ``weights_origin``, ``weights_sha256``, ``params`` and ``preprocessing``."""
-    from robust_attn.checkpoint import check_num_classes
+    from robust_attn.models.checkpoint import check_num_classes
     from robust_attn.sources.provenance import count_parameters
 
     if spec is None:

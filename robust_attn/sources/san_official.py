@@ -35,9 +35,9 @@ def check_san_official(target: str, spec: str) -> None:
 def load_san_official(request: SourceRequest) -> LoadedModel:
     from robust_attn.importers import IMAGENET_MEAN, IMAGENET_STD, ConversionError, fc_classes, read_state_dict
     from robust_attn.importers.san_official import SAN_ARCHS, convert_san_official, guess_san_arch
-    from robust_attn.registry import create_model
+    from robust_attn.models.registry import create_model
     from robust_attn.utils.io import sha256_file
-    from robust_attn.wrapper import NormalizedModel
+    from robust_attn.models.wrapper import NormalizedModel
 
     if request.checkpoint or request.model_args:
         raise SourceError(f"{request.spec!r} names its weights file: drop --checkpoint and --model-args")

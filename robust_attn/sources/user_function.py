@@ -37,7 +37,7 @@ from robust_attn.sources import CALLABLE, register_source, unknown_module_hint
 from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file,
                                       state_dict_sha256)
 from robust_attn.sources.provenance import USER
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 PREPROCESSING_FIELDS = tuple(f.name for f in dataclasses.fields(Preprocessing))
 

@@ -1,7 +1,7 @@
 """How a protocol joins ``robust-attn study``: one registered step per protocol, in its own file.
 
 A protocol module decorates a function with :func:`study_protocol`; the study
-(:mod:`robust_attn.study`) runs the steps that ``StudyConfig.protocols`` names, in that order,
+(:mod:`robust_attn.study.run`) runs the steps that ``StudyConfig.protocols`` names, in that order,
 and nothing else in the study names protocols. Two kinds of step:
 
 * per model (``per_model=True``): ``step(ctx, entry, model) -> Path`` runs the protocol on one
@@ -30,7 +30,7 @@ __all__ = ["StudyContext", "StudyProtocol", "STUDY_PROTOCOLS", "study_protocol",
 
 @dataclass
 class StudyContext:
-    """What every study step gets: the config (:class:`robust_attn.study.StudyConfig`), the
+    """What every study step gets: the config (:class:`robust_attn.study.run.StudyConfig`), the
     dataset's info, the evaluation images (``dataset``: the whole split or ``config.limit``;
     ``attack_dataset``: the seeded subset the expensive attacks use), where runs go, the device
     and this process's shard, and :meth:`run_info` for a model's part of run.json."""

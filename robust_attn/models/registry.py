@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch.nn as nn
 
-from robust_attn.resolution import RESOLUTIONS
+from robust_attn.models.resolution import RESOLUTIONS
 
 __all__ = ["ModelInfo", "register_model", "create_model", "list_models", "model_info"]
 

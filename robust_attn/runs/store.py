@@ -13,7 +13,7 @@ Layout of a run directory::
     targets.csv                       (PGD) the attack target of every image
     ...                               anything else a protocol saves (e.g. sanity checks)
 
-A finished run can be *packed* (:meth:`RunStore.pack`, :mod:`robust_attn.packing`): the same
+A finished run can be *packed* (:meth:`RunStore.pack`, :mod:`robust_attn.runs.packing`): the same
 directory with all records merged into one ``records.csv.gz`` instead of ``records/``, and a
 ``checksums.json``, small enough to commit beside a report so that the report can be derived
 again, verified end to end, from what was saved. A packed run reads like the original and cannot
@@ -39,7 +39,7 @@ files and the fix: ``--repair`` (:meth:`RunStore.repair` deletes the damaged chu
 command computes them again) or restoring the files. A deleted chunk is a missing chunk (the
 run is unfinished; running the command again computes it). A report therefore never computes
 from damaged records. Runs written before checksums existed are adopted with :meth:`RunStore.seal`
-(``python -m robust_attn.results seal DIR...``; :mod:`robust_attn.sealing`), which checks that the
+(``python -m robust_attn.runs.store seal DIR...``; :mod:`robust_attn.runs.sealing`), which checks that the
 records parse and are complete before it trusts them.
 
 Where each chunk was computed. ``run.json`` keeps the description of the run's first start, so
@@ -53,7 +53,7 @@ differs between machines, :mod:`robust_attn.utils.hardware`), and a packed run's
 shown in the report's model table. Chunks written before this existed count as ``"not recorded"``.
 
 Claims (concurrency): several processes share one run's chunks by claiming each before
-computing it (:mod:`robust_attn.claims`).
+computing it (:mod:`robust_attn.runs.claims`).
 
 Aggregates (accuracies, success rates, drops) are always computed from the records
 (:func:`load_records`), never stored on their own.
@@ -70,8 +70,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from robust_attn.claims import Claim, claim_chunk
-from robust_attn.packing import PACKED, csv_rows, is_packed, packed_computed_on, verify_packed, write_packed
+from robust_attn.runs.claims import Claim, claim_chunk
+from robust_attn.runs.packing import PACKED, csv_rows, is_packed, packed_computed_on, verify_packed, write_packed
 from robust_attn.utils.differences import describe_difference
 from robust_attn.utils.hardware import hardware_label
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes
@@ -291,7 +291,7 @@ class RunStore:
             entry = json.loads(self.checksum_path(path).read_text())
         except FileNotFoundError:
             return data, (f"no checksum ({self.checksum_path(path).name} missing: written before checksums "
-                          f"existed, or deleted; `python -m robust_attn.results seal {self.root}` adopts "
+                          f"existed, or deleted; `python -m robust_attn.runs.store seal {self.root}` adopts "
                           f"intact old chunks)")
         except ValueError:
             return data, f"unreadable checksum file {self.checksum_path(path).name}"
@@ -404,10 +404,10 @@ class RunStore:
         return [(c, a, min(a + size, n)) for c in self._condition_names() for a in range(0, n, size)
                 if (c, a, min(a + size, n)) not in done]
 
-    # --- packed runs (robust_attn.packing) ------------------------------------------------------
+    # --- packed runs (robust_attn.runs.packing) ------------------------------------------------------
     def _verify_packed(self) -> tuple[list[tuple[Path, str]], bytes | None]:
         """Problems of a packed run against its ``checksums.json``, and the verified records bytes."""
-        return verify_packed(self.root, f"python -m robust_attn.results seal {self.root}")
+        return verify_packed(self.root, f"python -m robust_attn.runs.store seal {self.root}")
 
     def computed_on(self) -> dict[str, int]:
         """How many record chunks each device computed (module docstring), by the hardware the
@@ -428,7 +428,7 @@ class RunStore:
         return dict(sorted(counts.items()))
 
     def pack(self, dest: str | Path) -> "RunStore":
-        """Write this finished run to ``dest`` packed (:func:`robust_attn.packing.write_packed`:
+        """Write this finished run to ``dest`` packed (:func:`robust_attn.runs.packing.write_packed`:
         its other files copied, the records merged into one gzip CSV, then ``checksums.json``).
         Returns the packed store."""
         missing = self.missing()
@@ -441,9 +441,9 @@ class RunStore:
         return RunStore(dest)
 
     def seal(self) -> list[Path]:
-        """Adopt a run written before checksums existed (:func:`robust_attn.sealing.seal`);
+        """Adopt a run written before checksums existed (:func:`robust_attn.runs.sealing.seal`);
         returns the checksum files written."""
-        from robust_attn.sealing import seal
+        from robust_attn.runs.sealing import seal
 
         return seal(self)
 
@@ -496,10 +496,10 @@ def load_records(run_dir: str | Path, require_complete: bool = True) -> pd.DataF
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m robust_attn.results verify|seal|repair RUN_DIR...``."""
+    """``python -m robust_attn.runs.store verify|seal|repair RUN_DIR...``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m robust_attn.results",
+    parser = argparse.ArgumentParser(prog="python -m robust_attn.runs.store",
                                      description="check, adopt (seal) or repair stored runs")
     parser.add_argument("action", choices=["verify", "seal", "repair"])
     parser.add_argument("runs", nargs="+")

@@ -2,7 +2,7 @@
 
 A study config is a TOML file naming the models (any model spec of :mod:`robust_attn.sources`),
 the dataset and the protocols; every other key is a field of
-:class:`robust_attn.study.StudyConfig` with the same name and meaning::
+:class:`robust_attn.study.run.StudyConfig` with the same name and meaning::
 
     dataset = "imagenet"                 # required
     root = "data"                        # data root (default: --root, $ROBUST_ATTN_DATA or ./data)
@@ -22,7 +22,7 @@ the dataset and the protocols; every other key is a field of
 (``models = [...]`` and ``[[models]]`` tables are two ways to write the same list; use one.)
 Paths are read as on the command line: relative to the folder the command runs in. Loading
 validates everything it can without building a model: unknown keys (with the closest valid
-key), types, values (:class:`~robust_attn.study.StudyConfig`'s checks), spec syntax and
+key), types, values (:class:`~robust_attn.study.run.StudyConfig`'s checks), spec syntax and
 sources, distinct labels, and a ``baseline`` that names one of the models. Each error names
 the file and the key to fix.
 """
@@ -97,7 +97,7 @@ def read_study_toml(path: str | Path) -> dict:
 
 
 def load_study_config(path: str | Path, overrides: dict | None = None):
-    """:class:`~robust_attn.study.StudyConfig` from the TOML file ``path`` (module docstring);
+    """:class:`~robust_attn.study.run.StudyConfig` from the TOML file ``path`` (module docstring);
     ``overrides`` (config keys, e.g. the command line's ``--limit``) replace the file's values."""
     return study_config_from_dict({**read_study_toml(path), **(overrides or {})}, where=str(path))
 
@@ -152,7 +152,7 @@ def _model(item, index: int, where: str) -> StudyModel:
 
 def study_config_from_dict(raw: dict, where: str = "study config"):
     """Validate a study config given as a dict (what the TOML file holds)."""
-    from robust_attn.study import StudyConfig
+    from robust_attn.study.run import StudyConfig
 
     fields = {f.name: f for f in dataclasses.fields(StudyConfig)}
     kwargs = {}

@@ -252,7 +252,7 @@ def targeted_pgd(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, 
                  exact: bool = False) -> torch.Tensor:
     """Adversarial images from targeted L-inf PGD (SAN Table 10) with one of :data:`BACKENDS`.
 
-    ``model`` takes [0, 1] images (a :class:`~robust_attn.wrapper.NormalizedModel`) and must be in
+    ``model`` takes [0, 1] images (a :class:`~robust_attn.models.wrapper.NormalizedModel`) and must be in
     eval mode; it is left as it was (mode, dtype, device, ``requires_grad`` of parameters).
     ``images`` (N, C, H, W) in [0, 1]; ``targets`` (N,) class indices, e.g. from
     :func:`~robust_attn.attacks.draw_targets`; ``labels`` (optional) are checked to differ from

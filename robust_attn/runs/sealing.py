@@ -1,5 +1,5 @@
-"""Adopting runs written before checksums existed (issue #18; :mod:`robust_attn.results`):
-``python -m robust_attn.results seal DIR...`` checks that a run's records parse and are complete
+"""Adopting runs written before checksums existed (issue #18; :mod:`robust_attn.runs.store`):
+``python -m robust_attn.runs.store seal DIR...`` checks that a run's records parse and are complete
 and consistent before it trusts them, then writes the checksums it lacks (a packed run's
 ``checksums.json``, a chunk's manifest entry). Existing checksums are verified, never rewritten.
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from robust_attn.packing import PACKED, PACKED_MANIFEST, csv_rows, write_packed_manifest
-from robust_attn.results import DamagedRecordsError, RunStore, condition_names
+from robust_attn.runs.packing import PACKED, PACKED_MANIFEST, csv_rows, write_packed_manifest
+from robust_attn.runs.store import DamagedRecordsError, RunStore, condition_names
 from robust_attn.utils.io import atomic_write_json, sha256_bytes
 
 __all__ = ["seal"]

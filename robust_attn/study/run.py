@@ -2,24 +2,24 @@
 
 For every zoo model trained on ``config.dataset`` (or the models ``config.models`` names: zoo
 entries, or any model spec of :mod:`robust_attn.sources` as :class:`StudyModel`, e.g. from a
-study config file, :mod:`robust_attn.study_config`) this runs the rotation protocol (Table 9 plus
+study config file, :mod:`robust_attn.study.config`) this runs the rotation protocol (Table 9 plus
 the left-right flip and an angle sweep) and targeted PGD (Table 10's two settings plus an eps
 sweep) on the same images with the same attack targets (drawn from the labels with one seed,
 so every model and every resumed or parallel call gets the same ones), then writes the report: Tables 9 and
 10, the plots, bootstrap intervals and the findings (which model loses least, paired bootstrap;
 :mod:`robust_attn.reports.comparison`).
 
-    >>> from robust_attn.study import StudyConfig, StudyModel, run_study
+    >>> from robust_attn.study.run import StudyConfig, StudyModel, run_study
     >>> run_study(StudyConfig(dataset="fashion_mnist"), runs_dir="runs/study", report_dir="reports/study")
     >>> run_study(StudyConfig(dataset="imagenet", limit=1000, baseline="torchvision-resnet50",
     ...                       models=(StudyModel("timm:resnet26t"), StudyModel("torchvision:resnet50:IMAGENET1K_V1"))),
     ...           runs_dir="runs/study-imagenet", report_dir="reports/study-imagenet", root="data")
 
 Every model is loaded through its spec and evaluated on the same images through its own
-preprocessing (:mod:`robust_attn.study_models`); the steps that compare models on the same
+preprocessing (:mod:`robust_attn.study.models`); the steps that compare models on the same
 tensors (transfer, masking) are refused for models of different preprocessing.
 
-Every run directory is resumable (:mod:`robust_attn.results`): calling again after an
+Every run directory is resumable (:mod:`robust_attn.runs.store`): calling again after an
 interruption computes only what is missing, and a finished model costs nothing. The report
 folder gets a packed copy of every run (``<report_dir>/runs``: per-image records in one gzip CSV
 each), so ``robust-attn report <report_dir>/runs/* --out DIR`` derives the report again from
@@ -45,10 +45,10 @@ import torch
 from robust_attn.distributed import init_distributed, world_size as process_count
 from robust_attn.layers.paths import check_attention_path, set_attention_path
 from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
-from robust_attn.protocols.registry import STUDY_PROTOCOLS, StudyContext, list_study_protocols
-from robust_attn.results import RunStore, library_versions
-from robust_attn.study_config import StudyModel
-from robust_attn.study_models import StudyEntry, load_models, model_inputs, study_models
+from robust_attn.protocols.study_step import STUDY_PROTOCOLS, StudyContext, list_study_protocols
+from robust_attn.runs.store import RunStore, library_versions
+from robust_attn.study.config import StudyModel
+from robust_attn.study.models import StudyEntry, load_models, model_inputs, study_models
 from robust_attn.utils.io import atomic_path
 
 __all__ = ["StudyConfig", "StudyModel", "StudyEntry", "run_study", "study_models", "TIMINGS_FILE"]
@@ -218,11 +218,11 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     """Run (or resume) the study and write the report; returns the report's files.
 
     The protocols run in the order of ``config.protocols``: every per-model step
-    (:mod:`robust_attn.protocols.registry`) for each model, then the steps across models.
+    (:mod:`robust_attn.protocols.study_step`) for each model, then the steps across models.
 
     ``workers`` > 1 (CPU, not under torchrun) starts that many processes in all, one thread each,
     working through the same runs: every record chunk is claimed before it is computed
-    (:mod:`robust_attn.results`), so they share each run's chunks and finish it together before
+    (:mod:`robust_attn.runs.store`), so they share each run's chunks and finish it together before
     the next. Only this process runs the steps that are not chunked (the masking checks), logs
     the timings and writes the report.
 
@@ -230,10 +230,10 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     (:mod:`robust_attn.layers.paths`: ``"reference"`` is the faster on a GPU), recorded in each
     run's ``run.json`` as how it ran."""
     from robust_attn.data import dataset_info, locate_dataset
-    from robust_attn.protocols.registry import replace
+    from robust_attn.protocols.study_step import replace
     from robust_attn.reports import make_report
     from robust_attn.sources.inputs import record_preprocessing
-    from robust_attn.zoo import Manifest
+    from robust_attn.models.manifest import Manifest
 
     check_attention_path(attention_path)   # before any model is loaded
     manifest = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
@@ -325,7 +325,7 @@ def _described(step, config: StudyConfig) -> str:
 def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_images: int,
               models: list[StudyModel]) -> list[str]:
     """The report's opening: the models and images, then each protocol that ran, in the words
-    of its registration (:mod:`robust_attn.protocols.registry`), and the wall time spent."""
+    of its registration (:mod:`robust_attn.protocols.study_step`), and the wall time spent."""
     who = f"every zoo model trained on `{config.dataset}`" if not config.models else \
         f"{len(models)} models on `{config.dataset}` ({', '.join(m.name for m in models)}; where each came from: " \
         f"Models, below)"
