@@ -1,16 +1,21 @@
-"""Shared pieces of the dataset readers: :class:`DatasetInfo`, the in-memory uint8 dataset,
-where data is looked for, and the error raised when it is not there."""
+"""Shared pieces of the dataset readers: :class:`DatasetInfo`, the shape of a dataset module
+(:class:`DatasetModule`) and their registry, the in-memory uint8 dataset, where data is looked for,
+and the error raised when it is not there."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["DatasetInfo", "TensorImageDataset", "default_data_root", "missing_dataset_error", "DATA_ENV"]
+from robust_attn.utils.registry import Registry
+
+__all__ = ["DatasetInfo", "DatasetModule", "DATASETS", "register_dataset", "TensorImageDataset", "default_data_root",
+           "missing_dataset_error", "DATA_ENV"]
 
 #: Environment variable naming the default data root (torchvision's ``root`` convention:
 #: each dataset lives in its own sub-folder, e.g. ``ROOT/cifar-100-python``).
@@ -35,6 +40,40 @@ class DatasetInfo:
     splits: tuple[str, ...] = ("train", "val", "test")
     val_per_class: int = 50
     how_to_get: str = ""
+
+
+@runtime_checkable
+class DatasetModule(Protocol):
+    """What a dataset module of :mod:`robust_attn.data` holds (one module per dataset).
+
+    ``INFO``: its :class:`DatasetInfo` (``INFO.name`` is the dataset's name);
+    ``build(root, split, augment, download=False, verify=False[, transform=None])``: the
+    ``"train"`` or ``"test"`` split as a ``Dataset`` of ``(float (3, H, W) in [0, 1], int)``;
+    ``locate(root, split=None)``: the folder it reads (``None`` for generated data), or
+    ``FileNotFoundError`` naming the folders searched and how to get the data. Optional:
+    ``info(root) -> DatasetInfo`` where the classes come from the data, and
+    ``TAKES_TRANSFORM = True`` where ``build`` decodes image files and takes a model's transform.
+    The module ends with ``register_dataset(__name__)``."""
+
+    INFO: DatasetInfo
+
+    def build(self, root, split: str, augment: bool, download: bool = False, verify: bool = False,
+              **kwargs) -> Dataset: ...
+
+    def locate(self, root, split: str | None = None) -> Path | None: ...
+
+
+#: every dataset module by name, from the modules of :mod:`robust_attn.data`
+DATASETS: Registry[DatasetModule] = Registry("dataset", package="robust_attn.data", error=ValueError)
+
+
+def register_dataset(module_name: str) -> None:
+    """Register the module ``module_name`` (a :class:`DatasetModule`) under ``INFO.name``."""
+    module = sys.modules[module_name]
+    if not isinstance(module, DatasetModule):
+        raise TypeError(f"dataset module {module_name} needs INFO, build(root, split, augment, ...) and "
+                        f"locate(root, split) (robust_attn.data.base.DatasetModule)")
+    DATASETS.register(module.INFO.name, module)
 
 
 def default_data_root() -> Path:

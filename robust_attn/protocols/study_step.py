@@ -25,12 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from robust_attn.utils.registry import Registry
+
 __all__ = ["StudyContext", "StudyProtocol", "STUDY_PROTOCOLS", "study_protocol", "list_study_protocols"]
 
 
 @dataclass
 class StudyContext:
-    """What every study step gets: the config (:class:`robust_attn.study.run.StudyConfig`), the
+    """What every study step gets: the config (:class:`robust_attn.study.config.StudyConfig`), the
     dataset's info, the evaluation images (``dataset``: the whole split or ``config.limit``;
     ``attack_dataset``: the seeded subset the expensive attacks use), where runs go, the device
     and this process's shard, and :meth:`run_info` for a model's part of run.json."""
@@ -74,7 +76,9 @@ class StudyProtocol:
     attack_subset: bool = False   # runs on the attack subset, not on every image of the study
 
 
-STUDY_PROTOCOLS: dict[str, StudyProtocol] = {}
+#: every protocol's study step, from the modules of :mod:`robust_attn.protocols`
+STUDY_PROTOCOLS: Registry[StudyProtocol] = Registry("study protocol", package="robust_attn.protocols",
+                                                    error=ValueError)
 
 
 def study_protocol(name: str, *, per_model: bool = True, summary: str = "", chunked: bool = True,
@@ -85,19 +89,16 @@ def study_protocol(name: str, *, per_model: bool = True, summary: str = "", chun
     (module docstring)."""
 
     def add(fn: Callable) -> Callable:
-        if name in STUDY_PROTOCOLS:
-            raise ValueError(f"study protocol {name!r} is registered twice")
-        STUDY_PROTOCOLS[name] = StudyProtocol(name, fn, per_model, summary or (fn.__doc__ or "").split("\n")[0],
-                                              chunked, describe, attack_subset)
+        STUDY_PROTOCOLS.register(name, StudyProtocol(name, fn, per_model,
+                                                     summary or (fn.__doc__ or "").split("\n")[0],
+                                                     chunked, describe, attack_subset))
         return fn
 
     return add
 
 
 def list_study_protocols() -> list[str]:
-    import robust_attn.protocols  # noqa: F401  (imports every protocol module)
-
-    return list(STUDY_PROTOCOLS)
+    return STUDY_PROTOCOLS.names()
 
 
 def replace(ctx: StudyContext, **changes) -> StudyContext:

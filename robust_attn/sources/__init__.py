@@ -1,4 +1,4 @@
-"""One spec string for a model's source (issue #15): the CLI's ``--model``, the Python API and configs.
+"""One spec string for a model's source: the CLI's ``--model``, the Python API and configs.
 
     >>> from robust_attn.data import dataset_info
     >>> from robust_attn.sources import load_model_spec
@@ -38,69 +38,70 @@ A new source is one new module in this package with a function decorated by
 ``@register_source("prefix")`` (optionally ``check=``: what is wrong with a spec before anything
 is built, :func:`check_spec`) taking a :class:`SourceRequest` and returning a
 :class:`LoadedModel` whose description names ``weights_origin`` and ``weights_sha256``; the
-modules are imported when a spec is first resolved.
+modules are imported when a spec is first resolved (:data:`SOURCES`).
 """
 from __future__ import annotations
 
 import difflib
-import importlib
-import pkgutil
 import re
-from pathlib import PurePath
+from dataclasses import dataclass
 from typing import Callable
 
 from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file,
                                       state_dict_sha256)
+from robust_attn.utils.registry import Registry
 
-__all__ = ["Preprocessing", "LoadedModel", "SourceError", "SourceRequest", "register_source", "list_sources",
+__all__ = ["Preprocessing", "LoadedModel", "SourceError", "SourceRequest", "Source", "SOURCES", "register_source", "list_sources",
            "parse_spec", "check_spec", "spec_label", "load_model_spec", "state_dict_sha256", "load_weights_file", "SPEC_HELP"]
 
 SPEC_HELP = ("NAME (registry; with --checkpoint), zoo:NAME, timm:NAME, torchvision:NAME[:WEIGHTS|none], "
              "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION")
 
-_SOURCES: dict[str, Callable[[SourceRequest], LoadedModel]] = {}
-_CHECKS: dict[str, Callable[[str, str], None]] = {}
+
+@dataclass(frozen=True)
+class Source:
+    """A registered source: ``load(request)``, and optionally ``check(target, spec)`` (what is wrong
+    with a spec before anything is built) and ``label(target)`` (its :func:`spec_label`)."""
+
+    load: Callable[[SourceRequest], LoadedModel]
+    check: Callable[[str, str], None] | None = None
+    label: Callable[[str], str] | None = None
+
+
+#: every model source by prefix, from the modules of this package
+SOURCES: Registry[Source] = Registry("model source", package="robust_attn.sources", error=SourceError)
 #: the sources chosen by a spec's form rather than a prefix
 REGISTRY, CALLABLE = "registry", "callable"
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
-def register_source(prefix: str, *, check: Callable[[str, str], None] | None = None):
+def register_source(prefix: str, *, check: Callable[[str, str], None] | None = None,
+                    label: Callable[[str], str] | None = None):
     """Decorator registering ``fn(request) -> LoadedModel`` as the source of ``prefix:...`` specs;
     ``check(target, spec)`` (optional) raises :class:`SourceError` for what is wrong with a spec
-    before anything is built (:func:`check_spec`)."""
+    before anything is built (:func:`check_spec`); ``label(target)`` (optional) names the model
+    (:func:`spec_label`; default ``prefix-NAME``)."""
 
     def wrap(fn):
-        if prefix in _SOURCES:
-            raise ValueError(f"model source {prefix!r} is registered twice")
-        _SOURCES[prefix] = fn
-        if check is not None:
-            _CHECKS[prefix] = check
+        SOURCES.register(prefix, Source(fn, check, label))
         return fn
 
     return wrap
 
 
-def _ensure_sources_imported() -> None:
-    for info in pkgutil.iter_modules(__path__):
-        if info.name not in ("base", "provenance", "inputs"):
-            importlib.import_module(f"{__name__}.{info.name}")
-
-
 def list_sources() -> list[str]:
-    _ensure_sources_imported()
-    return sorted(_SOURCES)
+    return SOURCES.names()
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
     """``(source, target)`` of a spec: a registered prefix first, then ``FILE.py:FUNCTION`` /
     ``package.module:FUNCTION``, then a bare registry ``NAME``."""
-    _ensure_sources_imported()
+    SOURCES.discover()
     if not isinstance(spec, str) or not spec.strip():
         raise SourceError(f"empty model spec; give one of: {SPEC_HELP}")
     spec = spec.strip()
     prefix, sep, rest = spec.partition(":")
-    if sep and prefix in _SOURCES:
+    if sep and prefix in SOURCES:
         if not rest:
             raise SourceError(f"model spec {spec!r} names no model after {prefix + ':'!r}; e.g. {prefix}:NAME")
         return prefix, rest
@@ -123,13 +124,14 @@ def check_spec(spec: str) -> tuple[str, str]:
     ``check``: e.g. a user's ``FILE.py`` or a ``san-official:`` file exists, a module's package can
     be found, so ``tim:x`` is an unknown source with the hint ``timm:``)."""
     source, target = parse_spec(spec)
-    if source in _CHECKS:
-        _CHECKS[source](target, spec)
+    check = SOURCES.get(source).check
+    if check is not None:
+        check(target, spec)
     return source, target
 
 
 def _suggest(prefix: str) -> str:
-    close = difflib.get_close_matches(prefix, [p for p in _SOURCES if p not in (REGISTRY, CALLABLE)], n=1)
+    close = difflib.get_close_matches(prefix, [p for p in SOURCES.names() if p not in (REGISTRY, CALLABLE)], n=1)
     return f" Did you mean {close[0] + ':'!r}?" if close else ""
 
 
@@ -145,18 +147,8 @@ def spec_label(spec: str) -> str:
     ``MODULE-FUNCTION`` for a user's function. Only letters, digits, ``_``, ``+`` and ``-``
     (other characters become ``_``), so it can name a folder and a transfer condition."""
     source, target = parse_spec(spec)
-    if source in (REGISTRY, "zoo"):
-        name = target
-    elif source == CALLABLE:
-        left, _, function = target.rpartition(":")
-        name = f"{PurePath(left).stem if left.endswith('.py') else left.rsplit('.', 1)[-1]}-{function}"
-    elif source == "san-official":
-        from robust_attn.sources.san_official import split_target
-
-        path, arch = split_target(target)
-        name = arch or path.stem
-    else:
-        name = f"{source}-{target.split(':')[0]}"
+    label = SOURCES.get(source).label
+    name = label(target) if label is not None else f"{source}-{target.split(':')[0]}"
     return re.sub(r"[^A-Za-z0-9_+-]+", "_", name).strip("_") or source
 
 
@@ -183,7 +175,6 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
     if spec is None:
         if not checkpoint:
             raise SourceError(f"give a model spec ({SPEC_HELP}) or a checkpoint")
-        _ensure_sources_imported()
         source, target = REGISTRY, ""
     else:
         source, target = parse_spec(spec)
@@ -191,7 +182,7 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
                             checkpoint=str(checkpoint) if checkpoint else None, model_args=dict(model_args or {}),
                             seed=seed, device=str(device), manifest=str(manifest) if manifest else None,
                             other_dataset=other_dataset)
-    loaded = _SOURCES[source](request)
+    loaded = SOURCES.get(source).load(request)
     loaded.model = loaded.model.to(device).eval()
     desc = loaded.description
     desc.setdefault("source", source)

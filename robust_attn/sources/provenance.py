@@ -1,4 +1,4 @@
-"""Where a run's model came from, as recorded in every run's ``run.json`` (issue #15).
+"""Where a run's model came from, as recorded in every run's ``run.json``.
 
 Every model description (the CLI's, the study's, and the Python API's) carries:
 

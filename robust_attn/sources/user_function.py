@@ -28,7 +28,7 @@ import importlib.util
 import inspect
 import sys
 import traceback
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 import torch.nn as nn
@@ -101,7 +101,13 @@ def _call(fn, kwargs: dict, num_classes: int, where: str):
                           f"the whole traceback") from err
 
 
-@register_source(CALLABLE, check=check_user_function)
+def label_user_function(target: str) -> str:
+    """``STEM-FUNCTION`` for ``FILE.py:FUNCTION``, ``MODULE-FUNCTION`` for ``package.module:FUNCTION``."""
+    left, _, function = target.rpartition(":")
+    return f"{PurePath(left).stem if left.endswith('.py') else left.rsplit('.', 1)[-1]}-{function}"
+
+
+@register_source(CALLABLE, check=check_user_function, label=label_user_function)
 def load_user_function(request: SourceRequest) -> LoadedModel:
     check_user_function(request.target, request.spec)
     left, _, function = request.target.rpartition(":")

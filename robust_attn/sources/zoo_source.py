@@ -15,7 +15,7 @@ from robust_attn.sources import register_source
 from robust_attn.sources.base import LoadedModel, SourceError, SourceRequest
 
 
-@register_source("zoo")
+@register_source("zoo", label=str)
 def load_zoo(request: SourceRequest) -> LoadedModel:
     from robust_attn.models.manifest import Manifest, load_entry
 

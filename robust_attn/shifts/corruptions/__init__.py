@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from robust_attn.shifts.seeds import image_rngs
+from robust_attn.utils.registry import Registry
 
 __all__ = ["CORRUPTIONS", "COMMON", "EXTRA", "FAMILIES", "SEVERITIES", "register", "corrupt", "corrupt_batch",
            "corruption_names", "check_corruption", "check_severity", "image_rngs"]
@@ -61,18 +62,13 @@ COMMON = tuple(name for names in FAMILIES.values() for name in names)
 EXTRA = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
 
 #: name -> ``fn(x, severity, rngs)``: x float64 (N, H, W, 3) in [0, 1], one generator per image;
-#: returns the corrupted images as floats in [0, 1] (clipped by :func:`corrupt_batch`).
-CORRUPTIONS: dict[str, Callable] = {}
+#: returns the corrupted images as floats in [0, 1] (clipped by :func:`corrupt_batch`). The family
+#: modules of this package register theirs with ``@register(name)``.
+CORRUPTIONS: Registry[Callable] = Registry("corruption", package="robust_attn.shifts.corruptions", error=ValueError)
 
 
 def register(name: str):
-    def add(fn: Callable) -> Callable:
-        if name in CORRUPTIONS:
-            raise ValueError(f"corruption {name!r} is registered twice")
-        CORRUPTIONS[name] = fn
-        return fn
-
-    return add
+    return CORRUPTIONS.add(name)
 
 
 def corruption_names(subset: str = "common") -> list[str]:
@@ -140,7 +136,7 @@ def corrupt_batch(images: np.ndarray, name: str, severity: int, indices: Sequenc
     if len(batch) == 0:
         return batch.copy()
     x = batch.astype(np.float64) / 255.0
-    out = CORRUPTIONS[name](x, severity, list(rngs))
+    out = CORRUPTIONS.get(name)(x, severity, list(rngs))
     return (np.clip(out, 0, 1) * 255).astype(np.uint8)
 
 
@@ -152,5 +148,3 @@ def corrupt(image: np.ndarray, name: str, severity: int, seed: int = 0, index: i
         raise ValueError(f"corrupt takes one (H, W, 3) or (H, W) image, got shape {image.shape}")
     return corrupt_batch(image[None], name, severity, indices=[index], seed=seed)[0]
 
-
-from robust_attn.shifts.corruptions import blur, digital, noise, spatter, weather  # noqa: E402,F401  (fill the registry)
