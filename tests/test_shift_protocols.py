@@ -299,7 +299,8 @@ def tiny_zoo(tmp_path):
 
 def test_study_runs_the_shift_protocols_with_one_corrupted_set(tmp_path, tiny_zoo, monkeypatch):
     from robust_attn.shifts import cache as cache_module
-    from robust_attn.study.run import StudyConfig, run_study
+    from robust_attn.study.config import StudyConfig
+    from robust_attn.study.run import run_study
 
     made = []
     original = cache_module.CorruptionCache._make
@@ -331,7 +332,8 @@ def test_study_makes_no_corrupted_images_for_finished_runs(tmp_path, tiny_zoo, m
 
     from robust_attn.shifts import cache as cache_module
     from robust_attn.shifts.corruptions import weather
-    from robust_attn.study.run import StudyConfig, run_study
+    from robust_attn.study.config import StudyConfig
+    from robust_attn.study.run import run_study
 
     config = StudyConfig(dataset="synthetic", limit=8, batch_size=4, bootstrap=20, protocols=("corruption",),
                          corruptions="gaussian_noise,contrast", severities=(1,))

@@ -12,7 +12,8 @@ from robust_attn.models.checkpoint import save_checkpoint
 from robust_attn.cli import main
 from robust_attn.reports.comparison import compare_models, findings_text, per_image_losses
 from robust_attn.reports.runs import Run
-from robust_attn.study.run import TIMINGS_FILE, StudyConfig, run_study
+from robust_attn.study.config import StudyConfig
+from robust_attn.study.run import TIMINGS_FILE, run_study
 from robust_attn.models.wrapper import NormalizedModel
 
 
@@ -322,7 +323,8 @@ def test_study_under_torchrun_gives_the_single_process_records(tmp_path, tiny_zo
 def test_the_report_preamble_describes_only_the_protocols_that_ran(tmp_path):
     """A study of the masking checks alone must not say that AutoAttack, Square or a transfer
     matrix were run, nor one of corruptions that occlusion and shuffle were."""
-    from robust_attn.study.run import StudyConfig, _preamble
+    from robust_attn.study.config import StudyConfig
+    from robust_attn.study.run import _preamble
 
     config = StudyConfig(dataset="cifar10", protocols=("masking",))
     text = "\n".join(_preamble(config, tmp_path, 2000, 1000, []))
@@ -340,7 +342,7 @@ def test_the_report_preamble_describes_only_the_protocols_that_ran(tmp_path):
 def test_every_study_protocol_describes_itself_for_the_report():
     """A protocol joins the study in its own file: its registration carries the preamble's sentence."""
     from robust_attn.protocols.study_step import STUDY_PROTOCOLS, list_study_protocols
-    from robust_attn.study.run import StudyConfig
+    from robust_attn.study.config import StudyConfig
 
     config = StudyConfig(dataset="cifar10")
     for name in list_study_protocols():

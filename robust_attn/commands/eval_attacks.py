@@ -1,6 +1,6 @@
 """``robust-attn eval attack|transfer``: the evaluation attacks (PGD, APGD, FAB, Square,
 AutoAttack) with their gradient-masking checks, and transfer attacks from source models to target
-models (issue #14). Same model, data and output options as ``eval pgd``
+models. Same model, data and output options as ``eval pgd``
 (:mod:`robust_attn.commands.eval`)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from robust_attn.cli import UserError
-from robust_attn.commands.eval import _add_common, _repair, _setup, _with_cleanup, check_common
+from robust_attn.commands.eval_common import add_common_options, repair_run, setup_run, with_cleanup, check_common
 
 __all__ = ["add_attack_parsers", "attack_configs", "load_named_model", "run_attack_cmd", "run_transfer_cmd"]
 
@@ -35,14 +35,14 @@ def _add_attack_options(p: argparse.ArgumentParser, default_attack: str | None) 
 def add_attack_parsers(ev_sub) -> None:
     att = ev_sub.add_parser("attack", help="an evaluation attack (PGD, APGD, FAB, Square, AutoAttack) with "
                                            "per-image records and gradient-masking checks")
-    _add_common(att)
+    add_common_options(att)
     _add_attack_options(att, None)
     att.add_argument("--targets", help="reuse another run's targets.csv (same images) for --targeted")
     att.add_argument("--no-checks", action="store_true", help="skip the gradient-masking checks")
     att.set_defaults(func=run_attack_cmd)
     tra = ev_sub.add_parser("transfer", help="craft adversarial images on --source model(s), evaluate them on "
                                              "every --target model")
-    _add_common(tra)
+    add_common_options(tra)
     tra.add_argument("--source", action="append", required=True,
                      help="zoo entry name (for --dataset), checkpoint .safetensors or any model spec (timm:NAME, "
                           "torchvision:NAME[:WEIGHTS], FILE.py:FUNCTION, ...); repeat for an ensemble (mean of logits)")
@@ -65,7 +65,7 @@ def attack_configs(args) -> list:
             for e in eps]
 
 
-@_with_cleanup
+@with_cleanup
 def run_attack_cmd(args) -> int:
     from robust_attn.protocols.attack import run_attack, summarize_attack
     from robust_attn.runs.store import load_records
@@ -73,7 +73,7 @@ def run_attack_cmd(args) -> int:
     configs = attack_configs(args)
     if args.targets and not Path(args.targets).is_file():
         raise UserError(f"--targets {args.targets} does not exist; pass another run's targets.csv")
-    info, rank, world_size, device, model, dataset, out, run_info = _setup(args, f"attack-{args.attack}")
+    info, rank, world_size, device, model, dataset, out, run_info = setup_run(args, f"attack-{args.attack}")
     store = run_attack(model, dataset, out, configs=configs, num_classes=info.num_classes, seed=args.seed,
                        targets_file=args.targets, batch_size=args.batch_size, device=device, run_info=run_info,
                        rank=rank, world_size=world_size, num_workers=args.num_workers,
@@ -139,7 +139,7 @@ def load_named_model(spec: str, info, device, other_dataset: bool = False) -> tu
     return name.replace(".", "_"), model, desc
 
 
-@_with_cleanup
+@with_cleanup
 def run_transfer_cmd(args) -> int:
     from robust_attn.data import dataset_info
     from robust_attn.distributed import init_distributed
@@ -162,7 +162,7 @@ def run_transfer_cmd(args) -> int:
                                 "transfer between models of one preprocessing")
     dataset = model_dataset(args.dataset, common, root=args.root, split=args.split, limit=args.limit)[0]
     out = Path(args.out or f"runs/transfer-{source_name}-{args.dataset}-{args.split}")
-    _repair(args, out, rank)
+    repair_run(args, out, rank)
     origins = sorted({d.get("weights_origin", "zoo" if d.get("zoo_entry") else "checkpoint") for _, _, d in sources})
     run_info = {"model": source_name, "sources": [d for _, _, d in sources],
                 "checkpoint": [d["checkpoint"] for _, _, d in sources] if all(d.get("checkpoint") for _, _, d in

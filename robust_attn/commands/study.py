@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from robust_attn.cli import UserError
-from robust_attn.commands.eval import parse_list
+from robust_attn.commands.eval_common import parse_list
 
 __all__ = ["add_parser", "run_study_cmd"]
 
@@ -22,7 +22,8 @@ _ITEM_TYPES = {"tuple[float, ...]": float, "tuple[int, ...]": int, "tuple[str, .
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from robust_attn.layers.paths import ATTENTION_PATH_HELP, ATTENTION_PATHS
-    from robust_attn.study.run import BACKENDS, StudyConfig
+    from robust_attn.attacks.targeted_pgd import BACKENDS
+    from robust_attn.study.config import StudyConfig
 
     d = StudyConfig()
     p = sub.add_parser("study", help="rotation, Table 10 PGD, AutoAttack, Square, transfer and gradient-masking "
@@ -84,7 +85,7 @@ def _given(args) -> dict:
     """The StudyConfig fields the command line sets (options left out are not in it): every field
     with an option of its name (``models`` and ``root`` are handled apart), a tuple field parsed
     from a comma list of its item type."""
-    from robust_attn.study.run import StudyConfig
+    from robust_attn.study.config import StudyConfig
 
     out = {}
     for field in dataclasses.fields(StudyConfig):
@@ -100,7 +101,7 @@ def _given(args) -> dict:
 
 
 def _config(args):
-    from robust_attn.study.run import StudyConfig
+    from robust_attn.study.config import StudyConfig
     from robust_attn.study.config import load_study_config
 
     given = _given(args)

@@ -12,12 +12,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import pandas as pd
 
 from robust_attn.reports.attacks import attack_sections
 from robust_attn.reports.comparison import (DEFAULT_BASELINE, HEADLINE_MEASURES, agreement_findings, compare_models,
                                             findings_text)
-from robust_attn.reports.formats import to_latex, to_markdown
+from robust_attn.reports.formats import to_latex, to_markdown, write_csv
 from robust_attn.reports.models import MODELS_CAPTION, format_model_table, model_table
 from robust_attn.reports.plots import plot_comparison, plot_pgd, plot_rotation
 from robust_attn.reports.runs import (check_one_result_per_condition, check_one_variant_per_dataset,
@@ -26,7 +25,7 @@ from robust_attn.reports.shifts import SHIFT_PROTOCOLS, shift_sections
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, pgd_sweep,
                                         pgd_table, rotation_sweep, rotation_table)
-from robust_attn.utils.io import atomic_path, atomic_write_text
+from robust_attn.utils.io import atomic_write_text
 
 __all__ = ["make_report", "bootstrap_mean_ci", "load_runs", "rotation_table", "pgd_table"]
 
@@ -36,12 +35,6 @@ TABLE9_CAPTION = ("Robustness to rotation and flipping at test time (SAN Table 9
                   "accuracy (%), drop from the unrotated result in brackets (lower is better).")
 TABLE10_CAPTION = ("Targeted white-box L-inf PGD (SAN Table 10 layout): eps = 8/255; n = 2 with step 4/255, "
                    "n = 4 with step 2/255. s. rate: attack success rate (%), top-1: accuracy under attack (%).")
-
-
-def _write_csv(frame: pd.DataFrame, path: Path) -> Path:
-    with atomic_path(path) as tmp:
-        frame.to_csv(tmp, index=False, float_format="%.4f")
-    return path
 
 
 def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
@@ -113,12 +106,12 @@ def _write_report(runs, left_out, out: Path, n_boot, seed, level, plots, baselin
                "about the architectures.**", ""]
     md += list(preamble or [])
     models = model_table(runs)
-    files.append(_write_csv(models, out / "models.csv"))
+    files.append(write_csv(models, out / "models.csv"))
     md += ["## Models", "", MODELS_CAPTION, "", to_markdown(format_model_table(models)), ""]
 
     comparison = compare_models(runs, n_boot=n_boot, seed=seed, level=level, baseline=baseline)
     if not comparison.empty and comparison["model"].nunique() > 1:
-        files.append(_write_csv(comparison, out / "comparison.csv"))
+        files.append(write_csv(comparison, out / "comparison.csv"))
         md += ["## Findings: which model loses least", ""] + findings_text(comparison, baseline) + [
             "Every number above, with its interval: `comparison.csv`.", ""]
         if plots:
@@ -131,7 +124,7 @@ def _write_report(runs, left_out, out: Path, n_boot, seed, level, plots, baselin
     t9 = rotation_table(runs)
     if not t9.empty:
         shown = format_rotation(t9)
-        files.append(_write_csv(t9, out / "table9_rotation.csv"))
+        files.append(write_csv(t9, out / "table9_rotation.csv"))
         atomic_write_text(out / "table9_rotation.md", to_markdown(shown))
         groups = [(title, 2) for _, title in TABLE9_CONDITIONS]
         atomic_write_text(out / "table9_rotation.tex", to_latex(
@@ -139,7 +132,7 @@ def _write_report(runs, left_out, out: Path, n_boot, seed, level, plots, baselin
             label="tab:rotation"))
         files += [out / "table9_rotation.md", out / "table9_rotation.tex"]
         sweep = rotation_sweep(runs)
-        files.append(_write_csv(sweep, out / "rotation_conditions.csv"))
+        files.append(write_csv(sweep, out / "rotation_conditions.csv"))
         md += ["## Table 9: rotation and flipping", "", TABLE9_CAPTION, "", to_markdown(shown),
                "All conditions (including the left-right flip and the angle sweep): `rotation_conditions.csv`.", ""]
         if plots:
@@ -149,7 +142,7 @@ def _write_report(runs, left_out, out: Path, n_boot, seed, level, plots, baselin
     t10 = pgd_table(runs)
     if not t10.empty:
         shown = format_pgd(t10)
-        files.append(_write_csv(t10, out / "table10_pgd.csv"))
+        files.append(write_csv(t10, out / "table10_pgd.csv"))
         atomic_write_text(out / "table10_pgd.md", to_markdown(shown))
         atomic_write_text(out / "table10_pgd.tex", to_latex(
             shown, groups=[("clean", 1), ("attack n=2", 2), ("attack n=4", 2)],
@@ -157,7 +150,7 @@ def _write_report(runs, left_out, out: Path, n_boot, seed, level, plots, baselin
             label="tab:pgd"))
         files += [out / "table10_pgd.md", out / "table10_pgd.tex"]
         sweep = pgd_sweep(runs)
-        files.append(_write_csv(sweep, out / "pgd_conditions.csv"))
+        files.append(write_csv(sweep, out / "pgd_conditions.csv"))
         cc = t10[t10["source"] == "ours"][["label", "n", "n2_success_rate_clean_correct",
                                            "n2_top1_clean_correct", "n4_success_rate_clean_correct",
                                            "n4_top1_clean_correct"]]
@@ -177,7 +170,7 @@ def _write_report(runs, left_out, out: Path, n_boot, seed, level, plots, baselin
 
     ci = headline_ci(runs, n_boot=n_boot, seed=seed, level=level)
     if not ci.empty:
-        files.append(_write_csv(ci, out / "headline_ci.csv"))
+        files.append(write_csv(ci, out / "headline_ci.csv"))
         shown_ci = ci.assign(interval=[f"{v:.1f} [{lo:.1f}, {hi:.1f}]" for v, lo, hi in
                                        zip(ci["value"], ci["low"], ci["high"])])[["label", "metric", "interval",
                                                                                    "n"]]

@@ -1,4 +1,4 @@
-"""The report's distribution-shift sections (issue #17), from the per-image records of the
+"""The report's distribution-shift sections, from the per-image records of the
 corruption, occlusion and shuffle runs:
 
 * corruptions: top-1 per model, corruption and severity (``corruption_accuracy.csv``); per
@@ -173,14 +173,14 @@ def plot_against(table: pd.DataFrame, x: str, series: list[str], path: Path, xla
 
 def shift_sections(runs, out: Path, baseline: str, plots: bool = True) -> tuple[list[str], list[Path]]:
     """The report's Markdown lines and files for the corruption, occlusion and shuffle runs."""
-    from robust_attn.reports import _write_csv
+    from robust_attn.reports.formats import write_csv
     from robust_attn.reports.formats import to_markdown
 
     md: list[str] = []
     files: list[Path] = []
 
     def write_csv(frame: pd.DataFrame, name: str) -> None:
-        files.append(_write_csv(frame, out / name))
+        files.append(write_csv(frame, out / name))
 
     table = condition_table(runs, "corruption")
     if not table.empty:

@@ -1,8 +1,8 @@
-"""Study configs: ``robust-attn study CONFIG.toml`` (issue #15).
+"""Study configs: ``robust-attn study CONFIG.toml``.
 
 A study config is a TOML file naming the models (any model spec of :mod:`robust_attn.sources`),
 the dataset and the protocols; every other key is a field of
-:class:`robust_attn.study.run.StudyConfig` with the same name and meaning::
+:class:`robust_attn.study.config.StudyConfig` with the same name and meaning::
 
     dataset = "imagenet"                 # required
     root = "data"                        # data root (default: --root, $ROBUST_ATTN_DATA or ./data)
@@ -22,7 +22,7 @@ the dataset and the protocols; every other key is a field of
 (``models = [...]`` and ``[[models]]`` tables are two ways to write the same list; use one.)
 Paths are read as on the command line: relative to the folder the command runs in. Loading
 validates everything it can without building a model: unknown keys (with the closest valid
-key), types, values (:class:`~robust_attn.study.run.StudyConfig`'s checks), spec syntax and
+key), types, values (:class:`~robust_attn.study.config.StudyConfig`'s checks), spec syntax and
 sources, distinct labels, and a ``baseline`` that names one of the models. Each error names
 the file and the key to fix.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 try:  # Python >= 3.11
@@ -39,7 +39,11 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (a dependency there)
     import tomli as tomllib
 
-__all__ = ["StudyModel", "StudyConfigError", "load_study_config", "read_study_toml", "study_config_from_dict",
+from robust_attn.attacks.targeted_pgd import BACKENDS
+from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
+from robust_attn.protocols.study_step import list_study_protocols
+
+__all__ = ["StudyConfig", "PROTOCOLS", "StudyModel", "StudyConfigError", "load_study_config", "read_study_toml", "study_config_from_dict",
            "LABEL_PATTERN"]
 
 #: what a label may hold: it names run folders and the transfer conditions (``attack.label``)
@@ -84,6 +88,104 @@ class StudyModel:
         return self.label or spec_label(self.spec)
 
 
+PROTOCOLS = ("rotation", "pgd", "apgd", "autoattack", "square", "transfer", "masking")
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """What the study runs. eps and steps in 1/255 units, as Table 10."""
+
+    dataset: str = "fashion_mnist"
+    split: str = "test"
+    limit: int | None = None           # None: the whole split
+    models: tuple[str | StudyModel, ...] = ()   # zoo entry names or StudyModels; empty: every zoo entry for ``dataset``
+    root: str | None = None            # data root (None: run_study's root, $ROBUST_ATTN_DATA or ./data)
+    angle_step: float = 30.0           # angle sweep (bilinear, zero fill) besides the exact 90s
+    sweep_eps: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)
+    sweep_steps: int = 4               # with step = eps / steps, the rule of both paper settings
+    batch_size: int = 250
+    seed: int = 0                      # attack targets
+    backend: str = "native"
+    bootstrap: int = 1000
+    baseline: str = "resnet26"         # the convolutional reference of the findings
+    protocols: tuple[str, ...] = PROTOCOLS   # a subset runs only those (the report covers what exists)
+    attack_limit: int | None = 1000    # the seeded subset of the attack protocols (apgd, autoattack, square, transfer)
+    autoattack_eps: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)   # 1/255 units, L-inf, untargeted
+    apgd_eps: tuple[float, ...] = (1.0, 2.0, 4.0)   # APGD-CE alone (step ``apgd``), 1/255 units
+    square_eps: float = 8.0            # 1/255 units
+    square_queries: int = 5000
+    transfer_steps: int = 10           # the untargeted PGD of the transfer matrix (step 2/255), beside {8, 2, 4}
+    attack_batch_size: int = 100
+    attack_steps: int | None = None    # iterations of AutoAttack's members (None: their standard 100)
+    masking_images: int = 100          # images of the gradient-masking probes (unbounded PGD, gradients)
+    corruptions: str = "common"        # corruption step: common, extra, all, families or names (comma list)
+    severities: tuple[int, ...] = (1, 2, 3, 4, 5)
+    occlusion_areas: tuple[float, ...] = (10.0, 25.0, 50.0, 75.0)   # percent of the image one square covers
+    shuffle_grids: tuple[int, ...] = (1, 2, 4, 8)
+    shift_seed: int = 0                # per-image corruptions, occlusions and permutations
+
+    def __post_init__(self):
+        if self.split not in ("train", "val", "test"):
+            raise ValueError(f"split must be train, val or test, got {self.split!r}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be positive (or None for the whole split), got {self.limit}")
+        if not 0 <= self.angle_step < 360:
+            raise ValueError(f"angle_step must be in [0, 360) degrees (0: no sweep), got {self.angle_step}")
+        if self.sweep_steps < 1 or any(not 0 < e <= 255 for e in self.sweep_eps):
+            raise ValueError(f"sweep_eps are in 1/255 units, in (0, 255], and sweep_steps at least 1; got "
+                             f"{list(self.sweep_eps)} and {self.sweep_steps}")
+        if self.batch_size < 1 or self.bootstrap < 1:
+            raise ValueError("batch_size and bootstrap must be positive")
+        known = list_study_protocols()
+        if not self.protocols or set(self.protocols) - set(known):
+            raise ValueError(f"protocols must be a non-empty subset of {', '.join(known)}, got "
+                             f"{', '.join(self.protocols) or 'none'}")
+        if self.attack_limit is not None and self.attack_limit < 1:
+            raise ValueError(f"attack_limit must be positive (or None for every image), got {self.attack_limit}")
+        if any(not 0 < e <= 255 for e in (*self.autoattack_eps, *self.apgd_eps, self.square_eps)):
+            raise ValueError("autoattack_eps, apgd_eps and square_eps are in 1/255 units, in (0, 255]")
+        if self.square_queries < 1 or self.transfer_steps < 1 or self.attack_batch_size < 1:
+            raise ValueError("square_queries, transfer_steps and attack_batch_size must be positive")
+        if self.attack_steps is not None and self.attack_steps < 1:
+            raise ValueError(f"attack_steps must be at least 1 (or unset for AutoAttack's standard 100), "
+                             f"got {self.attack_steps}")
+        if self.masking_images < 1:
+            raise ValueError(f"masking_images must be at least 1, got {self.masking_images}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if any(not isinstance(m, (str, StudyModel)) for m in self.models):
+            raise ValueError("models must be zoo entry names or StudyModel(spec, ...) entries")
+        names = [m if isinstance(m, str) else m.name for m in self.models]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"two models are named {', '.join(twice)}: give each a distinct label")
+        from robust_attn.protocols.corruption import corruption_conditions
+        from robust_attn.protocols.occlusion import occlusion_conditions
+        from robust_attn.protocols.shuffle import shuffle_conditions
+
+        from robust_attn.data import dataset_info, list_datasets
+
+        if self.dataset not in list_datasets():
+            dataset_info(self.dataset)   # the unknown-dataset error, with the names it could have meant
+        try:    # imagefolder's size comes from its root, known only when the study runs
+            size = (dataset_info(self.dataset).image_size,) * 2
+        except (KeyError, ValueError, FileNotFoundError):
+            size = None
+        corruption_conditions(self.corruptions, self.severities)   # ValueError naming what is wrong
+        occlusion_conditions(self.occlusion_areas, image_size=size)
+        shuffle_conditions(self.shuffle_grids, image_size=size)
+
+    def attack_settings(self) -> list[AttackSetting]:
+        """Table 10's two settings, then the sweep (without repeating a paper setting)."""
+        settings = list(PAPER_SETTINGS)
+        if self.sweep_eps:
+            settings += [s for s in pgd_settings(self.sweep_eps, [self.sweep_steps]) if s not in settings]
+        return settings
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
 def read_study_toml(path: str | Path) -> dict:
     """The raw table of a study config file; errors name the file."""
     path = Path(path)
@@ -97,7 +199,7 @@ def read_study_toml(path: str | Path) -> dict:
 
 
 def load_study_config(path: str | Path, overrides: dict | None = None):
-    """:class:`~robust_attn.study.run.StudyConfig` from the TOML file ``path`` (module docstring);
+    """:class:`~robust_attn.study.config.StudyConfig` from the TOML file ``path`` (module docstring);
     ``overrides`` (config keys, e.g. the command line's ``--limit``) replace the file's values."""
     return study_config_from_dict({**read_study_toml(path), **(overrides or {})}, where=str(path))
 
@@ -152,7 +254,6 @@ def _model(item, index: int, where: str) -> StudyModel:
 
 def study_config_from_dict(raw: dict, where: str = "study config"):
     """Validate a study config given as a dict (what the TOML file holds)."""
-    from robust_attn.study.run import StudyConfig
 
     fields = {f.name: f for f in dataclasses.fields(StudyConfig)}
     kwargs = {}

@@ -9,7 +9,8 @@ so every model and every resumed or parallel call gets the same ones), then writ
 10, the plots, bootstrap intervals and the findings (which model loses least, paired bootstrap;
 :mod:`robust_attn.reports.comparison`).
 
-    >>> from robust_attn.study.run import StudyConfig, StudyModel, run_study
+    >>> from robust_attn.study.config import StudyConfig, StudyModel
+    >>> from robust_attn.study.run import run_study
     >>> run_study(StudyConfig(dataset="fashion_mnist"), runs_dir="runs/study", report_dir="reports/study")
     >>> run_study(StudyConfig(dataset="imagenet", limit=1000, baseline="torchvision-resnet50",
     ...                       models=(StudyModel("timm:resnet26t"), StudyModel("torchvision:resnet50:IMAGENET1K_V1"))),
@@ -36,7 +37,6 @@ import multiprocessing
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -44,115 +44,15 @@ import torch
 
 from robust_attn.distributed import init_distributed, world_size as process_count
 from robust_attn.layers.paths import check_attention_path, set_attention_path
-from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
-from robust_attn.protocols.study_step import STUDY_PROTOCOLS, StudyContext, list_study_protocols
+from robust_attn.protocols.study_step import STUDY_PROTOCOLS, StudyContext
 from robust_attn.runs.store import RunStore, library_versions
-from robust_attn.study.config import StudyModel
+from robust_attn.study.config import StudyConfig, StudyModel
 from robust_attn.study.models import StudyEntry, load_models, model_inputs, study_models
 from robust_attn.utils.io import atomic_path
 
-__all__ = ["StudyConfig", "StudyModel", "StudyEntry", "run_study", "study_models", "TIMINGS_FILE"]
+__all__ = ["run_study", "default_workers", "TIMINGS_FILE"]
 
 TIMINGS_FILE = "timings.csv"
-BACKENDS = ("native", "torchattacks", "foolbox")
-PROTOCOLS = ("rotation", "pgd", "apgd", "autoattack", "square", "transfer", "masking")
-
-
-@dataclass(frozen=True)
-class StudyConfig:
-    """What the study runs. eps and steps in 1/255 units, as Table 10."""
-
-    dataset: str = "fashion_mnist"
-    split: str = "test"
-    limit: int | None = None           # None: the whole split
-    models: tuple[str | StudyModel, ...] = ()   # zoo entry names or StudyModels; empty: every zoo entry for ``dataset``
-    root: str | None = None            # data root (None: run_study's root, $ROBUST_ATTN_DATA or ./data)
-    angle_step: float = 30.0           # angle sweep (bilinear, zero fill) besides the exact 90s
-    sweep_eps: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)
-    sweep_steps: int = 4               # with step = eps / steps, the rule of both paper settings
-    batch_size: int = 250
-    seed: int = 0                      # attack targets
-    backend: str = "native"
-    bootstrap: int = 1000
-    baseline: str = "resnet26"         # the convolutional reference of the findings
-    protocols: tuple[str, ...] = PROTOCOLS   # a subset runs only those (the report covers what exists)
-    attack_limit: int | None = 1000    # the seeded subset of the attack protocols (apgd, autoattack, square, transfer)
-    autoattack_eps: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)   # 1/255 units, L-inf, untargeted
-    apgd_eps: tuple[float, ...] = (1.0, 2.0, 4.0)   # APGD-CE alone (step ``apgd``), 1/255 units
-    square_eps: float = 8.0            # 1/255 units
-    square_queries: int = 5000
-    transfer_steps: int = 10           # the untargeted PGD of the transfer matrix (step 2/255), beside {8, 2, 4}
-    attack_batch_size: int = 100
-    attack_steps: int | None = None    # iterations of AutoAttack's members (None: their standard 100)
-    masking_images: int = 100          # images of the gradient-masking probes (unbounded PGD, gradients)
-    corruptions: str = "common"        # corruption step: common, extra, all, families or names (comma list)
-    severities: tuple[int, ...] = (1, 2, 3, 4, 5)
-    occlusion_areas: tuple[float, ...] = (10.0, 25.0, 50.0, 75.0)   # percent of the image one square covers
-    shuffle_grids: tuple[int, ...] = (1, 2, 4, 8)
-    shift_seed: int = 0                # per-image corruptions, occlusions and permutations
-
-    def __post_init__(self):
-        if self.split not in ("train", "val", "test"):
-            raise ValueError(f"split must be train, val or test, got {self.split!r}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be positive (or None for the whole split), got {self.limit}")
-        if not 0 <= self.angle_step < 360:
-            raise ValueError(f"angle_step must be in [0, 360) degrees (0: no sweep), got {self.angle_step}")
-        if self.sweep_steps < 1 or any(not 0 < e <= 255 for e in self.sweep_eps):
-            raise ValueError(f"sweep_eps are in 1/255 units, in (0, 255], and sweep_steps at least 1; got "
-                             f"{list(self.sweep_eps)} and {self.sweep_steps}")
-        if self.batch_size < 1 or self.bootstrap < 1:
-            raise ValueError("batch_size and bootstrap must be positive")
-        known = list_study_protocols()
-        if not self.protocols or set(self.protocols) - set(known):
-            raise ValueError(f"protocols must be a non-empty subset of {', '.join(known)}, got "
-                             f"{', '.join(self.protocols) or 'none'}")
-        if self.attack_limit is not None and self.attack_limit < 1:
-            raise ValueError(f"attack_limit must be positive (or None for every image), got {self.attack_limit}")
-        if any(not 0 < e <= 255 for e in (*self.autoattack_eps, *self.apgd_eps, self.square_eps)):
-            raise ValueError("autoattack_eps, apgd_eps and square_eps are in 1/255 units, in (0, 255]")
-        if self.square_queries < 1 or self.transfer_steps < 1 or self.attack_batch_size < 1:
-            raise ValueError("square_queries, transfer_steps and attack_batch_size must be positive")
-        if self.attack_steps is not None and self.attack_steps < 1:
-            raise ValueError(f"attack_steps must be at least 1 (or unset for AutoAttack's standard 100), "
-                             f"got {self.attack_steps}")
-        if self.masking_images < 1:
-            raise ValueError(f"masking_images must be at least 1, got {self.masking_images}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if any(not isinstance(m, (str, StudyModel)) for m in self.models):
-            raise ValueError("models must be zoo entry names or StudyModel(spec, ...) entries")
-        names = [m if isinstance(m, str) else m.name for m in self.models]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"two models are named {', '.join(twice)}: give each a distinct label")
-        from robust_attn.protocols.corruption import corruption_conditions
-        from robust_attn.protocols.occlusion import occlusion_conditions
-        from robust_attn.protocols.shuffle import shuffle_conditions
-
-        from robust_attn.data import dataset_info, list_datasets
-
-        if self.dataset not in list_datasets():
-            dataset_info(self.dataset)   # the unknown-dataset error, with the names it could have meant
-        try:    # imagefolder's size comes from its root, known only when the study runs
-            size = (dataset_info(self.dataset).image_size,) * 2
-        except (KeyError, ValueError, FileNotFoundError):
-            size = None
-        corruption_conditions(self.corruptions, self.severities)   # ValueError naming what is wrong
-        occlusion_conditions(self.occlusion_areas, image_size=size)
-        shuffle_conditions(self.shuffle_grids, image_size=size)
-
-    def attack_settings(self) -> list[AttackSetting]:
-        """Table 10's two settings, then the sweep (without repeating a paper setting)."""
-        settings = list(PAPER_SETTINGS)
-        if self.sweep_eps:
-            settings += [s for s in pgd_settings(self.sweep_eps, [self.sweep_steps]) if s not in settings]
-        return settings
-
-    def describe(self) -> dict:
-        return asdict(self)
-
-
 def _append_timing(runs_dir: Path, row: dict) -> None:
     """Add ``row`` to ``timings.csv``; under a file lock, so studies of different models may
     share ``runs_dir`` from parallel processes."""
