@@ -17,7 +17,8 @@ from robust_attn.cli import main
 from robust_attn.data import build_dataset
 from robust_attn.data.base import TensorImageDataset
 from robust_attn.protocols.pgd import AttackSetting, run_pgd
-from robust_attn.protocols.rotation import rotation_conditions, run_rotation
+from robust_attn.protocols.rotation import run_rotation
+from robust_attn.shifts.rotation import rotation_conditions
 from robust_attn.models.registry import create_model
 from robust_attn.reports import make_report
 from robust_attn.reports.runs import distinct_labels, load_runs

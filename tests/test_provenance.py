@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from robust_attn.data import TensorImageDataset, dataset_info
 from robust_attn.protocols.pgd import AttackSetting, run_pgd
-from robust_attn.protocols.rotation import rotation_conditions, run_rotation
+from robust_attn.protocols.rotation import run_rotation
+from robust_attn.shifts.rotation import rotation_conditions
 from robust_attn.reports import make_report
 from robust_attn.runs.store import load_records
 from robust_attn.sources import load_model_spec

@@ -13,7 +13,8 @@ import torch.nn as nn
 from robust_attn.cli import main
 from robust_attn.data import build_dataset
 from robust_attn.protocols.pgd import AttackSetting, run_pgd
-from robust_attn.protocols.rotation import rotation_conditions, run_rotation
+from robust_attn.protocols.rotation import run_rotation
+from robust_attn.shifts.rotation import rotation_conditions
 from robust_attn.models.reference import reference_table
 from robust_attn.reports import make_report
 from robust_attn.reports.stats import bootstrap_mean_ci

@@ -18,9 +18,10 @@ import numpy as np
 import pandas as pd
 
 from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS, summarize_pgd
-from robust_attn.protocols.rotation import PAPER_CONDITIONS, summarize_rotation
+from robust_attn.protocols.rotation import summarize_rotation
 from robust_attn.reports.runs import Run, model_key, run_labels
 from robust_attn.reports.stats import bootstrap_mean_ci
+from robust_attn.shifts.rotation import PAPER_CONDITIONS
 
 __all__ = ["TOP5_NA", "rotation_table", "pgd_table", "rotation_sweep", "pgd_sweep", "headline_ci", "format_rotation",
            "format_pgd", "TABLE9_CONDITIONS", "TABLE10_SETTINGS"]
