@@ -1,4 +1,4 @@
-"""Evaluation attacks on a test set (issue #14): any registered attack, per-image records.
+"""Evaluation attacks on a test set: any registered attack, per-image records.
 
 Where :mod:`robust_attn.protocols.pgd` is SAN's Table 10 (targeted PGD with the paper's weak
 settings), this protocol runs the attacks a careful evaluator adds (PGD with restarts, APGD-CE,

@@ -1,4 +1,4 @@
-"""Gradient-masking checks as a protocol (issue #14): per model, from its attack runs and its own probes.
+"""Gradient-masking checks as a protocol: per model, from its attack runs and its own probes.
 
 The checks themselves are :mod:`robust_attn.attacks.masking`; this module gathers their inputs
 from the run directories and saves their verdicts (``checks.json``: name, verdict, detail,

@@ -297,7 +297,7 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
         save_targets(out_dir, labels, targets)
     checks_path = Path(out_dir) / CHECKS_FILE
     if checks and rank == 0 and not checks_path.is_file():
-        if progress:  # issue #18: tens of seconds with no output otherwise looks hung
+        if progress:  # tens of seconds with no output otherwise looks hung
             print(f"pgd: sanity checks on the first {min(8, len(dataset))} images (eps 0, gradients, bounds)...",
                   file=sys.stderr, flush=True)
         atomic_write_json(checks_path, _batch_checks(model, dataset, targets, settings, device, backend))

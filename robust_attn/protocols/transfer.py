@@ -1,4 +1,4 @@
-"""Transfer attacks (issue #14): adversarial images crafted on a source model, evaluated on targets.
+"""Transfer attacks: adversarial images crafted on a source model, evaluated on targets.
 
 A transfer attack is black-box for the target: it needs none of the target's gradients, so a
 target that a transfer attack fools more often than a white-box attack on the target itself has

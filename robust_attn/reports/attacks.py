@@ -1,4 +1,4 @@
-"""The report's attack sections (issue #14): a RobustBench-style table, the transfer matrix as a
+"""The report's attack sections: a RobustBench-style table, the transfer matrix as a
 heat map, and the gradient-masking verdicts.
 
 * Robust accuracy table: per model, clean top-1 and top-1 under AutoAttack at each eps (and

@@ -1,4 +1,4 @@
-"""The report's model table: where each model came from (issue #15).
+"""The report's model table: where each model came from.
 
 One row per model (the runs of the same weights on the same data share it), labelled as in the
 other tables: its source and spec (:mod:`robust_attn.sources`), where its weights came from with
