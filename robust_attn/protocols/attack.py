@@ -274,7 +274,7 @@ def _describe_square(config) -> str:
 
 
 @study_protocol("autoattack", summary="AutoAttack (standard, untargeted L-inf) at each eps on the attack subset",
-                describe=_describe_autoattack, attack_subset=True)
+                describe=_describe_autoattack, attack_subset=True, default_order=3)
 def study_autoattack(ctx, entry, model):
     """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps`` (1/255)."""
     return _study_attack(ctx, entry, model, "autoattack", [
@@ -283,7 +283,7 @@ def study_autoattack(ctx, entry, model):
 
 
 @study_protocol("apgd", summary="APGD-CE (untargeted L-inf) at each small eps on the attack subset",
-                describe=_describe_apgd, attack_subset=True)
+                describe=_describe_apgd, attack_subset=True, default_order=2)
 def study_apgd(ctx, entry, model):
     """APGD-CE alone at ``config.apgd_eps``: AutoAttack's first and cheapest member, where the
     other three cost 6-23 CPU-seconds per surviving image on the CIFAR-10 zoo
@@ -297,7 +297,7 @@ def study_apgd(ctx, entry, model):
 
 
 @study_protocol("square", summary="Square (score-based, no gradients) on the attack subset",
-                describe=_describe_square, attack_subset=True)
+                describe=_describe_square, attack_subset=True, default_order=4)
 def study_square(ctx, entry, model):
     """The black-box reference: Square alone on every image, ``config.square_queries`` queries."""
     return _study_attack(ctx, entry, model, "square", [

@@ -144,7 +144,7 @@ def _describe(config) -> str:
 
 @study_protocol("masking", per_model=False, chunked=False,
                 summary="gradient-masking checks per model, from the attack runs", describe=_describe,
-                attack_subset=True)
+                attack_subset=True, default_order=6)
 def study_masking(ctx, entries, models):
     """The checks of the module docstring for every model (after autoattack, square and transfer)."""
     config = ctx.config

@@ -345,7 +345,7 @@ def _describe(config) -> str:
 
 
 @study_protocol("pgd", summary="SAN Table 10's targeted PGD {8, 4, 2} and {8, 2, 4} plus an eps sweep",
-                describe=_describe)
+                describe=_describe, default_order=1)
 def study_pgd(ctx, entry, model):
     """The study's Table 10 step: every image of the study, the same targets for every model."""
     out = ctx.run_dir("pgd", entry.name)

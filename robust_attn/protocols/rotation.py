@@ -92,7 +92,7 @@ def _describe(config) -> str:
 
 
 @study_protocol("rotation", summary="SAN Table 9's rotations and flips, the left-right flip and an angle sweep",
-                describe=_describe)
+                describe=_describe, default_order=0)
 def study_rotation(ctx, entry, model):
     """The study's rotation step: every image of the study, ``config.angle_step`` sweep."""
     out = ctx.run_dir("rotation", entry.name)

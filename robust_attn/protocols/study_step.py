@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 from robust_attn.utils.registry import Registry
 
-__all__ = ["StudyContext", "StudyProtocol", "STUDY_PROTOCOLS", "study_protocol", "list_study_protocols"]
+__all__ = ["StudyContext", "StudyProtocol", "STUDY_PROTOCOLS", "study_protocol", "list_study_protocols",
+           "default_study_protocols"]
 
 
 @dataclass
@@ -74,6 +75,7 @@ class StudyProtocol:
     chunked: bool = True     # writes through claimed record chunks, so several study workers can share it
     describe: Callable[[Any], str] | None = None   # the report preamble's sentence, from the study config
     attack_subset: bool = False   # runs on the attack subset, not on every image of the study
+    default_order: int | None = None   # its place in the study's default protocols; None: run when asked
 
 
 #: every protocol's study step, from the modules of :mod:`robust_attn.protocols`
@@ -82,16 +84,18 @@ STUDY_PROTOCOLS: Registry[StudyProtocol] = Registry("study protocol", package="r
 
 
 def study_protocol(name: str, *, per_model: bool = True, summary: str = "", chunked: bool = True,
-                   describe: Callable[[Any], str] | None = None, attack_subset: bool = False):
+                   describe: Callable[[Any], str] | None = None, attack_subset: bool = False,
+                   default_order: int | None = None):
     """Decorator: register ``fn`` as the study step of protocol ``name``. ``chunked=False``: the
     step writes files of its own rather than claimed record chunks, so only the study's main
     process runs it. ``describe`` and ``attack_subset``: what the report's preamble says of it
-    (module docstring)."""
+    (module docstring). ``default_order``: where it runs in a study that names no protocols (in
+    increasing order; ``None``: only when named)."""
 
     def add(fn: Callable) -> Callable:
         STUDY_PROTOCOLS.register(name, StudyProtocol(name, fn, per_model,
                                                      summary or (fn.__doc__ or "").split("\n")[0],
-                                                     chunked, describe, attack_subset))
+                                                     chunked, describe, attack_subset, default_order))
         return fn
 
     return add
@@ -99,6 +103,12 @@ def study_protocol(name: str, *, per_model: bool = True, summary: str = "", chun
 
 def list_study_protocols() -> list[str]:
     return STUDY_PROTOCOLS.names()
+
+
+def default_study_protocols() -> tuple[str, ...]:
+    """The protocols a study runs when its config names none, in the order they run."""
+    chosen = [(p.default_order, name) for name, p in STUDY_PROTOCOLS.items() if p.default_order is not None]
+    return tuple(name for _, name in sorted(chosen))
 
 
 def replace(ctx: StudyContext, **changes) -> StudyContext:

@@ -218,7 +218,7 @@ def _describe(config) -> str:
 
 
 @study_protocol("transfer", per_model=False, summary="every model as source against every model as target",
-                describe=_describe, attack_subset=True)
+                describe=_describe, attack_subset=True, default_order=5)
 def study_transfer(ctx, entries, models):
     """The transfer matrix on the attack subset: one run per source, every zoo model a target."""
     outs = []

@@ -41,9 +41,9 @@ except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (a depende
 
 from robust_attn.attacks.targeted_pgd import BACKENDS
 from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
-from robust_attn.protocols.study_step import list_study_protocols
+from robust_attn.protocols.study_step import default_study_protocols, list_study_protocols
 
-__all__ = ["StudyConfig", "PROTOCOLS", "StudyModel", "StudyConfigError", "load_study_config", "read_study_toml", "study_config_from_dict",
+__all__ = ["StudyConfig", "StudyModel", "StudyConfigError", "load_study_config", "read_study_toml", "study_config_from_dict",
            "LABEL_PATTERN"]
 
 #: what a label may hold: it names run folders and the transfer conditions (``attack.label``)
@@ -88,7 +88,6 @@ class StudyModel:
         return self.label or spec_label(self.spec)
 
 
-PROTOCOLS = ("rotation", "pgd", "apgd", "autoattack", "square", "transfer", "masking")
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ class StudyConfig:
     backend: str = "native"
     bootstrap: int = 1000
     baseline: str = "resnet26"         # the convolutional reference of the findings
-    protocols: tuple[str, ...] = PROTOCOLS   # a subset runs only those (the report covers what exists)
+    protocols: tuple[str, ...] = field(default_factory=default_study_protocols)   # the report covers what ran
     attack_limit: int | None = 1000    # the seeded subset of the attack protocols (apgd, autoattack, square, transfer)
     autoattack_eps: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)   # 1/255 units, L-inf, untargeted
     apgd_eps: tuple[float, ...] = (1.0, 2.0, 4.0)   # APGD-CE alone (step ``apgd``), 1/255 units
