@@ -19,9 +19,11 @@ __all__ = ["add_attack_parsers", "attack_configs", "load_named_model", "run_atta
 
 
 def _add_attack_options(p: argparse.ArgumentParser, default_attack: str | None) -> None:
+    from robust_attn.attacks.base import NORMS, list_attacks
+
     p.add_argument("--attack", default=default_attack, required=default_attack is None,
-                   help="attack name (pgd, apgd-ce, apgd-t, fab-t, square, autoattack)")
-    p.add_argument("--norm", default="linf", choices=["linf", "l2"], help="threat model (default linf)")
+                   help=f"attack name ({', '.join(list_attacks())})")
+    p.add_argument("--norm", default="linf", choices=NORMS, help="threat model (default linf)")
     p.add_argument("--eps", default="8/255", help="radius(es) in [0, 1] image units, comma list; "
                                                   "'8/255' allowed (default 8/255)")
     p.add_argument("--targeted", action="store_true", help="attack toward seeded wrong-class targets")

@@ -72,7 +72,7 @@ def add_common_options(p: argparse.ArgumentParser) -> None:
                    help="evaluate a --checkpoint trained on another dataset than --dataset (refused otherwise)")
     p.add_argument("--dataset", default="imagenet", help="dataset name (default: imagenet)")
     p.add_argument("--root", help="data folder (default: $ROBUST_ATTN_DATA or ./data)")
-    p.add_argument("--split", default="test", choices=["test", "val", "train"],
+    p.add_argument("--split", default="test", choices=SPLITS,
                    help="test = the paper's val-original set for ImageNet (default)")
     p.add_argument("--limit", type=int, help="evaluate a fixed-seed subset of this many images")
     p.add_argument("--batch-size", type=int, default=64, help="images per batch and per record chunk")
@@ -94,7 +94,7 @@ def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
     ``torchvision:NAME[:WEIGHTS]``, ``san-official:PATH.pth``, ``FILE.py:FUNCTION`` or
     ``package.module:FUNCTION``. The description records ``source``, ``spec``, ``weights_sha256``
     and the weights' ``preprocessing`` (None: the dataset's images as they are)."""
-    from robust_attn.sources import SPEC_HELP, load_model_spec, parse_spec
+    from robust_attn.sources import load_model_spec, parse_spec, spec_help
 
     overrides = parse_model_args(args.model_args)
     spec = args.model
@@ -110,7 +110,7 @@ def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
                         "architecture")
     if not spec and not args.checkpoint:
         raise UserError(f"give --model NAME (robust-attn zoo list) and usually --checkpoint PATH; --model takes "
-                        f"any model spec: {SPEC_HELP}")
+                        f"any model spec: {spec_help()}")
     loaded = load_model_spec(spec, dataset_info=info, checkpoint=args.checkpoint, model_args=overrides,
                              seed=args.seed, other_dataset=args.other_dataset)
     return loaded.model, loaded.description

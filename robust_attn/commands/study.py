@@ -23,6 +23,7 @@ _ITEM_TYPES = {"tuple[float, ...]": float, "tuple[int, ...]": int, "tuple[str, .
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from robust_attn.layers.paths import ATTENTION_PATH_HELP, ATTENTION_PATHS
     from robust_attn.attacks.targeted_pgd import BACKENDS
+    from robust_attn.data import SPLITS
     from robust_attn.study.config import StudyConfig
 
     d = StudyConfig()
@@ -37,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "the labels of the config's models to run")
     p.add_argument("--root", help="data folder (default: the config's root, $ROBUST_ATTN_DATA, ./data or the "
                                   "system copy)")
-    p.add_argument("--split", choices=["test", "val", "train"], help=f"default {d.split}")
+    p.add_argument("--split", choices=SPLITS, help=f"default {d.split}")
     p.add_argument("--limit", type=int, help="a fixed-seed subset of this many images (default: all)")
     p.add_argument("--angle-step", type=float,
                    help=f"rotation sweep every this many degrees, 0 for none (default {d.angle_step:g})")

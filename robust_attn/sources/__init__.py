@@ -52,20 +52,20 @@ from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, S
 from robust_attn.utils.registry import Registry
 
 __all__ = ["Preprocessing", "LoadedModel", "SourceError", "SourceRequest", "Source", "SOURCES", "register_source", "list_sources",
-           "parse_spec", "check_spec", "spec_label", "load_model_spec", "state_dict_sha256", "load_weights_file", "SPEC_HELP"]
+           "parse_spec", "check_spec", "spec_label", "load_model_spec", "state_dict_sha256", "load_weights_file", "spec_help"]
 
-SPEC_HELP = ("NAME (registry; with --checkpoint), zoo:NAME, timm:NAME, torchvision:NAME[:WEIGHTS|none], "
-             "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION")
 
 
 @dataclass(frozen=True)
 class Source:
     """A registered source: ``load(request)``, and optionally ``check(target, spec)`` (what is wrong
-    with a spec before anything is built) and ``label(target)`` (its :func:`spec_label`)."""
+    with a spec before anything is built), ``label(target)`` (its :func:`spec_label`) and ``form``
+    (how a spec of it is written, for :func:`spec_help`)."""
 
     load: Callable[[SourceRequest], LoadedModel]
     check: Callable[[str, str], None] | None = None
     label: Callable[[str], str] | None = None
+    form: str = ""
 
 
 #: every model source by prefix, from the modules of this package
@@ -76,14 +76,15 @@ _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
 def register_source(prefix: str, *, check: Callable[[str, str], None] | None = None,
-                    label: Callable[[str], str] | None = None):
+                    label: Callable[[str], str] | None = None, form: str = ""):
     """Decorator registering ``fn(request) -> LoadedModel`` as the source of ``prefix:...`` specs;
     ``check(target, spec)`` (optional) raises :class:`SourceError` for what is wrong with a spec
     before anything is built (:func:`check_spec`); ``label(target)`` (optional) names the model
-    (:func:`spec_label`; default ``prefix-NAME``)."""
+    (:func:`spec_label`; default ``prefix-NAME``); ``form``: how a spec is written (default
+    ``prefix:NAME``)."""
 
     def wrap(fn):
-        SOURCES.register(prefix, Source(fn, check, label))
+        SOURCES.register(prefix, Source(fn, check, label, form or f"{prefix}:NAME"))
         return fn
 
     return wrap
@@ -93,12 +94,17 @@ def list_sources() -> list[str]:
     return SOURCES.names()
 
 
+def spec_help() -> str:
+    """How a spec of each source is written, e.g. for ``--model``'s help."""
+    return ", ".join(source.form for _, source in SOURCES.items())
+
+
 def parse_spec(spec: str) -> tuple[str, str]:
     """``(source, target)`` of a spec: a registered prefix first, then ``FILE.py:FUNCTION`` /
     ``package.module:FUNCTION``, then a bare registry ``NAME``."""
     SOURCES.discover()
     if not isinstance(spec, str) or not spec.strip():
-        raise SourceError(f"empty model spec; give one of: {SPEC_HELP}")
+        raise SourceError(f"empty model spec; give one of: {spec_help()}")
     spec = spec.strip()
     prefix, sep, rest = spec.partition(":")
     if sep and prefix in SOURCES:
@@ -110,7 +116,7 @@ def parse_spec(spec: str) -> tuple[str, str]:
         if re.fullmatch(_IDENT, function) and (left.endswith(".py") or re.fullmatch(rf"{_IDENT}(\.{_IDENT})*", left)):
             return CALLABLE, spec
         raise SourceError(f"unknown model source {prefix!r} in {spec!r}.{_suggest(prefix)} A spec is one of: "
-                          f"{SPEC_HELP}")
+                          f"{spec_help()}")
     if spec.endswith(".py"):
         raise SourceError(f"{spec!r} is a Python file: name the function that builds the model, {spec}:FUNCTION")
     if spec.endswith((".safetensors", ".pth", ".pt")):
@@ -174,7 +180,7 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
 
     if spec is None:
         if not checkpoint:
-            raise SourceError(f"give a model spec ({SPEC_HELP}) or a checkpoint")
+            raise SourceError(f"give a model spec ({spec_help()}) or a checkpoint")
         source, target = REGISTRY, ""
     else:
         source, target = parse_spec(spec)

@@ -19,7 +19,7 @@ from robust_attn.sources.base import LoadedModel, SourceError, SourceRequest, st
 from robust_attn.sources.provenance import RANDOM
 
 
-@register_source(REGISTRY, label=str)
+@register_source(REGISTRY, label=str, form="NAME (registry; with --checkpoint)")
 def load_registry(request: SourceRequest) -> LoadedModel:
     from robust_attn.models.checkpoint import check_trained_on, load_checkpoint
     from robust_attn.models.registry import create_model

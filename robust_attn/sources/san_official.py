@@ -37,7 +37,8 @@ def label_san_official(target: str) -> str:
     return arch or path.stem
 
 
-@register_source("san-official", check=check_san_official, label=label_san_official)
+@register_source("san-official", check=check_san_official, label=label_san_official,
+                 form="san-official:PATH.pth[:ARCH]")
 def load_san_official(request: SourceRequest) -> LoadedModel:
     from robust_attn.importers import IMAGENET_MEAN, IMAGENET_STD, ConversionError, fc_classes, read_state_dict
     from robust_attn.importers.san_official import SAN_ARCHS, convert_san_official, guess_san_arch

@@ -107,7 +107,8 @@ def label_user_function(target: str) -> str:
     return f"{PurePath(left).stem if left.endswith('.py') else left.rsplit('.', 1)[-1]}-{function}"
 
 
-@register_source(CALLABLE, check=check_user_function, label=label_user_function)
+@register_source(CALLABLE, check=check_user_function, label=label_user_function,
+                 form="FILE.py:FUNCTION or package.module:FUNCTION")
 def load_user_function(request: SourceRequest) -> LoadedModel:
     check_user_function(request.target, request.spec)
     left, _, function = request.target.rpartition(":")

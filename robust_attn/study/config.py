@@ -43,8 +43,8 @@ from robust_attn.attacks.targeted_pgd import BACKENDS
 from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
 from robust_attn.protocols.study_step import default_study_protocols, list_study_protocols
 
-__all__ = ["StudyConfig", "StudyModel", "StudyConfigError", "load_study_config", "read_study_toml", "study_config_from_dict",
-           "LABEL_PATTERN"]
+__all__ = ["StudyConfig", "StudyModel", "StudyConfigError", "load_study_config", "read_study_toml",
+           "study_config_from_dict", "LABEL_PATTERN"]
 
 #: what a label may hold: it names run folders and the transfer conditions (``attack.label``)
 LABEL_PATTERN = re.compile(r"[A-Za-z0-9_+-]+")
