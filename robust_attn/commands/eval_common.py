@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from robust_attn.cli import UserError
+from robust_attn.data import SPLITS
 from robust_attn.layers.paths import ATTENTION_PATH_HELP, ATTENTION_PATHS
 
 __all__ = ["parse_model_args", "parse_list", "add_common_options", "load_eval_model", "check_common", "setup_run",
