@@ -173,23 +173,22 @@ def plot_against(table: pd.DataFrame, x: str, series: list[str], path: Path, xla
 
 def shift_sections(runs, out: Path, baseline: str, plots: bool = True) -> tuple[list[str], list[Path]]:
     """The report's Markdown lines and files for the corruption, occlusion and shuffle runs."""
-    from robust_attn.reports.formats import write_csv
-    from robust_attn.reports.formats import to_markdown
+    from robust_attn.reports.formats import to_markdown, write_csv
 
     md: list[str] = []
     files: list[Path] = []
 
-    def write_csv(frame: pd.DataFrame, name: str) -> None:
+    def write_table(frame: pd.DataFrame, name: str) -> None:
         files.append(write_csv(frame, out / name))
 
     table = condition_table(runs, "corruption")
     if not table.empty:
-        write_csv(table, "corruption_accuracy.csv")
+        write_table(table, "corruption_accuracy.csv")
         summary = corruption_summary(runs, baseline)
-        write_csv(summary, "corruption_summary.csv")
+        write_table(summary, "corruption_summary.csv")
         ce = corruption_ce(runs, baseline)
         if not ce.empty:
-            write_csv(ce, "corruption_ce.csv")
+            write_table(ce, "corruption_ce.csv")
         shown = summary.drop(columns=["model", "dataset"]).round(1)
         md += ["## Common corruptions", "",
                f"Hendrycks & Dietterich (ICLR 2019): top-1 (%) on the clean images and averaged over every corruption "
@@ -203,7 +202,7 @@ def shift_sections(runs, out: Path, baseline: str, plots: bool = True) -> tuple[
                    "![top-1 per corruption](corruption_heatmap.png)", ""]
     occ = condition_table(runs, "occlusion")
     if not occ.empty:
-        write_csv(occ, "occlusion_conditions.csv")
+        write_table(occ, "occlusion_conditions.csv")
         wide = occ.pivot_table(index="label", columns="condition", values="top1", sort=False).round(1).reset_index()
         md += ["## Occlusion", "", "Naseer et al. (2021): top-1 (%) with one random square covering k% of the image "
                "(`square<k>_<fill>`) and with a random share of the cells of a grid dropped (`drop<g>x<g>_<percent>_"
@@ -216,7 +215,7 @@ def shift_sections(runs, out: Path, baseline: str, plots: bool = True) -> tuple[
             md += ["![top-1 against occluded share](occlusion.png)", ""]
     shu = condition_table(runs, "shuffle")
     if not shu.empty:
-        write_csv(shu, "shuffle_conditions.csv")
+        write_table(shu, "shuffle_conditions.csv")
         wide = shu.pivot_table(index="label", columns="condition", values="top1", sort=False).round(1).reset_index()
         md += ["## Patch shuffle", "", "Naseer et al. (2021): top-1 (%) with the image cut into a g x g grid and the "
                "patches permuted (one seeded permutation per image; g = 1 is the unshuffled image).", "",
