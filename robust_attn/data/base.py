@@ -3,6 +3,7 @@
 and the error raised when it is not there."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -29,6 +30,12 @@ class DatasetInfo:
     ``mean``/``std`` are per-channel statistics of the images in [0, 1] as the model sees them
     (the :class:`~robust_attn.models.wrapper.NormalizedModel` normalizes with them); ``resolution`` is the
     name in :data:`robust_attn.models.resolution.RESOLUTIONS` whose models take ``image_size`` inputs.
+
+    ``logit_subset``: for a test set of some of the classes of a larger one (ImageNet-A and
+    ImageNet-R: 200 of ImageNet's 1,000), the index of each of its classes, in label order, among
+    the ``model_classes`` outputs of the models it evaluates; a model is then built and checked for
+    ``model_classes`` outputs and evaluated on these logits only (:meth:`for_models`,
+    :class:`robust_attn.models.wrapper.ClassSubset`), as the sets' authors evaluate.
     """
 
     name: str
@@ -40,6 +47,21 @@ class DatasetInfo:
     splits: tuple[str, ...] = ("train", "val", "test")
     val_per_class: int = 50
     how_to_get: str = ""
+    logit_subset: tuple[int, ...] = ()
+    model_classes: int = 0
+
+    def __post_init__(self):
+        if self.logit_subset and (len(self.logit_subset) != self.num_classes
+                                  or not all(0 <= i < self.model_classes for i in self.logit_subset)):
+            raise ValueError(f"dataset {self.name!r}: logit_subset must name each of its {self.num_classes} classes "
+                             f"among the models' {self.model_classes} outputs")
+
+    def for_models(self) -> "DatasetInfo":
+        """The info a model is built and checked with: ``model_classes`` outputs where the
+        dataset's classes are a subset of them (``logit_subset``), else this info."""
+        if not self.logit_subset:
+            return self
+        return dataclasses.replace(self, num_classes=self.model_classes, logit_subset=(), model_classes=0)
 
 
 @runtime_checkable

@@ -172,6 +172,9 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
     ``spec`` may be None with a ``checkpoint``: the architecture its sidecar names.
     ``other_dataset``: allow a robust-attn checkpoint whose sidecar names another dataset than
     ``dataset_info`` (its normalization and classes belong to that one; refused by default).
+    A dataset whose classes are some of the model's (``dataset_info.logit_subset``, e.g.
+    ImageNet-R) gets the model built and checked for all of them, then restricted to its own
+    (:class:`robust_attn.models.wrapper.ClassSubset`; ``logit_subset`` in the description).
 
     The description records where the model came from (:mod:`robust_attn.sources.provenance`):
     ``source``, ``spec``, ``weights_origin``, ``weights_sha256``, ``params`` and ``preprocessing``."""
@@ -184,7 +187,8 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
         source, target = REGISTRY, ""
     else:
         source, target = parse_spec(spec)
-    request = SourceRequest(spec=spec if spec is not None else "", target=target, dataset_info=dataset_info,
+    model_info = dataset_info.for_models()   # a test set of some of the model's classes: the model's
+    request = SourceRequest(spec=spec if spec is not None else "", target=target, dataset_info=model_info,
                             checkpoint=str(checkpoint) if checkpoint else None, model_args=dict(model_args or {}),
                             seed=seed, device=str(device), manifest=str(manifest) if manifest else None,
                             other_dataset=other_dataset)
@@ -199,5 +203,10 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
     desc["preprocessing"] = loaded.preprocessing.as_dict() if loaded.preprocessing is not None else None
     if check:
         size = loaded.preprocessing.input_size if loaded.preprocessing is not None else dataset_info.image_size
-        check_num_classes(loaded.model, dataset_info.num_classes, f"model {desc['spec']}", image_size=size)
+        check_num_classes(loaded.model, model_info.num_classes, f"model {desc['spec']}", image_size=size)
+    if dataset_info.logit_subset:
+        from robust_attn.models.wrapper import ClassSubset
+
+        loaded.model = ClassSubset(loaded.model, dataset_info.logit_subset).to(device).eval()
+        desc["logit_subset"] = {"classes": len(dataset_info.logit_subset), "of": dataset_info.model_classes}
     return loaded
