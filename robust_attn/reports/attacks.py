@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from robust_attn.protocols.report_section import ReportContext, report_section
 from robust_attn.reports.runs import model_names
 from robust_attn.reports.stats import bootstrap_mean_ci
 
@@ -259,3 +260,9 @@ def attack_sections(runs, out: Path, n_boot: int = 1000, seed: int = 0, level: f
                + (": " + ", ".join(f"{m} ({c})" for m, c in zip(flagged["model"], flagged["check"])) if len(flagged)
                   else "") + ".", "", to_markdown(verdicts), ""]
     return md, files
+
+
+@report_section("attacks", order=30, protocols=("attack", "transfer", "masking"))
+def attack_report(ctx: ReportContext) -> tuple[list[str], list[Path]]:
+    """The report's attack sections (:func:`attack_sections`) for the attack, transfer and masking runs."""
+    return attack_sections(ctx.runs, ctx.out, n_boot=ctx.n_boot, seed=ctx.seed, level=ctx.level, plots=ctx.plots)

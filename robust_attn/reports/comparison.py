@@ -31,7 +31,7 @@ import pandas as pd
 from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS
 from robust_attn.reports.attacks import ATTACK_LABELS
 from robust_attn.reports.runs import model_names
-from robust_attn.reports.shifts import SHIFT_PROTOCOLS
+from robust_attn.protocols.report_section import shift_protocols
 from robust_attn.reports.stats import bootstrap_mean_ci
 
 __all__ = ["per_image_losses", "compare_models", "findings_text", "agreement_findings", "ROTATED",
@@ -87,6 +87,7 @@ def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
         images = json.dumps(run.description["dataset"], sort_keys=True)
         columns.setdefault((images, key), {}).setdefault(names[id(run)], values.astype(float))
 
+    shifted = shift_protocols()
     for run in runs:
         if run.protocol == "rotation":
             top1 = _hits(run.records, "top1")
@@ -96,7 +97,7 @@ def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
             top1 = _hits(run.records, "top1")
             for condition in (c for c in top1.columns if c != CLEAN and CLEAN in top1):
                 put(run, f"attack_drop:{condition}", top1[CLEAN] - top1[condition])
-        elif run.protocol in SHIFT_PROTOCOLS:
+        elif run.protocol in shifted:
             top1 = _hits(run.records, "top1")
             shifted = [c for c in top1.columns if c != CLEAN]
             if CLEAN in top1 and shifted:

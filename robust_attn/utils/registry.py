@@ -37,13 +37,14 @@ def discover(package: str) -> list[str]:
 class Registry(Generic[T]):
     """Plug-ins of one ``kind`` by name.
 
-    ``package``: the package whose modules register themselves (imported on first use);
+    ``package``: the package (or packages) whose modules register themselves (imported on first use);
     ``error``: the exception an unknown name raises (its message names the closest names and all
     names); ``hint``: a sentence appended to that message (e.g. the command that lists them)."""
 
-    def __init__(self, kind: str, package: str | None = None, *, error: type[Exception] = KeyError,
-                 hint: str = ""):
-        self.kind, self.package, self.error, self.hint = kind, package, error, hint
+    def __init__(self, kind: str, package: str | tuple[str, ...] | None = None, *,
+                 error: type[Exception] = KeyError, hint: str = ""):
+        self.kind, self.error, self.hint = kind, error, hint
+        self.packages = (package,) if isinstance(package, str) else tuple(package or ())
         self._entries: dict[str, T] = {}
         self._discovered = package is None
 
@@ -70,7 +71,8 @@ class Registry(Generic[T]):
         """Import the package's modules once, so that their registrations have run."""
         if not self._discovered:
             self._discovered = True   # before importing: a module may ask for entries while it loads
-            discover(self.package)
+            for package in self.packages:
+                discover(package)
 
     def names(self) -> list[str]:
         """Every registered name, sorted."""
