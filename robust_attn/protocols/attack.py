@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import dataclass
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -48,6 +49,7 @@ from robust_attn.attacks.base import AttackConfig, make_attack
 from robust_attn.distributed import barrier
 from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
 from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
 
 __all__ = ["PROTOCOL", "CLEAN", "attack_records", "computation_order", "logit_margin", "make_evaluator",
@@ -273,8 +275,54 @@ def _describe_square(config) -> str:
     return f"Square alone at {config.square_eps:g}/255 with {config.square_queries} queries"
 
 
+def _check_eps(name: str, eps) -> None:
+    if any(not 0 < e <= 255 for e in eps):
+        raise ValueError(f"{name} are in 1/255 units, in (0, 255]; got {list(eps)}")
+
+
+@dataclass(frozen=True)
+class AttackStepSettings(ProtocolSettings):
+    attack_steps: int | None = setting(None, "iterations of AutoAttack's members and of APGD-CE (default: their "
+                                             "standard 100)")
+
+    def check(self, study) -> None:
+        if self.attack_steps is not None and self.attack_steps < 1:
+            raise ValueError(f"attack_steps must be at least 1 (or unset for AutoAttack's standard 100), "
+                             f"got {self.attack_steps}")
+
+
+@dataclass(frozen=True)
+class AutoAttackSettings(AttackStepSettings):
+    autoattack_eps: tuple[float, ...] = setting((1.0, 2.0, 4.0, 8.0), "AutoAttack L-inf radii in 1/255, comma list")
+
+    def check(self, study) -> None:
+        super().check(study)
+        _check_eps("autoattack_eps", self.autoattack_eps)
+
+
+@dataclass(frozen=True)
+class APGDSettings(AttackStepSettings):
+    apgd_eps: tuple[float, ...] = setting((1.0, 2.0, 4.0), "APGD-CE (protocol apgd) L-inf radii in 1/255, comma list")
+
+    def check(self, study) -> None:
+        super().check(study)
+        _check_eps("apgd_eps", self.apgd_eps)
+
+
+@dataclass(frozen=True)
+class SquareSettings(ProtocolSettings):
+    square_eps: float = setting(8.0, "Square's L-inf radius in 1/255")
+    square_queries: int = setting(5000, "Square's budget")
+
+    def check(self, study) -> None:
+        _check_eps("square_eps", (self.square_eps,))
+        if self.square_queries < 1:
+            raise ValueError(f"square_queries must be positive, got {self.square_queries}")
+
+
 @study_protocol("autoattack", summary="AutoAttack (standard, untargeted L-inf) at each eps on the attack subset",
-                describe=_describe_autoattack, attack_subset=True, default_order=3)
+                describe=_describe_autoattack, attack_subset=True, default_order=3,
+                settings=AutoAttackSettings)
 def study_autoattack(ctx, entry, model):
     """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps`` (1/255)."""
     return _study_attack(ctx, entry, model, "autoattack", [
@@ -283,7 +331,7 @@ def study_autoattack(ctx, entry, model):
 
 
 @study_protocol("apgd", summary="APGD-CE (untargeted L-inf) at each small eps on the attack subset",
-                describe=_describe_apgd, attack_subset=True, default_order=2)
+                describe=_describe_apgd, attack_subset=True, default_order=2, settings=APGDSettings)
 def study_apgd(ctx, entry, model):
     """APGD-CE alone at ``config.apgd_eps``: AutoAttack's first and cheapest member, where the
     other three cost 6-23 CPU-seconds per surviving image on the CIFAR-10 zoo
@@ -297,7 +345,7 @@ def study_apgd(ctx, entry, model):
 
 
 @study_protocol("square", summary="Square (score-based, no gradients) on the attack subset",
-                describe=_describe_square, attack_subset=True, default_order=4)
+                describe=_describe_square, attack_subset=True, default_order=4, settings=SquareSettings)
 def study_square(ctx, entry, model):
     """The black-box reference: Square alone on every image, ``config.square_queries`` queries."""
     return _study_attack(ctx, entry, model, "square", [

@@ -43,8 +43,10 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
+from robust_attn.attacks.targeted_pgd import BACKENDS
 from robust_attn.distributed import barrier
 from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_file
 
@@ -344,12 +346,34 @@ def _describe(config) -> str:
             f"every model attacked towards the same targets (seed {config.seed}).")
 
 
+@dataclass(frozen=True)
+class PGDStudySettings(ProtocolSettings):
+    sweep_eps: tuple[float, ...] = setting((2.0, 4.0, 8.0, 16.0), "eps sweep in 1/255, comma list")
+    sweep_steps: int = setting(4, "PGD steps of the sweep, with step = eps / steps (the rule of both paper "
+                                  "settings)")
+    backend: str = setting("native", "PGD backend", choices=BACKENDS)
+
+    def check(self, study) -> None:
+        if self.sweep_steps < 1 or any(not 0 < e <= 255 for e in self.sweep_eps):
+            raise ValueError(f"sweep_eps are in 1/255 units, in (0, 255], and sweep_steps at least 1; got "
+                             f"{list(self.sweep_eps)} and {self.sweep_steps}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    def attack_settings(self) -> list[AttackSetting]:
+        """Table 10's two settings, then the sweep (without repeating a paper setting)."""
+        settings = list(PAPER_SETTINGS)
+        if self.sweep_eps:
+            settings += [s for s in pgd_settings(self.sweep_eps, [self.sweep_steps]) if s not in settings]
+        return settings
+
+
 @study_protocol("pgd", summary="SAN Table 10's targeted PGD {8, 4, 2} and {8, 2, 4} plus an eps sweep",
-                describe=_describe, default_order=1)
+                describe=_describe, default_order=1, settings=PGDStudySettings)
 def study_pgd(ctx, entry, model):
     """The study's Table 10 step: every image of the study, the same targets for every model."""
     out = ctx.run_dir("pgd", entry.name)
-    run_pgd(model, ctx.dataset, out, num_classes=ctx.info.num_classes, settings=ctx.config.attack_settings(),
+    run_pgd(model, ctx.dataset, out, num_classes=ctx.info.num_classes, settings=PGDStudySettings.of(ctx.config).attack_settings(),
             seed=ctx.config.seed, backend=ctx.config.backend, batch_size=ctx.config.batch_size, device=ctx.device,
             run_info=ctx.run_info(entry, model), progress=ctx.progress, **ctx.shard)
     return out

@@ -3,6 +3,7 @@ condition of :mod:`robust_attn.shifts.rotation` (the paper's rotations and flip,
 flip and an angle sweep), top-1 / top-5 with the drop from the unrotated result in points."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 import pandas as pd
@@ -11,6 +12,7 @@ import torch.nn as nn
 
 from robust_attn.distributed import barrier
 from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
 from robust_attn.shifts.rotation import RotationCondition, apply_condition, rotation_conditions
 
@@ -91,8 +93,17 @@ def _describe(config) -> str:
     return f"Rotation: SAN Table 9's conditions, the left-right flip{sweep}."
 
 
+@dataclass(frozen=True)
+class RotationSettings(ProtocolSettings):
+    angle_step: float = setting(30.0, "rotation sweep every this many degrees, 0 for none")
+
+    def check(self, study) -> None:
+        if not 0 <= self.angle_step < 360:
+            raise ValueError(f"angle_step must be in [0, 360) degrees (0: no sweep), got {self.angle_step}")
+
+
 @study_protocol("rotation", summary="SAN Table 9's rotations and flips, the left-right flip and an angle sweep",
-                describe=_describe, default_order=0)
+                describe=_describe, default_order=0, settings=RotationSettings)
 def study_rotation(ctx, entry, model):
     """The study's rotation step: every image of the study, ``config.angle_step`` sweep."""
     out = ctx.run_dir("rotation", entry.name)

@@ -76,6 +76,7 @@ class StudyProtocol:
     describe: Callable[[Any], str] | None = None   # the report preamble's sentence, from the study config
     attack_subset: bool = False   # runs on the attack subset, not on every image of the study
     default_order: int | None = None   # its place in the study's default protocols; None: run when asked
+    settings: type | None = None   # its ProtocolSettings: fields of the study config, options of `study`
 
 
 #: every protocol's study step, from the modules of :mod:`robust_attn.protocols`
@@ -85,17 +86,20 @@ STUDY_PROTOCOLS: Registry[StudyProtocol] = Registry("study protocol", package="r
 
 def study_protocol(name: str, *, per_model: bool = True, summary: str = "", chunked: bool = True,
                    describe: Callable[[Any], str] | None = None, attack_subset: bool = False,
-                   default_order: int | None = None):
+                   default_order: int | None = None, settings: type | None = None):
     """Decorator: register ``fn`` as the study step of protocol ``name``. ``chunked=False``: the
     step writes files of its own rather than claimed record chunks, so only the study's main
     process runs it. ``describe`` and ``attack_subset``: what the report's preamble says of it
     (module docstring). ``default_order``: where it runs in a study that names no protocols (in
-    increasing order; ``None``: only when named)."""
+    increasing order; ``None``: only when named). ``settings``: its
+    :class:`~robust_attn.protocols.settings.ProtocolSettings` (the study config's fields and the
+    command line's options it adds, checked by its ``check``)."""
 
     def add(fn: Callable) -> Callable:
         STUDY_PROTOCOLS.register(name, StudyProtocol(name, fn, per_model,
                                                      summary or (fn.__doc__ or "").split("\n")[0],
-                                                     chunked, describe, attack_subset, default_order))
+                                                     chunked, describe, attack_subset, default_order,
+                                                     settings))
         return fn
 
     return add

@@ -39,12 +39,10 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (a dependency there)
     import tomli as tomllib
 
-from robust_attn.attacks.targeted_pgd import BACKENDS
-from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
-from robust_attn.protocols.study_step import default_study_protocols, list_study_protocols
+from robust_attn.protocols.study_step import STUDY_PROTOCOLS, default_study_protocols, list_study_protocols
 
-__all__ = ["StudyConfig", "StudyModel", "StudyConfigError", "load_study_config", "read_study_toml",
-           "study_config_from_dict", "LABEL_PATTERN"]
+__all__ = ["StudyConfig", "StudySettings", "study_config_class", "protocol_settings", "protocol_fields", "StudyModel", "StudyConfigError",
+           "load_study_config", "read_study_toml", "study_config_from_dict", "LABEL_PATTERN"]
 
 #: what a label may hold: it names run folders and the transfer conditions (``attack.label``)
 LABEL_PATTERN = re.compile(r"[A-Za-z0-9_+-]+")
@@ -91,36 +89,22 @@ class StudyModel:
 
 
 @dataclass(frozen=True)
-class StudyConfig:
-    """What the study runs. eps and steps in 1/255 units, as Table 10."""
+class StudySettings:
+    """The study's own settings, shared by its protocols; :class:`StudyConfig` adds every field of
+    every registered protocol's settings (:mod:`robust_attn.protocols.settings`)."""
 
     dataset: str = "fashion_mnist"
     split: str = "test"
     limit: int | None = None           # None: the whole split
     models: tuple[str | StudyModel, ...] = ()   # zoo entry names or StudyModels; empty: every zoo entry for ``dataset``
     root: str | None = None            # data root (None: run_study's root, $ROBUST_ATTN_DATA or ./data)
-    angle_step: float = 30.0           # angle sweep (bilinear, zero fill) besides the exact 90s
-    sweep_eps: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)
-    sweep_steps: int = 4               # with step = eps / steps, the rule of both paper settings
     batch_size: int = 250
     seed: int = 0                      # attack targets
-    backend: str = "native"
     bootstrap: int = 1000
     baseline: str = "resnet26"         # the convolutional reference of the findings
     protocols: tuple[str, ...] = field(default_factory=default_study_protocols)   # the report covers what ran
     attack_limit: int | None = 1000    # the seeded subset of the attack protocols (apgd, autoattack, square, transfer)
-    autoattack_eps: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)   # 1/255 units, L-inf, untargeted
-    apgd_eps: tuple[float, ...] = (1.0, 2.0, 4.0)   # APGD-CE alone (step ``apgd``), 1/255 units
-    square_eps: float = 8.0            # 1/255 units
-    square_queries: int = 5000
-    transfer_steps: int = 10           # the untargeted PGD of the transfer matrix (step 2/255), beside {8, 2, 4}
     attack_batch_size: int = 100
-    attack_steps: int | None = None    # iterations of AutoAttack's members (None: their standard 100)
-    masking_images: int = 100          # images of the gradient-masking probes (unbounded PGD, gradients)
-    corruptions: str = "common"        # corruption step: common, extra, all, families or names (comma list)
-    severities: tuple[int, ...] = (1, 2, 3, 4, 5)
-    occlusion_areas: tuple[float, ...] = (10.0, 25.0, 50.0, 75.0)   # percent of the image one square covers
-    shuffle_grids: tuple[int, ...] = (1, 2, 4, 8)
     shift_seed: int = 0                # per-image corruptions, occlusions and permutations
 
     def __post_init__(self):
@@ -128,11 +112,6 @@ class StudyConfig:
             raise ValueError(f"split must be train, val or test, got {self.split!r}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be positive (or None for the whole split), got {self.limit}")
-        if not 0 <= self.angle_step < 360:
-            raise ValueError(f"angle_step must be in [0, 360) degrees (0: no sweep), got {self.angle_step}")
-        if self.sweep_steps < 1 or any(not 0 < e <= 255 for e in self.sweep_eps):
-            raise ValueError(f"sweep_eps are in 1/255 units, in (0, 255], and sweep_steps at least 1; got "
-                             f"{list(self.sweep_eps)} and {self.sweep_steps}")
         if self.batch_size < 1 or self.bootstrap < 1:
             raise ValueError("batch_size and bootstrap must be positive")
         known = list_study_protocols()
@@ -141,48 +120,70 @@ class StudyConfig:
                              f"{', '.join(self.protocols) or 'none'}")
         if self.attack_limit is not None and self.attack_limit < 1:
             raise ValueError(f"attack_limit must be positive (or None for every image), got {self.attack_limit}")
-        if any(not 0 < e <= 255 for e in (*self.autoattack_eps, *self.apgd_eps, self.square_eps)):
-            raise ValueError("autoattack_eps, apgd_eps and square_eps are in 1/255 units, in (0, 255]")
-        if self.square_queries < 1 or self.transfer_steps < 1 or self.attack_batch_size < 1:
-            raise ValueError("square_queries, transfer_steps and attack_batch_size must be positive")
-        if self.attack_steps is not None and self.attack_steps < 1:
-            raise ValueError(f"attack_steps must be at least 1 (or unset for AutoAttack's standard 100), "
-                             f"got {self.attack_steps}")
-        if self.masking_images < 1:
-            raise ValueError(f"masking_images must be at least 1, got {self.masking_images}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.attack_batch_size < 1:
+            raise ValueError(f"attack_batch_size must be positive, got {self.attack_batch_size}")
         if any(not isinstance(m, (str, StudyModel)) for m in self.models):
             raise ValueError("models must be zoo entry names or StudyModel(spec, ...) entries")
         names = [m if isinstance(m, str) else m.name for m in self.models]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"two models are named {', '.join(twice)}: give each a distinct label")
-        from robust_attn.protocols.corruption import corruption_conditions
-        from robust_attn.protocols.occlusion import occlusion_conditions
-        from robust_attn.protocols.shuffle import shuffle_conditions
-
         from robust_attn.data import dataset_info, list_datasets
 
         if self.dataset not in list_datasets():
             dataset_info(self.dataset)   # the unknown-dataset error, with the names it could have meant
-        try:    # imagefolder's size comes from its root, known only when the study runs
-            size = (dataset_info(self.dataset).image_size,) * 2
-        except (KeyError, ValueError, FileNotFoundError):
-            size = None
-        corruption_conditions(self.corruptions, self.severities)   # ValueError naming what is wrong
-        occlusion_conditions(self.occlusion_areas, image_size=size)
-        shuffle_conditions(self.shuffle_grids, image_size=size)
-
-    def attack_settings(self) -> list[AttackSetting]:
-        """Table 10's two settings, then the sweep (without repeating a paper setting)."""
-        settings = list(PAPER_SETTINGS)
-        if self.sweep_eps:
-            settings += [s for s in pgd_settings(self.sweep_eps, [self.sweep_steps]) if s not in settings]
-        return settings
+        for settings in protocol_settings():
+            if all(hasattr(self, f.name) for f in dataclasses.fields(settings)):   # (registered after this class)
+                settings.of(self).check(self)
 
     def describe(self) -> dict:
         return asdict(self)
+
+
+def protocol_settings() -> list[type]:
+    """The settings class of every registered protocol that has one, in registration order."""
+    return [step.settings for _, step in STUDY_PROTOCOLS.items() if step.settings is not None]
+
+
+def protocol_fields() -> list[dataclasses.Field]:
+    """The fields the protocols add to the study config: each name once (a field two protocols
+    share, from a common settings class, is one field); a name the study itself has is an error."""
+    own = {f.name for f in dataclasses.fields(StudySettings)}
+    out: dict[str, dataclasses.Field] = {}
+    for settings in protocol_settings():
+        for f in dataclasses.fields(settings):
+            if f.name in own:
+                raise ValueError(f"{settings.__name__}.{f.name} is a setting of the study itself; rename it")
+            if f.name in out and (out[f.name].default, out[f.name].type) != (f.default, f.type):
+                raise ValueError(f"two protocols declare the setting {f.name!r} differently")
+            out.setdefault(f.name, f)
+    return list(out.values())
+
+
+def _study_config() -> type:
+    extra = [(f.name, f.type, field(default=f.default, metadata=f.metadata)) for f in protocol_fields()]
+    cls = dataclasses.make_dataclass("StudyConfig", extra, bases=(StudySettings,), frozen=True)
+    cls.__module__ = __name__
+    cls.__doc__ = ("What the study runs: :class:`StudySettings` and every registered protocol's settings "
+                   "(eps and steps in 1/255 units, as Table 10).")
+    return cls
+
+
+_CLASSES: dict[tuple[str, ...], type] = {}
+
+
+def study_config_class() -> type:
+    """The study config class for the protocols registered now: :data:`StudyConfig`, or, once a
+    protocol with settings was registered from outside :mod:`robust_attn.protocols` after it was
+    made, a class with that protocol's fields too."""
+    key = tuple(f.name for f in protocol_fields())
+    if key not in _CLASSES:
+        _CLASSES[key] = _study_config()
+    return _CLASSES[key]
+
+
+#: what a study runs; its fields: :class:`StudySettings` and the registered protocols' settings
+StudyConfig = study_config_class()
 
 
 def read_study_toml(path: str | Path) -> dict:
@@ -254,7 +255,8 @@ def _model(item, index: int, where: str) -> StudyModel:
 def study_config_from_dict(raw: dict, where: str = "study config"):
     """Validate a study config given as a dict (what the TOML file holds)."""
 
-    fields = {f.name: f for f in dataclasses.fields(StudyConfig)}
+    config_class = study_config_class()
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
     kwargs = {}
     for key, value in raw.items():
         if key not in fields:
@@ -273,7 +275,7 @@ def study_config_from_dict(raw: dict, where: str = "study config"):
             raise StudyConfigError(f"{where} lacks {required!r}: name the dataset (e.g. dataset = \"imagenet\") and "
                                    f"the models (models = [\"timm:resnet26t\", ...])")
     try:
-        config = StudyConfig(**kwargs)
+        config = config_class(**kwargs)
     except ValueError as err:
         raise StudyConfigError(f"{where}: {err}") from None
     names = [m.name for m in config.models]
