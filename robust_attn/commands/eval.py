@@ -18,7 +18,7 @@ from robust_attn.attacks.targeted_pgd import BACKENDS
 from robust_attn.cli import UserError
 from robust_attn.commands.eval_common import add_common_options, parse_list, setup_run, with_cleanup
 
-__all__ = ["add_parser", "run_rotation_cmd", "run_pgd_cmd"]
+__all__ = ["add_parser", "run_rotation_cmd", "run_pgd_cmd", "run_registered_cmd"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +49,55 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     add_attack_parsers(ev_sub)
     add_shift_parsers(ev_sub)
+    _add_registered(ev_sub)
+
+
+def _add_registered(ev_sub) -> None:
+    """A subcommand for every protocol that registered an eval step
+    (:mod:`robust_attn.protocols.eval_step`), its options from its settings."""
+    import dataclasses
+
+    from robust_attn.protocols.eval_step import EVAL_PROTOCOLS
+    from robust_attn.protocols.settings import add_options
+
+    for name, protocol in EVAL_PROTOCOLS.items():
+        if name in ev_sub.choices:
+            raise ValueError(f"eval protocol {name!r} is also a built-in eval subcommand; rename it")
+        p = ev_sub.add_parser(name, help=protocol.help)
+        add_common_options(p)
+        add_options(p, dataclasses.fields(protocol.settings))
+        p.set_defaults(func=run_registered_cmd, eval_protocol=name)
+
+
+@with_cleanup
+def run_registered_cmd(args) -> int:
+    """``robust-attn eval NAME`` of a registered eval step: its settings from the options, checked
+    before the model loads; then the step, then a one-line summary of its records."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from robust_attn.protocols.eval_step import EVAL_PROTOCOLS, EvalContext
+    from robust_attn.protocols.settings import given_options
+    from robust_attn.protocols.shift_runner import accuracy_by_condition
+    from robust_attn.runs.store import load_records
+
+    protocol = EVAL_PROTOCOLS.get(args.eval_protocol)
+    given = given_options(dataclasses.fields(protocol.settings), args, parse_list)
+    settings = protocol.settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+    settings.check(SimpleNamespace(dataset=args.dataset))
+    info, rank, world_size, device, model, dataset, out, run_info = setup_run(args, protocol.name)
+    ctx = EvalContext(info, dataset, out, run_info, device, rank=rank, world_size=world_size,
+                      batch_size=args.batch_size, num_workers=args.num_workers, progress=not args.no_progress)
+    store = protocol.step(ctx, model, settings)
+    if rank == 0:
+        records = load_records(store.root)
+        parts = ""
+        if "top1" in records:
+            summary = accuracy_by_condition(records)
+            parts = "top-1 " + ", ".join(f"{c} {t:.1f}" for c, t in zip(summary["condition"], summary["top1"])) + " "
+        print(f"{protocol.name} {run_info['model']} on {args.dataset}/{args.split} ({len(dataset)} images): "
+              f"{parts}-> {store.root}")
+    return 0
 
 
 @with_cleanup
