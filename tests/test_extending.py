@@ -113,10 +113,10 @@ def test_the_attack_example(load_example, capsys):
 
 def test_the_protocol_example(load_example, tmp_path, capsys):
     module = load_example("robust_attn/protocols/grayscale.py")
-    (tmp_path / "probe.py").write_text("import torch\n\n\ndef colours(num_classes=10):\n"
-                                       "    torch.manual_seed(0)\n"
-                                       "    fc = torch.nn.Linear(3, num_classes)\n"
-                                       "    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), fc)\n")
+    (tmp_path / "probe.py").write_text(
+        "import torch\n\n\ndef colours(num_classes=10):\n    torch.manual_seed(0)\n"
+        "    fc = torch.nn.Linear(3, num_classes)\n"
+        "    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), fc)\n")
     out = tmp_path / "run"
     assert main(["eval", "grayscale", "--gray-mix", "0.5,1", "--model", f"{tmp_path / 'probe.py'}:colours",
                  "--dataset", "synthetic", "--limit", "6", "--batch-size", "3", "--device", "cpu",

@@ -136,7 +136,8 @@ def test_the_cycle_finder_finds_a_cycle_inside_a_function_and_ignores_type_check
     (package / "sub" / "__init__.py").write_text("from robust_attn.sub.a import f\n")
     (package / "sub" / "a.py").write_text("def f():\n    from robust_attn.sub import b\n")
     (package / "sub" / "b.py").write_text("from . import a\n")
-    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from robust_attn import d\n")
+    (package / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from robust_attn import d\n")
     (package / "d.py").write_text("import robust_attn.c\n")
     graph = import_graph(tmp_path)
     assert graph["robust_attn.sub"] == {"robust_attn.sub.a"}

@@ -23,7 +23,7 @@ from robust_attn.data.base import DatasetInfo, default_data_root, missing_datase
 from robust_attn.data.imagefolder import ImageListDataset, class_folders, list_images
 from robust_attn.data.transforms import imagenet_eval_transform
 
-__all__ = ["folder_test_set", "locate_class_folders", "build_class_folders"]
+__all__ = ["folder_test_set", "imagenet_subset_test_set", "locate_class_folders", "build_class_folders"]
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -89,3 +89,13 @@ def folder_test_set(name: str, labels: Mapping[str, int], classes: Sequence[str]
         return build_class_folders(info, locate(root, split), labels, classes, augment, transform, name)
 
     return info, locate, build
+
+
+def imagenet_subset_test_set(name: str, wnids: Sequence[str], folders: Sequence[str], how_to_get: str):
+    """:func:`folder_test_set` of a set of some ImageNet classes in wnid folders (ImageNet-A, -R):
+    labels index the sorted ``wnids``, and a model's 1,000 logits are restricted to them."""
+    from robust_attn.data.imagenet import wnid_index
+
+    index = wnid_index()
+    return folder_test_set(name, {w: i for i, w in enumerate(wnids)}, wnids, folders, how_to_get,
+                           logit_subset=[index[w] for w in wnids])

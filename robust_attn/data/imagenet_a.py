@@ -9,8 +9,7 @@ its 1,000 (``INFO.logit_subset``), as the authors' ``eval.py`` does.
 from __future__ import annotations
 
 from robust_attn.data.base import register_dataset
-from robust_attn.data.class_folders import folder_test_set
-from robust_attn.data.imagenet import wnid_index
+from robust_attn.data.class_folders import imagenet_subset_test_set
 
 __all__ = ["INFO", "WNIDS", "locate", "build", "TAKES_TRANSFORM"]
 
@@ -43,10 +42,10 @@ WNIDS = (
     "n09229709", "n09246464", "n09472597", "n09835506", "n11879895", "n12057211", "n12144580", "n12267677"
 )
 
-INFO, locate, build = folder_test_set(
-    "imagenet_a", {w: i for i, w in enumerate(WNIDS)}, WNIDS, ("imagenet-a",),
-    how_to_get="Download imagenet-a.tar from https://github.com/hendrycks/natural-adv-examples and extract it under ROOT (ROOT/imagenet-a/<wnid>/*.jpg).",
-    logit_subset=[wnid_index()[w] for w in WNIDS])
+INFO, locate, build = imagenet_subset_test_set(
+    "imagenet_a", WNIDS, ("imagenet-a",),
+    how_to_get="Download imagenet-a.tar from https://github.com/hendrycks/natural-adv-examples"
+               " and extract it under ROOT (ROOT/imagenet-a/<wnid>/*.jpg).")
 TAKES_TRANSFORM = True
 
 register_dataset(__name__)

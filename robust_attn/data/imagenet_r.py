@@ -9,8 +9,7 @@ github.com/hendrycks/imagenet-r), read from ``ROOT/imagenet-r``. Labels index :d
 from __future__ import annotations
 
 from robust_attn.data.base import register_dataset
-from robust_attn.data.class_folders import folder_test_set
-from robust_attn.data.imagenet import wnid_index
+from robust_attn.data.class_folders import imagenet_subset_test_set
 
 __all__ = ["INFO", "WNIDS", "locate", "build", "TAKES_TRANSFORM"]
 
@@ -43,10 +42,10 @@ WNIDS = (
     "n07768694", "n07873807", "n07880968", "n07920052", "n09472597", "n09835506", "n10565667", "n12267677"
 )
 
-INFO, locate, build = folder_test_set(
-    "imagenet_r", {w: i for i, w in enumerate(WNIDS)}, WNIDS, ("imagenet-r",),
-    how_to_get="Download imagenet-r.tar from https://github.com/hendrycks/imagenet-r and extract it under ROOT (ROOT/imagenet-r/<wnid>/*.jpg).",
-    logit_subset=[wnid_index()[w] for w in WNIDS])
+INFO, locate, build = imagenet_subset_test_set(
+    "imagenet_r", WNIDS, ("imagenet-r",),
+    how_to_get="Download imagenet-r.tar from https://github.com/hendrycks/imagenet-r"
+               " and extract it under ROOT (ROOT/imagenet-r/<wnid>/*.jpg).")
 TAKES_TRANSFORM = True
 
 register_dataset(__name__)

@@ -373,7 +373,8 @@ class PGDStudySettings(ProtocolSettings):
 def study_pgd(ctx, entry, model):
     """The study's Table 10 step: every image of the study, the same targets for every model."""
     out = ctx.run_dir("pgd", entry.name)
-    run_pgd(model, ctx.dataset, out, num_classes=ctx.info.num_classes, settings=PGDStudySettings.of(ctx.config).attack_settings(),
+    settings = PGDStudySettings.of(ctx.config).attack_settings()
+    run_pgd(model, ctx.dataset, out, num_classes=ctx.info.num_classes, settings=settings,
             seed=ctx.config.seed, backend=ctx.config.backend, batch_size=ctx.config.batch_size, device=ctx.device,
             run_info=ctx.run_info(entry, model), progress=ctx.progress, **ctx.shard)
     return out

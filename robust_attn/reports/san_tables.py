@@ -20,6 +20,15 @@ TABLE10_CAPTION = ("Targeted white-box L-inf PGD (SAN Table 10 layout): eps = 8/
                    "n = 4 with step 2/255. s. rate: attack success rate (%), top-1: accuracy under attack (%).")
 
 
+def _paper_table(ctx: ReportContext, table, shown, stem: str, **latex) -> list[Path]:
+    """``table`` as ``<stem>.csv``, and as shown in the paper's layout as ``<stem>.md`` and
+    ``<stem>.tex`` (``latex``: the arguments of :func:`~robust_attn.reports.formats.to_latex`)."""
+    files = [write_csv(table, ctx.out / f"{stem}.csv")]
+    atomic_write_text(ctx.out / f"{stem}.md", to_markdown(shown))
+    atomic_write_text(ctx.out / f"{stem}.tex", to_latex(shown, **latex))
+    return files + [ctx.out / f"{stem}.md", ctx.out / f"{stem}.tex"]
+
+
 @report_section("rotation", order=10)
 def rotation_section(ctx: ReportContext) -> tuple[list[str], list[Path]]:
     """SAN Table 9 and every rotation condition, from the rotation runs."""
@@ -28,13 +37,9 @@ def rotation_section(ctx: ReportContext) -> tuple[list[str], list[Path]]:
     t9 = rotation_table(ctx.runs)
     if not t9.empty:
         shown = format_rotation(t9)
-        files.append(write_csv(t9, ctx.out / "table9_rotation.csv"))
-        atomic_write_text(ctx.out / "table9_rotation.md", to_markdown(shown))
-        groups = [(title, 2) for _, title in TABLE9_CONDITIONS]
-        atomic_write_text(ctx.out / "table9_rotation.tex", to_latex(
-            shown, groups=groups, subheaders=["Method"] + ["top-1", "top-5"] * 5, caption=TABLE9_CAPTION,
-            label="tab:rotation"))
-        files += [ctx.out / "table9_rotation.md", ctx.out / "table9_rotation.tex"]
+        files += _paper_table(ctx, t9, shown, "table9_rotation", groups=[(title, 2) for _, title in TABLE9_CONDITIONS],
+                              subheaders=["Method"] + ["top-1", "top-5"] * 5, caption=TABLE9_CAPTION,
+                              label="tab:rotation")
         sweep = rotation_sweep(ctx.runs)
         files.append(write_csv(sweep, ctx.out / "rotation_conditions.csv"))
         md += ["## Table 9: rotation and flipping", "", TABLE9_CAPTION, "", to_markdown(shown),
@@ -53,13 +58,10 @@ def pgd_section(ctx: ReportContext) -> tuple[list[str], list[Path]]:
     t10 = pgd_table(ctx.runs)
     if not t10.empty:
         shown = format_pgd(t10)
-        files.append(write_csv(t10, ctx.out / "table10_pgd.csv"))
-        atomic_write_text(ctx.out / "table10_pgd.md", to_markdown(shown))
-        atomic_write_text(ctx.out / "table10_pgd.tex", to_latex(
-            shown, groups=[("clean", 1), ("attack n=2", 2), ("attack n=4", 2)],
-            subheaders=["Method", "top-1", "s. rate", "top-1", "s. rate", "top-1"], caption=TABLE10_CAPTION,
-            label="tab:pgd"))
-        files += [ctx.out / "table10_pgd.md", ctx.out / "table10_pgd.tex"]
+        files += _paper_table(ctx, t10, shown, "table10_pgd",
+                              groups=[("clean", 1), ("attack n=2", 2), ("attack n=4", 2)],
+                              subheaders=["Method", "top-1", "s. rate", "top-1", "s. rate", "top-1"],
+                              caption=TABLE10_CAPTION, label="tab:pgd")
         sweep = pgd_sweep(ctx.runs)
         files.append(write_csv(sweep, ctx.out / "pgd_conditions.csv"))
         cc = t10[t10["source"] == "ours"][["label", "n", "n2_success_rate_clean_correct",

@@ -206,45 +206,43 @@ def corruption_section(ctx: ReportContext) -> tuple[list[str], list[Path]]:
     return md, files
 
 
+def _by_condition(ctx: ReportContext, protocol: str, title: str, text: str):
+    """The table of ``protocol``'s runs (``<protocol>_conditions.csv``) and its section: top-1 per
+    model (rows) and condition (columns) under ``title`` and ``text``; empty without runs."""
+    from robust_attn.reports.formats import to_markdown
+
+    table = condition_table(ctx.runs, protocol)
+    if table.empty:
+        return table, [], []
+    wide = table.pivot_table(index="label", columns="condition", values="top1", sort=False).round(1).reset_index()
+    files = [_write_table(ctx, table, f"{protocol}_conditions.csv")]
+    return table, [f"## {title}", "", text, "", to_markdown(wide)], files
+
+
 @report_section("occlusion", order=41, shift=True)
 def occlusion_section(ctx: ReportContext) -> tuple[list[str], list[Path]]:
     """Occlusion: top-1 per model and condition, and against the occluded share."""
-    from robust_attn.reports.formats import to_markdown
-
-    md: list[str] = []
-    files: list[Path] = []
-    occ = condition_table(ctx.runs, "occlusion")
-    if not occ.empty:
-        files.append(_write_table(ctx, occ, "occlusion_conditions.csv"))
-        wide = occ.pivot_table(index="label", columns="condition", values="top1", sort=False).round(1).reset_index()
-        md += ["## Occlusion", "", "Naseer et al. (2021): top-1 (%) with one random square covering k% of the image "
-               "(`square<k>_<fill>`) and with a random share of the cells of a grid dropped (`drop<g>x<g>_<percent>_"
-               "<fill>`), filled with zeros or the dataset's mean colour.", "", to_markdown(wide)]
-        if ctx.plots:
-            occ_plot = occ[occ["condition"] != "clean"].assign(series=lambda f: f["kind"] + " " + f["fill"])
-            occ_plot = pd.concat([occ_plot, occ[occ["condition"] == "clean"]])
-            files.append(plot_against(occ_plot, "percent", ["series"], ctx.out / "occlusion.png",
-                                      "occluded share of the image (%)", "Occlusion (Naseer et al. 2021)"))
-            md += ["![top-1 against occluded share](occlusion.png)", ""]
+    occ, md, files = _by_condition(
+        ctx, "occlusion", "Occlusion", "Naseer et al. (2021): top-1 (%) with one random square covering k% of the "
+        "image (`square<k>_<fill>`) and with a random share of the cells of a grid dropped (`drop<g>x<g>_<percent>_"
+        "<fill>`), filled with zeros or the dataset's mean colour.")
+    if md and ctx.plots:
+        occ_plot = occ[occ["condition"] != "clean"].assign(series=lambda f: f["kind"] + " " + f["fill"])
+        occ_plot = pd.concat([occ_plot, occ[occ["condition"] == "clean"]])
+        files.append(plot_against(occ_plot, "percent", ["series"], ctx.out / "occlusion.png",
+                                  "occluded share of the image (%)", "Occlusion (Naseer et al. 2021)"))
+        md += ["![top-1 against occluded share](occlusion.png)", ""]
     return md, files
 
 
 @report_section("shuffle", order=42, shift=True)
 def shuffle_section(ctx: ReportContext) -> tuple[list[str], list[Path]]:
     """Patch shuffle: top-1 per model and grid, and against the grid size."""
-    from robust_attn.reports.formats import to_markdown
-
-    md: list[str] = []
-    files: list[Path] = []
-    shu = condition_table(ctx.runs, "shuffle")
-    if not shu.empty:
-        files.append(_write_table(ctx, shu, "shuffle_conditions.csv"))
-        wide = shu.pivot_table(index="label", columns="condition", values="top1", sort=False).round(1).reset_index()
-        md += ["## Patch shuffle", "", "Naseer et al. (2021): top-1 (%) with the image cut into a g x g grid and the "
-               "patches permuted (one seeded permutation per image; g = 1 is the unshuffled image).", "",
-               to_markdown(wide)]
-        if ctx.plots:
-            files.append(plot_against(shu, "grid", [], ctx.out / "shuffle.png", "grid g (g x g patches)",
-                                      "Patch shuffle (Naseer et al. 2021)", log2=True))
-            md += ["![top-1 against grid size](shuffle.png)", ""]
+    shu, md, files = _by_condition(
+        ctx, "shuffle", "Patch shuffle", "Naseer et al. (2021): top-1 (%) with the image cut into a g x g grid and "
+        "the patches permuted (one seeded permutation per image; g = 1 is the unshuffled image).")
+    if md and ctx.plots:
+        files.append(plot_against(shu, "grid", [], ctx.out / "shuffle.png", "grid g (g x g patches)",
+                                  "Patch shuffle (Naseer et al. 2021)", log2=True))
+        md += ["![top-1 against grid size](shuffle.png)", ""]
     return md, files

@@ -51,8 +51,9 @@ from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, S
                                       state_dict_sha256)
 from robust_attn.utils.registry import Registry
 
-__all__ = ["Preprocessing", "LoadedModel", "SourceError", "SourceRequest", "Source", "SOURCES", "register_source", "list_sources",
-           "parse_spec", "check_spec", "spec_label", "load_model_spec", "state_dict_sha256", "load_weights_file", "spec_help"]
+__all__ = ["Preprocessing", "LoadedModel", "SourceError", "SourceRequest", "Source", "SOURCES", "register_source",
+           "list_sources", "parse_spec", "check_spec", "spec_label", "load_model_spec", "state_dict_sha256",
+           "load_weights_file", "spec_help"]
 
 
 

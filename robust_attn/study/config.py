@@ -41,8 +41,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (a depende
 
 from robust_attn.protocols.study_step import STUDY_PROTOCOLS, default_study_protocols, list_study_protocols
 
-__all__ = ["StudyConfig", "StudySettings", "study_config_class", "protocol_settings", "protocol_fields", "StudyModel", "StudyConfigError",
-           "load_study_config", "read_study_toml", "study_config_from_dict", "LABEL_PATTERN"]
+__all__ = ["StudyConfig", "StudySettings", "study_config_class", "protocol_settings", "protocol_fields", "StudyModel",
+           "StudyConfigError", "load_study_config", "read_study_toml", "study_config_from_dict", "LABEL_PATTERN"]
 
 #: what a label may hold: it names run folders and the transfer conditions (``attack.label``)
 LABEL_PATTERN = re.compile(r"[A-Za-z0-9_+-]+")
