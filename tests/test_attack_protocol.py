@@ -69,11 +69,15 @@ class _PixelModel(nn.Module):
 
 
 @pytest.fixture
-def registered(monkeypatch):
+def registered():
+    added = []
+
     def add(cls):
-        monkeypatch.setitem(ATTACKS, cls.name, cls)
+        added.append(ATTACKS.register(cls.name, cls))
         return cls
-    return add
+    yield add
+    for cls in added:
+        ATTACKS.remove(cls.name)
 
 
 class BudgetBreaker(Attack):

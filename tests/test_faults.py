@@ -175,10 +175,13 @@ def test_eval_refuses_a_model_that_does_not_fit_the_dataset_whatever_its_source(
     import robust_attn.sources as sources
 
     sources.list_sources()   # the real sources first, so the stand-in is one more
-    monkeypatch.setitem(sources._SOURCES, "other", lambda request: sources.LoadedModel(
+    sources.SOURCES.register("other", sources.Source(lambda request: sources.LoadedModel(
         _head(5).eval(), None, {"model": "other", "arch": {}, "checkpoint": None, "weights_origin": "user",
-                                  "weights_sha256": "0" * 64}))
-    assert main([*EVAL, "--model", "other:m", "--out", str(tmp_path / "run")]) == 2
+                                  "weights_sha256": "0" * 64})))
+    try:
+        assert main([*EVAL, "--model", "other:m", "--out", str(tmp_path / "run")]) == 2
+    finally:
+        sources.SOURCES.remove("other")
     err = capsys.readouterr().err
     assert "model other:m outputs 5 classes but the dataset has 10" in err and "trained on" in err
     assert not (tmp_path / "run").exists()

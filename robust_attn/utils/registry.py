@@ -84,6 +84,9 @@ class Registry(Generic[T]):
         self.discover()
         return iter(list(self._entries.items()))
 
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
     def __contains__(self, name: object) -> bool:
         self.discover()
         return name in self._entries
