@@ -87,7 +87,7 @@ def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
         images = json.dumps(run.description["dataset"], sort_keys=True)
         columns.setdefault((images, key), {}).setdefault(names[id(run)], values.astype(float))
 
-    shifted = shift_protocols()
+    shift_kinds = shift_protocols()
     for run in runs:
         if run.protocol == "rotation":
             top1 = _hits(run.records, "top1")
@@ -97,7 +97,7 @@ def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
             top1 = _hits(run.records, "top1")
             for condition in (c for c in top1.columns if c != CLEAN and CLEAN in top1):
                 put(run, f"attack_drop:{condition}", top1[CLEAN] - top1[condition])
-        elif run.protocol in shifted:
+        elif run.protocol in shift_kinds:
             top1 = _hits(run.records, "top1")
             shifted = [c for c in top1.columns if c != CLEAN]
             if CLEAN in top1 and shifted:
