@@ -111,12 +111,33 @@ def test_the_attack_example(load_example, capsys):
     assert "fgsm" in capsys.readouterr().out
 
 
+PROBE = ("import torch\n\n\ndef colours(num_classes=10):\n    torch.manual_seed(0)\n"
+         "    fc = torch.nn.Linear(3, num_classes)\n"
+         "    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), fc)\n")
+
+
+def test_the_attack_example_joins_the_study(load_example, tmp_path):
+    load_example("robust_attn/attacks/fgsm.py")
+    from robust_attn.runs.store import load_records
+    from robust_attn.study.config import StudyModel, study_config_class
+    from robust_attn.study.run import run_study
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    config = study_config_class()(
+        dataset="synthetic", limit=6, attack_limit=4, attack_batch_size=4, batch_size=6, bootstrap=10,
+        protocols=("fgsm",), fgsm_eps=(2.0, 8.0), baseline="colours",
+        models=(StudyModel(f"{tmp_path / 'probe.py'}:colours", label="colours"),))
+    run_study(config, tmp_path / "runs", tmp_path / "report", device="cpu", progress=False, log=lambda *_: None)
+    records = load_records(tmp_path / "runs" / "fgsm-colours")
+    assert records.groupby("condition").size().to_dict() == {"clean": 4, "fgsm_linf_eps2": 4, "fgsm_linf_eps8": 4}
+    assert "FGSM at eps [2.0, 8.0]/255" in (tmp_path / "report" / "report.md").read_text()
+    with pytest.raises(ValueError, match="fgsm_eps are in 1/255 units"):
+        study_config_class()(dataset="synthetic", fgsm_eps=(300.0,))
+
+
 def test_the_protocol_example(load_example, tmp_path, capsys):
     module = load_example("robust_attn/protocols/grayscale.py")
-    (tmp_path / "probe.py").write_text(
-        "import torch\n\n\ndef colours(num_classes=10):\n    torch.manual_seed(0)\n"
-        "    fc = torch.nn.Linear(3, num_classes)\n"
-        "    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), fc)\n")
+    (tmp_path / "probe.py").write_text(PROBE)
     out = tmp_path / "run"
     assert main(["eval", "grayscale", "--gray-mix", "0.5,1", "--model", f"{tmp_path / 'probe.py'}:colours",
                  "--dataset", "synthetic", "--limit", "6", "--batch-size", "3", "--device", "cpu",

@@ -250,7 +250,9 @@ def summarize_attack(records: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _study_attack(ctx, entry, model, protocol: str, configs: list[AttackConfig]):
+def study_attack(ctx, entry, model, protocol: str, configs: list[AttackConfig]):
+    """The study step of an attack: ``configs`` on the study's attack subset, one run
+    ``<protocol>-<model>`` per model, the same seed for every model (``ctx.config.seed``)."""
     out = ctx.run_dir(protocol, entry.name)
     run_attack(model, ctx.attack_dataset, out, configs=configs, num_classes=ctx.info.num_classes,
                seed=ctx.config.seed, batch_size=ctx.config.attack_batch_size, device=ctx.device,
@@ -325,7 +327,7 @@ class SquareSettings(ProtocolSettings):
                 settings=AutoAttackSettings)
 def study_autoattack(ctx, entry, model):
     """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps`` (1/255)."""
-    return _study_attack(ctx, entry, model, "autoattack", [
+    return study_attack(ctx, entry, model, "autoattack", [
         AttackConfig("autoattack", eps=e / 255, steps=ctx.config.attack_steps, seed=ctx.config.seed)
         for e in ctx.config.autoattack_eps])
 
@@ -339,7 +341,7 @@ def study_apgd(ctx, entry, model):
     tight the bound is shows in the report's members table (AutoAttack's ``by``: which member
     fooled each image first). It ranks the models at radii where some images survive a strong
     attack, which 8/255 does not on an undefended zoo."""
-    return _study_attack(ctx, entry, model, "apgd", [
+    return study_attack(ctx, entry, model, "apgd", [
         AttackConfig("apgd-ce", eps=e / 255, steps=ctx.config.attack_steps, seed=ctx.config.seed)
         for e in ctx.config.apgd_eps])
 
@@ -348,6 +350,6 @@ def study_apgd(ctx, entry, model):
                 describe=_describe_square, attack_subset=True, default_order=4, settings=SquareSettings)
 def study_square(ctx, entry, model):
     """The black-box reference: Square alone on every image, ``config.square_queries`` queries."""
-    return _study_attack(ctx, entry, model, "square", [
+    return study_attack(ctx, entry, model, "square", [
         AttackConfig("square", eps=ctx.config.square_eps / 255, queries=ctx.config.square_queries,
                      seed=ctx.config.seed)])

@@ -1,6 +1,7 @@
 """How a protocol joins ``robust-attn study``: one registered step per protocol, in its own file.
 
-A protocol module decorates a function with :func:`study_protocol`; the study
+A protocol module (or an attack's, :func:`robust_attn.protocols.attack.study_attack`) decorates a
+function with :func:`study_protocol`; the study
 (:mod:`robust_attn.study.run`) runs the steps that ``StudyConfig.protocols`` names, in that order,
 and nothing else in the study names protocols. Two kinds of step:
 
@@ -79,8 +80,10 @@ class StudyProtocol:
     settings: type | None = None   # its ProtocolSettings: fields of the study config, options of `study`
 
 
-#: every protocol's study step, from the modules of :mod:`robust_attn.protocols`
-STUDY_PROTOCOLS: Registry[StudyProtocol] = Registry("study protocol", package="robust_attn.protocols",
+#: every protocol's study step, from the modules of :mod:`robust_attn.protocols` (and of
+#: :mod:`robust_attn.attacks`, where an attack may register its own study step)
+STUDY_PROTOCOLS: Registry[StudyProtocol] = Registry("study protocol",
+                                                    package=("robust_attn.protocols", "robust_attn.attacks"),
                                                     error=ValueError)
 
 
