@@ -66,3 +66,18 @@ def test_a_package_registry_imports_every_module_once_on_first_use(tmp_path, mon
 ])
 def test_plug_in_points_find_their_modules_without_a_list(names, expected):
     assert expected <= set(names())
+
+
+def test_a_corruption_registered_besides_the_papers_19_is_a_corruption():
+    import numpy as np
+
+    from robust_attn.shifts.corruptions import CORRUPTIONS, check_corruption, corrupt_batch, register
+
+    register("white_test")(lambda x, severity, rngs: x * 0 + 1)
+    try:
+        assert check_corruption("white_test") == "white_test"
+        assert (corrupt_batch(np.full((2, 4, 4, 3), 10, np.uint8), "white_test", 3) == 255).all()
+    finally:
+        CORRUPTIONS.remove("white_test")
+    with pytest.raises(ValueError, match="unknown corruption 'white_test'"):
+        check_corruption("white_test")

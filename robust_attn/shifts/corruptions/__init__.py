@@ -92,11 +92,13 @@ def corruption_names(subset: str = "common") -> list[str]:
 
 
 def check_corruption(name: str) -> str:
-    """``name`` if it is a corruption, else ValueError with the closest name."""
-    if name not in COMMON + EXTRA:
-        close = difflib.get_close_matches(name, COMMON + EXTRA, n=1, cutoff=0.5)
+    """``name`` if it is a corruption (the paper's 19 or one registered besides), else ValueError
+    with the closest name."""
+    if name not in CORRUPTIONS:
+        known = list(COMMON + EXTRA) + [n for n in CORRUPTIONS.names() if n not in COMMON + EXTRA]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown corruption {name!r}.{hint} Choose from {', '.join(COMMON + EXTRA)} "
+        raise ValueError(f"unknown corruption {name!r}.{hint} Choose from {', '.join(known)} "
                          f"(or common, extra, all, noise, blur, weather, digital).")
     return name
 
