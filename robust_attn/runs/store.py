@@ -484,10 +484,18 @@ def condition_definitions(description: dict) -> dict[str, dict]:
 
 
 def _schema_version(description: dict) -> int:
+    """The version of a stored run.json's layout: its ``schema`` (1 without one), or the version
+    before the first migration whose keys or parameters it lacks (a run.json edited by hand, or
+    written by a copy of the code between two versions, is read as what it holds)."""
     version = description.get(SCHEMA_KEY, 1)
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise DamagedRecordsError(f"run.json's {SCHEMA_KEY!r} is {version!r}, not a version number; restore run.json "
                                   f"from a copy", [])
+    parameters = description.get("parameters")
+    parameters = parameters if isinstance(parameters, dict) else {}
+    for number, migration in sorted(MIGRATIONS.items()):
+        if number <= version and (migration.keys - set(description) or set(migration.parameters) - set(parameters)):
+            return number - 1
     return version
 
 
