@@ -74,6 +74,11 @@ Differences of the official code (fra31/auto-attack, ``SquareAttack``) and torch
 5. torchattacks' targeted mode optimizes the margin loss by default (``loss="margin"``), not the
    paper's cross-entropy (the official code uses the cross-entropy when targeted).
 6. ``p`` is rescaled with the float ``int(i / Q * 10000)``; we use exact integers.
+7. L2 update: both take ``eps_avail`` from the windows' norm over all channels together (plus
+   ``eps_unused^2 / c``) for every channel, then rescale the whole perturbation to norm eps;
+   Algorithm 3 works per channel, as we do (the perturbation has norm eps by construction).
+   ``tests/test_square_reference.py`` checks L-inf against torchattacks and L2 against
+   Algorithm 3 written out.
 """
 from __future__ import annotations
 
