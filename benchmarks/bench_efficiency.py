@@ -11,8 +11,8 @@ every path of a family, so the fraction is useful work per second over the matmu
 
 Shapes: the CIFAR-10 zoo's (trained weights, width 0.25, stem_downsample 2, 32 px; batch 64) and
 224 px (the ImageNet layout at width 0.25, random weights; ``--batch-224``). Variants (``--variants``)
-are ways of computing the attack step (:data:`VARIANTS`: the default path, ``torch.compile`` of it, bf16
-autocast, which is not the same function); each family's variants are timed interleaved, so machine
+are ways of computing the attack step (:data:`VARIANTS`: the default path, the eval model as it is,
+``torch.compile`` of the default, bf16 autocast, which is not the same function); each family's variants are timed interleaved, so machine
 drift moves them alike; the first step (compilation included) is timed apart. Times are process CPU time on one thread (steadier than
 wall time when other jobs share the cores; wall time is recorded too). The matmul rate is measured
 before and after the families; both are printed, and the fraction uses the larger.
@@ -104,6 +104,11 @@ class _Bf16Autocast(nn.Module):
             return self.module(x).float()
 
 
+def _as_is(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """The eval model itself, contiguous input: what APGD, FAB and Square attack today."""
+    return model
+
+
 def _bf16(model: nn.Module, x: torch.Tensor) -> nn.Module:
     return _Bf16Autocast(attack_model(model, x[:4]))
 
@@ -116,6 +121,7 @@ def _compiled(model: nn.Module, x: torch.Tensor) -> nn.Module:
 #: name -> (build the attacked module from the eval model and an example batch, description)
 VARIANTS: dict[str, tuple[Callable[[nn.Module, torch.Tensor], nn.Module], str]] = {
     "default": (_default, "attack_model copy (batch norm folded), lean attention, channels-last, fp32"),
+    "as_is": (_as_is, "the eval model itself (batch norm unfolded), lean attention, contiguous input, fp32"),
     "compiled": (_compiled, "torch.compile(default copy, dynamic=False), Inductor C++; fp32"),
     "bf16": (_bf16, "default copy under torch.autocast('cpu', bfloat16); not the same function"),
 }
@@ -146,12 +152,12 @@ def measure_family(name: str, size: int, batch: int, variants: list[str], repeat
     steps, logits, grads, first = {}, {}, {}, {}
     for v in variants:
         module = VARIANTS[v][0](model, x)
-        steps[v] = attack_step(module, xc, labels)
+        steps[v] = attack_step(module, x if v == "as_is" else xc, labels)
         start = time.perf_counter()
         grads[v] = steps[v]()                                     # warm-up (and any compilation)
         first[v] = time.perf_counter() - start
         with torch.no_grad():
-            logits[v] = module(xc)
+            logits[v] = module(x if v == "as_is" else xc)
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     wall: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(repeats):
