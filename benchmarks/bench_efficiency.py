@@ -12,9 +12,10 @@ every path of a family, so the fraction is useful work per second over the matmu
 Shapes: the CIFAR-10 zoo's (trained weights, width 0.25, stem_downsample 2, 32 px; batch 64) and
 224 px (the ImageNet layout at width 0.25, random weights; ``--batch-224``). Variants (``--variants``)
 are ways of computing the attack step (:data:`VARIANTS`: the default path, the eval model as it is,
-``torch.compile`` of the default, bf16 autocast, which is not the same function); each family's variants are timed interleaved, so machine
-drift moves them alike; the first step (compilation included) is timed apart. Times are process CPU time on one thread (steadier than
-wall time when other jobs share the cores; wall time is recorded too). The matmul rate is measured
+``torch.compile`` of the default, bf16 autocast, which is not the same function); each family's
+variants are timed interleaved, so machine drift moves them alike; the first step (compilation
+included) is timed apart. Times are process CPU time on one thread (steadier than wall time when
+other jobs share the cores; wall time is recorded too). The matmul rate is measured
 before and after the families; both are printed, and the fraction uses the larger.
 
     python benchmarks/bench_efficiency.py                      # CIFAR shape and 224 px, every family
@@ -172,7 +173,8 @@ def measure_family(name: str, size: int, batch: int, variants: list[str], repeat
                               "gflops": flops / c / 1e6,
                               "first_step_wall_s": first[v],
                               "max_logit_diff_vs_first": (logits[v] - logits[variants[0]]).abs().max().item(),
-                              "grad_signs_differing_vs_first": int((grads[v].sign() != grads[variants[0]].sign()).sum()),
+                              "grad_signs_differing_vs_first":
+                                  int((grads[v].sign() != grads[variants[0]].sign()).sum()),
                               "grad_elements": grads[v].numel()}
     return row
 

@@ -45,7 +45,8 @@ import torch
 from robust_attn.utils.hardware import cpu_fingerprint
 
 __all__ = ["kernel_available", "uses_kernel", "window_dot", "window_dot_rel", "window_sum", "window_scatter",
-           "window_fold", "window_dot_torch", "window_dot_rel_torch", "window_sum_torch", "window_scatter_torch", "window_fold_torch", "pairwise_moments",
+           "window_fold", "window_dot_torch", "window_dot_rel_torch", "window_sum_torch", "window_scatter_torch",
+           "window_fold_torch", "pairwise_moments",
            "pairwise_forward", "pairwise_backward", "pairwise_backward_input", "patchwise_moments",
            "patchwise_hidden", "patchwise_backward_sums", "patchwise_backward_input"]
 

@@ -33,7 +33,7 @@ __all__ = ["ATTENTION_PATHS", "ATTENTION_PATH_HELP", "check_attention_path", "se
 
 ATTENTION_PATHS = ("lean", "reference")
 #: the ``--attention-path`` option's help, for every command that has it
-ATTENTION_PATH_HELP = ("how the SAN and SASA layers compute (the same function): lean (default; faster on a CPU) "
+ATTENTION_PATH_HELP = ("how the SAN, SASA and GSA layers compute (the same function): lean (default; faster on a CPU) "
                        "or reference (faster attack steps on a GPU, more memory); recorded in run.json")
 
 
