@@ -20,6 +20,7 @@ before and after the families; both are printed, and the fraction uses the large
 
     python benchmarks/bench_efficiency.py                      # CIFAR shape and 224 px, every family
     python benchmarks/bench_efficiency.py --sizes 32 --families resnet26,sasa_resnet26 --repeats 2
+    python benchmarks/bench_efficiency.py --sizes 32 --variants default --profile   # top operators too
 """
 from __future__ import annotations
 
@@ -144,7 +145,21 @@ def build(name: str, size: int, batch: int) -> tuple[nn.Module, torch.Tensor]:
     return model, x
 
 
-def measure_family(name: str, size: int, batch: int, variants: list[str], repeats: int) -> dict:
+def top_ops(step: Callable[[], object], count: int = 10) -> list[dict]:
+    """The ``count`` operators of one step with the most self CPU time (:mod:`torch.profiler`);
+    a custom autograd function's own time includes the compiled kernels it calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count,
+             "share": e.self_cpu_time_total / total} for e in events[:count]]
+
+
+def measure_family(name: str, size: int, batch: int, variants: list[str], repeats: int,
+                   profile: bool = False) -> dict:
     model, x = build(name, size, batch)
     with torch.no_grad():
         labels = model(x).argmax(1)
@@ -167,6 +182,8 @@ def measure_family(name: str, size: int, batch: int, variants: list[str], repeat
             cpu[v].append(c)
             wall[v].append(w)
     row = {"family": name, "size": size, "batch": batch, "step_gflop": flops / 1e9, "variants": {}}
+    if profile:
+        row["profile_" + variants[0]] = top_ops(steps[variants[0]])
     for v in variants:
         c, w = statistics.median(cpu[v]), statistics.median(wall[v])
         row["variants"][v] = {"cpu_ms": c, "wall_ms": w, "images_per_s": batch / c * 1e3,
@@ -188,6 +205,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="at 32 px (the first is the baseline)")
     parser.add_argument("--variants-224", default="default,bf16", help="at 224 px (compiling there is slow)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="record the top operators of the first variant's step")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "efficiency_cpu.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -206,11 +224,14 @@ def main(argv=None) -> int:
     for size in args.sizes:
         batch = args.batch if size == 32 else args.batch_224
         for name in args.families.split(","):
-            row = measure_family(name, size, batch, variants if size == 32 else variants_224, args.repeats)
+            row = measure_family(name, size, batch, variants if size == 32 else variants_224, args.repeats,
+                                 args.profile)
             rows.append(row)
             cells = "  ".join(f"{v} {r['images_per_s']:8.1f} img/s {r['gflops']:6.1f} GFLOP/s"
                               for v, r in row["variants"].items())
             print(f"{size:>4}px b{batch:<3} {name:<16} {row['step_gflop']:7.2f} GFLOP/step  {cells}", flush=True)
+            for op in row.get("profile_" + variants[0], []):
+                print(f"{'':>12}{op['share'] * 100:5.1f}%  {op['self_cpu_ms']:8.1f} ms  {op['calls']:5d} calls  {op['op']}")
     peak_after = matmul_gflops()
     peak = max(peak_before, peak_after)
     print(f"fp32 matmul again: {peak_after:.1f} GFLOP/s; fractions below use {peak:.1f}")
