@@ -85,9 +85,10 @@ def _load():
     quiet.setLevel(logging.ERROR)
     try:
         from torch.utils.cpp_extension import load
-        # -march=native: one build per CPU; and one per version of the sources, so that checkouts with
-        # different sources sharing the build cache do not rebuild over each other
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:8]
+        # -march=native: one build per CPU; and one per version of the sources and headers, so that
+        # checkouts with different sources sharing the build cache do not rebuild over each other
+        files = sorted(_SOURCES[0].parent.glob("*.[ch]*"))
+        digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()[:8]
         name = f"robust_attn_cpu_kernels_{cpu_fingerprint()}_{digest}"
         _announce_build(name)
         _module = load(name=name, sources=[str(p) for p in _SOURCES],
