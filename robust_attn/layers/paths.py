@@ -33,8 +33,8 @@ __all__ = ["ATTENTION_PATHS", "ATTENTION_PATH_HELP", "check_attention_path", "se
 
 ATTENTION_PATHS = ("lean", "reference")
 #: the ``--attention-path`` option's help, for every command that has it
-ATTENTION_PATH_HELP = ("how the SAN, SASA and GSA layers compute (the same function): lean (default; faster on a CPU) "
-                       "or reference (faster attack steps on a GPU, more memory); recorded in run.json")
+ATTENTION_PATH_HELP = ("how the SAN, SASA and GSA layers compute (the same function): lean (default; faster on "
+                       "a CPU) or reference (faster attack steps on a GPU, more memory); recorded in run.json")
 
 
 def check_attention_path(path: str) -> str:
@@ -45,8 +45,8 @@ def check_attention_path(path: str) -> str:
 
 
 def set_attention_path(model: nn.Module, path: str) -> int:
-    """Put every SAN, SASA and GSA layer of ``model`` on ``path`` (:data:`ATTENTION_PATHS`); returns how
-    many layers it set (0 for a model without such layers, which then computes as before)."""
+    """Put every SAN, SASA and GSA layer of ``model`` on ``path`` (:data:`ATTENTION_PATHS`); returns
+    how many layers it set (0 for a model without such layers, which then computes as before)."""
     from robust_attn.layers.gsa import GlobalSelfAttention2d
     from robust_attn.layers.san import SelfAttention2d
     from robust_attn.layers.sasa import SASAttention2d
