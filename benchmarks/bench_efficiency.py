@@ -3,8 +3,8 @@ fraction of the one-thread fp32 matmul rate, measured in the same run and proces
 
 The attack step is what PGD, APGD and FAB repeat: a forward pass and the input gradient of a summed
 cross-entropy through the attack-time model copy (:func:`robust_attn.attacks.fast_model.attack_model`:
-batch norm folded, parameters frozen, the iterate channels-last), as :func:`~robust_attn.attacks.pgd.native_pgd`
-runs it. FLOPs are ``2 x`` the multiply-adds of the convolutions and matmuls of one forward pass
+batch norm folded, parameters frozen, the iterate channels-last), as
+:func:`~robust_attn.attacks.targeted_pgd.native_pgd` runs it. FLOPs are ``2 x`` the multiply-adds of the convolutions and matmuls of one forward pass
 (:class:`torch.utils.flop_counter.FlopCounterMode`, on the layers' reference paths, whose einsums and
 unfolds the counter sees) and two passes per step (forward and input gradient), the same count for
 every path of a family, so the fraction is useful work per second over the matmul rate.
@@ -44,8 +44,8 @@ from _measure import machine_description, write_json  # noqa: E402
 import robust_attn  # noqa: E402
 from robust_attn.attacks.fast_model import attack_model  # noqa: E402
 from robust_attn.layers.paths import set_attention_path  # noqa: E402
-from robust_attn.wrapper import NormalizedModel  # noqa: E402
-from robust_attn.zoo import load_model  # noqa: E402
+from robust_attn.models.wrapper import NormalizedModel  # noqa: E402
+from robust_attn.models.manifest import load_model  # noqa: E402
 
 FAMILIES = ("resnet26", "san10_pairwise", "san10_patchwise", "sasa_resnet26", "gsa_resnet26", "aa_resnet26",
             "ea_resnet26")
@@ -231,7 +231,8 @@ def main(argv=None) -> int:
                               for v, r in row["variants"].items())
             print(f"{size:>4}px b{batch:<3} {name:<16} {row['step_gflop']:7.2f} GFLOP/step  {cells}", flush=True)
             for op in row.get("profile_" + variants[0], []):
-                print(f"{'':>12}{op['share'] * 100:5.1f}%  {op['self_cpu_ms']:8.1f} ms  {op['calls']:5d} calls  {op['op']}")
+                print(f"{'':>12}{op['share'] * 100:5.1f}%  {op['self_cpu_ms']:8.1f} ms  {op['calls']:5d} calls  "
+                      f"{op['op']}")
     peak_after = matmul_gflops()
     peak = max(peak_before, peak_after)
     print(f"fp32 matmul again: {peak_after:.1f} GFLOP/s; fractions below use {peak:.1f}")

@@ -5,7 +5,7 @@ images/s and their ratio side by side from one run, one thread.
 Each family's two backends are timed in interleaved rounds on the same images and targets (process
 CPU time, steadier than wall time on a shared machine; wall time is recorded too); the native
 images' predictions are compared with torchattacks' (they agree up to floating-point ties, see
-:func:`robust_attn.attacks.pgd.native_pgd`).
+:func:`robust_attn.attacks.targeted_pgd.native_pgd`).
 
     python benchmarks/bench_pgd_families.py                    # batch 64, every family
     python benchmarks/bench_pgd_families.py --families resnet26,sasa_resnet26 --rounds 2
@@ -30,8 +30,8 @@ from bench_efficiency import _Bf16Autocast  # noqa: E402
 
 from robust_attn.attacks import PGDConfig, draw_targets, targeted_pgd  # noqa: E402
 from robust_attn.attacks.fast_model import attack_model  # noqa: E402
-from robust_attn.attacks.pgd import native_pgd  # noqa: E402
-from robust_attn.zoo import load_model  # noqa: E402
+from robust_attn.attacks.targeted_pgd import native_pgd  # noqa: E402
+from robust_attn.models.manifest import load_model  # noqa: E402
 
 FAMILIES = ("resnet26", "san10_pairwise", "san10_patchwise", "sasa_resnet26", "gsa_resnet26", "aa_resnet26",
             "ea_resnet26")

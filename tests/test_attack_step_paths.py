@@ -13,7 +13,7 @@ import robust_attn
 from robust_attn.attacks import PGDConfig, draw_targets, targeted_pgd
 from robust_attn.attacks.fast_model import attack_model
 from robust_attn.layers.paths import set_attention_path
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 FAMILIES = ("resnet26", "san10_pairwise", "san10_patchwise", "sasa_resnet26", "gsa_resnet26", "aa_resnet26",
             "ea_resnet26")
