@@ -69,6 +69,27 @@ def test_kernels_equal_torch_loops(dtype, footprint, first, count):
     torch.testing.assert_close(got, cpu_kernels.window_fold_torch(x, offsets, start.clone()), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_window_dot_rel_adds_the_relative_term_per_offset(dtype, kernel_mode):
+    """SASA's logits: sum_d a_d (bpad_d shifted by offset o + rel[g, d, o]), written out per offset."""
+    a, bpad, weight, offsets = _operands(dtype, footprint=5, offsets=footprint_offsets(5)[3:17])
+    rel = torch.randn(a.shape[1], a.shape[2], len(offsets), dtype=dtype)
+    h, w = a.shape[-2:]
+    want = torch.stack([(a * (bpad[..., dy:dy + h, dx:dx + w] + rel[:, :, o, None, None])).sum(2)
+                        for o, (dy, dx) in enumerate(offsets)])
+    got = cpu_kernels.window_dot_rel(a, bpad, rel, offsets, torch.full(weight.shape, float("nan"), dtype=dtype))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@needs_kernel
+def test_window_dot_rel_rejects_a_mismatched_table():
+    a, bpad, weight, offsets = _operands(torch.float32, footprint=3)
+    with pytest.raises(RuntimeError, match="rel must be"):
+        cpu_kernels.window_dot_rel(a, bpad, torch.randn(a.shape[1], a.shape[2], len(offsets) + 1), offsets,
+                                   torch.empty(weight.shape))
+
+
 @needs_kernel
 def test_kernel_writes_into_strided_output_views():
     """SAN hands the kernels (N, S, G, ...) tensors viewed group-major: the results land in place."""

@@ -18,8 +18,13 @@ is an eval-mode ``BatchNorm2d`` call with running statistics is fused. A submodu
 be traced (data-dependent control flow, as some attention layers have) is not an error: it is
 kept whole, as one opaque call in the graph, and nothing inside it is folded (its own code may
 read its batch norms' attributes, as SAN's fused attention kernel does), so the traceable parts
-around it (stems, bottleneck convolutions, shortcuts) are still folded. Where nothing folds, or
-the model's own ``forward`` cannot be traced, the attack uses the model itself.
+around it (stems, bottleneck convolutions, shortcuts) are still folded. A module can name pairs
+inside it that are safe to fold without a trace, in a class attribute ``foldable_conv_bn``:
+``(conv, batch norm)`` attribute names where the batch norm's only input is that convolution's
+output and the convolution's output goes nowhere else (the output projection of
+:class:`~robust_attn.layers.external_attention.ExternalAttention`); those are folded in the copy
+too, the batch norm replaced by an identity. Where nothing folds, or the model's own ``forward``
+cannot be traced and declares nothing, the attack uses the model itself.
 
 The caller's model is never modified: folding works on a deep copy. Copies are cached per
 model (weakly, so the cache does not keep models alive) and rebuilt when any parameter or
@@ -141,16 +146,29 @@ def fold_batchnorm(model: nn.Module) -> tuple[nn.Module, int]:
     if model.training:
         raise ValueError("batch norm can only be folded in eval mode: call model.eval() first")
     copied = copy.deepcopy(model)
+    declared = _fold_declared(copied)
     try:  # the common case: the whole model traces
         folded, count = _fold_graph(copied, set())
     except Exception:  # find the parts that do not, and keep them whole
         opaque = _opaque_modules(copied)
-        if id(copied) in opaque:
-            return model, 0
-        folded, count = _fold_graph(copied, opaque)
-    if not count:
+        folded, count = (copied, 0) if id(copied) in opaque else _fold_graph(copied, opaque)
+    if not count + declared:
         return model, 0
-    return folded.eval(), count
+    return folded.eval(), count + declared
+
+
+def _fold_declared(root: nn.Module) -> int:
+    """Fold the ``foldable_conv_bn`` pairs that modules of ``root`` declare (module docstring), in
+    place; returns how many."""
+    count = 0
+    for module in list(root.modules()):
+        for conv_name, bn_name in getattr(module, "foldable_conv_bn", ()):
+            conv, bn = getattr(module, conv_name), getattr(module, bn_name)
+            if _foldable(conv, bn):
+                setattr(module, conv_name, fold_conv_bn(conv, bn))
+                setattr(module, bn_name, nn.Identity())
+                count += 1
+    return count
 
 
 def _fingerprint(model: nn.Module) -> tuple:

@@ -9,6 +9,9 @@ features ``a (B, G, D, H, W)``, padded features ``bpad (B, G, D, Hp, Wp)`` (offs
 reads ``bpad[..., i + dy, j + dx]``), weights ``w (K, B, G, H, W)``:
 
 * :func:`window_dot`: ``out[o, b, g, i, j] = sum_d a[b, g, d, i, j] bpad[b, g, d, i + dy_o, j + dx_o]``
+* :func:`window_dot_rel`: the same with a per-offset term added to ``bpad``,
+  ``sum_d a[b, g, d, i, j] (bpad[b, g, d, i + dy_o, j + dx_o] + rel[g, d, o])`` (SASA's logits with their
+  relative term, ``csrc/window_rel_ops.cpp``)
 * :func:`window_sum`: ``out[b, g, d, i, j] (+)= sum_o w[o, b, g, i, j] bpad[b, g, d, i + dy_o, j + dx_o]``
 * :func:`window_scatter`: ``outpad[b, g, d, i + dy_o, j + dx_o] += sum_o w[o, b, g, i, j] a[b, g, d, i, j]``
 * :func:`window_fold`: ``outpad[b, c, i + dy_o, j + dx_o] += x[b, c, o, i, j]`` (the adjoint of stacking
@@ -30,6 +33,7 @@ against.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -40,13 +44,14 @@ import torch
 
 from robust_attn.utils.hardware import cpu_fingerprint
 
-__all__ = ["kernel_available", "uses_kernel", "window_dot", "window_sum", "window_scatter", "window_fold",
-           "window_dot_torch", "window_sum_torch", "window_scatter_torch", "window_fold_torch", "pairwise_moments",
+__all__ = ["kernel_available", "uses_kernel", "window_dot", "window_dot_rel", "window_sum", "window_scatter",
+           "window_fold", "window_dot_torch", "window_dot_rel_torch", "window_sum_torch", "window_scatter_torch",
+           "window_fold_torch", "pairwise_moments",
            "pairwise_forward", "pairwise_backward", "pairwise_backward_input", "patchwise_moments",
            "patchwise_hidden", "patchwise_backward_sums", "patchwise_backward_input"]
 
 _SOURCES = [Path(__file__).resolve().parent / "csrc" / name
-            for name in ("module.cpp", "window_ops.cpp", "pairwise_ops.cpp", "patchwise_ops.cpp")]
+            for name in ("module.cpp", "window_ops.cpp", "window_rel_ops.cpp", "pairwise_ops.cpp", "patchwise_ops.cpp")]
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 _module = None
 _load_failed = False
@@ -80,7 +85,11 @@ def _load():
     quiet.setLevel(logging.ERROR)
     try:
         from torch.utils.cpp_extension import load
-        name = f"robust_attn_cpu_kernels_{cpu_fingerprint()}"   # -march=native: one build per CPU
+        # -march=native: one build per CPU; and one per version of the sources and headers, so that
+        # checkouts with different sources sharing the build cache do not rebuild over each other
+        files = sorted(_SOURCES[0].parent.glob("*.[ch]*"))
+        digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()[:8]
+        name = f"robust_attn_cpu_kernels_{cpu_fingerprint()}_{digest}"
         _announce_build(name)
         _module = load(name=name, sources=[str(p) for p in _SOURCES],
                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -170,6 +179,22 @@ def window_dot(a: torch.Tensor, bpad: torch.Tensor, offsets, out: torch.Tensor) 
     if not uses_kernel(a, bpad, out) or out.stride(-1) != 1:
         return window_dot_torch(a, bpad, offsets, out)
     _module.window_dot(_last_contiguous(a), _last_contiguous(bpad), *_split(offsets), out)
+    return out
+
+
+def window_dot_rel_torch(a: torch.Tensor, bpad: torch.Tensor, rel: torch.Tensor, offsets,
+                         out: torch.Tensor) -> torch.Tensor:
+    """PyTorch form of :func:`window_dot_rel`: :func:`window_dot_torch` plus ``sum_d a_d rel[g, d, o]``."""
+    window_dot_torch(a, bpad, offsets, out)
+    return out.add_(torch.einsum("bgdij,gdo->obgij", a, rel.to(a.dtype)))
+
+
+def window_dot_rel(a: torch.Tensor, bpad: torch.Tensor, rel: torch.Tensor, offsets, out: torch.Tensor) -> torch.Tensor:
+    """``out[o] = sum_d a * (bpad shifted by offset o + rel[:, :, o])`` into ``out (K, B, G, H, W)``;
+    ``rel (G, D, K)`` (see module doc)."""
+    if not uses_kernel(a, bpad, rel, out) or out.stride(-1) != 1:
+        return window_dot_rel_torch(a, bpad, rel, offsets, out)
+    _module.window_dot_rel(_last_contiguous(a), _last_contiguous(bpad), rel.contiguous(), *_split(offsets), out)
     return out
 
 

@@ -58,6 +58,9 @@ class ExternalAttention(nn.Module):
         eps: of the L1 normalization.
     """
 
+    #: ``bn`` reads only ``conv_out``'s output: an attack-time copy may fold the pair (attacks.fast_model)
+    foldable_conv_bn = (("conv_out", "bn"),)
+
     def __init__(self, channels: int, slots: int = 64, heads: int = 1, expansion: int = 1, eps: float = 1e-9):
         super().__init__()
         inner = channels * expansion

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from robust_attn.layers.gsa_axial import axial_positional_attention_factored, factored_is_cheaper
 from robust_attn.layers.precision import accumulation_dtype
 
 __all__ = ["content_attention", "relative_to_absolute", "axial_positional_attention", "GlobalSelfAttention2d"]
@@ -120,6 +121,7 @@ class GlobalSelfAttention2d(nn.Module):
         self.rel_row = nn.Parameter(torch.empty(2 * feature_size - 1, self.key_dim))
         self.norm = nn.BatchNorm2d(out_channels)       # between the column and row layers
         self.pool = nn.AvgPool2d(2, 2) if stride == 2 else nn.Identity()
+        self.impl = "lean"     # or "reference": the axial layers' einsums alone (robust_attn.layers.paths)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -143,11 +145,19 @@ class GlobalSelfAttention2d(nn.Module):
         content = content_attention(q.flatten(3), k.flatten(3), v.flatten(3)).view(b, n, dv, height, width)
         pos_col = relative_to_absolute(self.rel_column, height).to(q.dtype)
         pos_row = relative_to_absolute(self.rel_row, width).to(q.dtype)
-        column = axial_positional_attention(q, v, pos_col, "column")
+        column = self._axial(q, v, pos_col, "column")
         column = self.norm(column.reshape(b, self.out_channels, height, width)).reshape(b, n, dv, height, width)
-        row = axial_positional_attention(q, column.to(q.dtype), pos_row, "row")
+        row = self._axial(q, column.to(q.dtype), pos_row, "row")
         out = (content + row).reshape(b, self.out_channels, height, width)
         return self.pool(out)
+
+    def _axial(self, q: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, axis: str) -> torch.Tensor:
+        """One axial layer; on the lean path on CPU in the factored order where it is the cheaper
+        (:mod:`.gsa_axial`; the same function)."""
+        length = q.shape[3] if axis == "column" else q.shape[4]
+        if self.impl == "lean" and q.device.type == "cpu" and factored_is_cheaper(q.shape[2], v.shape[2], length):
+            return axial_positional_attention_factored(q, v, pos, axis)
+        return axial_positional_attention(q, v, pos, axis)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, feature_size={self.feature_size}, heads={self.heads}, "

@@ -16,7 +16,8 @@ Two implementations compute the same function (equal within float rounding):
     the output and the attention weights (``heads * k*k`` numbers per pixel instead of
     ``2 * C * k*k``) and recomputes the shifted keys and values in backward.
     The offset loops (logits, aggregation and their gradients) are the window ops of
-    :mod:`.cpu_kernels`: one compiled pass each on CPU, one PyTorch op per offset elsewhere.
+    :mod:`.cpu_kernels`: one compiled pass each on CPU (the logits' content and relative terms in
+    the same pass), one PyTorch op per offset elsewhere.
   - ``"dense"``, for maps of at most ``1.5 k^2 - 1`` positions (up to 8x8 for 7x7): masked
     attention over all ``H W`` positions of the map with batched matmuls, the zero-padding
     neighbours folded into the softmax denominator. On late-stage 4x4 maps most of a 7x7
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from robust_attn.layers.cpu_kernels import window_dot, window_scatter, window_sum
+from robust_attn.layers.cpu_kernels import uses_kernel, window_dot, window_dot_rel, window_scatter, window_sum
 from robust_attn.layers.precision import accumulation_dtype, autocast_off
 
 __all__ = ["local_attention", "local_attention_reference"]
@@ -114,6 +115,8 @@ def _stream_logits(qc: torch.Tensor, kp: torch.Tensor, rel: torch.Tensor, offset
                    logits: torch.Tensor) -> torch.Tensor:
     """Logits ``q . (k_o + r_o)`` of every offset into ``logits`` ``(k*k, b, heads, H, W)``;
     ``kp``: the zero-padded keys."""
+    if uses_kernel(qc, kp, rel, logits):    # both terms in the compiled pass
+        return window_dot_rel(qc, kp, rel, offsets, logits)
     window_dot(qc, kp, offsets, logits)
     if qc.shape[2] > 4:
         _offset_last(logits).add_(torch.matmul(rel.transpose(1, 2), qc.flatten(3)))    # + q . r_o

@@ -3,7 +3,9 @@
 SAN (:class:`~robust_attn.layers.san.SelfAttention2d`, Zhao et al. 2020, Eq. 3-5) and SASA
 (:class:`~robust_attn.layers.sasa.SASAttention2d`, Ramachandran et al. 2019, Eq. 2-3) each have a
 reference and a memory-lean implementation of the same function (their modules' docstrings; the
-tests check they agree):
+tests check they agree). GSA (:class:`~robust_attn.layers.gsa.GlobalSelfAttention2d`) computes its
+axial positional layers on the lean path, on CPU, in the cheaper order of their two contractions
+(:mod:`robust_attn.layers.gsa_axial`), on the reference path in the paper's order:
 
 * ``"lean"`` (default): loops over the footprint's offsets, a few operators per offset, so no
   ``k^2``-expanded activation is kept. On a CPU it is the faster path as well, 1.2-5x
@@ -31,8 +33,8 @@ __all__ = ["ATTENTION_PATHS", "ATTENTION_PATH_HELP", "check_attention_path", "se
 
 ATTENTION_PATHS = ("lean", "reference")
 #: the ``--attention-path`` option's help, for every command that has it
-ATTENTION_PATH_HELP = ("how the SAN and SASA layers compute (the same function): lean (default; faster on a CPU) "
-                       "or reference (faster attack steps on a GPU, more memory); recorded in run.json")
+ATTENTION_PATH_HELP = ("how the SAN, SASA and GSA layers compute (the same function): lean (default; faster on "
+                       "a CPU) or reference (faster attack steps on a GPU, more memory); recorded in run.json")
 
 
 def check_attention_path(path: str) -> str:
@@ -43,8 +45,9 @@ def check_attention_path(path: str) -> str:
 
 
 def set_attention_path(model: nn.Module, path: str) -> int:
-    """Put every SAN and SASA layer of ``model`` on ``path`` (:data:`ATTENTION_PATHS`); returns how
-    many layers it set (0 for a model without such layers, which then computes as before)."""
+    """Put every SAN, SASA and GSA layer of ``model`` on ``path`` (:data:`ATTENTION_PATHS`); returns
+    how many layers it set (0 for a model without such layers, which then computes as before)."""
+    from robust_attn.layers.gsa import GlobalSelfAttention2d
     from robust_attn.layers.san import SelfAttention2d
     from robust_attn.layers.sasa import SASAttention2d
 
@@ -54,7 +57,7 @@ def set_attention_path(model: nn.Module, path: str) -> int:
         if isinstance(m, SelfAttention2d):
             m.implementation = "lean" if path == "lean" else "unfold"
             n += 1
-        elif isinstance(m, SASAttention2d):
+        elif isinstance(m, (SASAttention2d, GlobalSelfAttention2d)):
             m.impl = path
             n += 1
     return n
