@@ -159,7 +159,6 @@ def written_folders(words: list[str]) -> list[str]:
     out = [words[i + 1] for i, w in enumerate(words[:-1]) if w in ("--out", "--runs", "--cache")]
     out += [w.split("=", 1)[1] for w in words if w.startswith(("--out=", "--runs="))]
     if words and words[0] == "study" and "--out" not in words:
-        from robust_attn.commands.study import run_study_cmd   # noqa: F401  (the default lives there)
         args = build_parser().parse_known_args(words)[0]
         name = Path(args.config).stem if args.config else args.dataset
         out.append(f"runs/study-{name}-report")
@@ -222,6 +221,35 @@ def _git_status() -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def run_in_repo(scripts: list[str]) -> None:
+    """Run each bash script as pasted in the repository, with this interpreter's ``robust-attn``
+    first on PATH (as the install has it); each must succeed and ``git status`` must stay as it
+    was. The runs/ entries they make are removed afterwards."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    before = _git_status()
+    runs_before = set(os.listdir(ROOT / "runs")) if (ROOT / "runs").is_dir() else None
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    try:
+        for script in scripts:
+            done = subprocess.run(["bash", "-e", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=1800)
+            assert done.returncode == 0, f"{script}\n{done.stderr[-3000:]}"
+        if before is not None:
+            assert _git_status() == before, "the commands changed what git sees"
+    finally:
+        if runs_before is None:
+            shutil.rmtree(ROOT / "runs", ignore_errors=True)
+        else:
+            for name in set(os.listdir(ROOT / "runs")) - runs_before:
+                target = ROOT / "runs" / name
+                shutil.rmtree(target) if target.is_dir() else target.unlink()
+
+
 def readme_shell_blocks() -> list[str]:
     """The README's bash blocks after the install (which makes ``.venv``)."""
     return [b for b in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S) if "python3 -m venv" not in b]
@@ -232,30 +260,9 @@ def test_the_readme_shell_blocks_leave_git_status_clean():
     """Run as pasted in the repository (this interpreter's ``robust-attn`` first on PATH, as the
     install has it), the README's commands change nothing git tracks or sees: their outputs go
     to the ignored runs/. The run folders they make that were not there before are removed."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    before = _git_status()
-    if before is None:
+    if _git_status() is None:
         pytest.skip("not a git checkout")
-    runs_before = set(os.listdir(ROOT / "runs")) if (ROOT / "runs").is_dir() else None
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    try:
-        for block in readme_shell_blocks():
-            done = subprocess.run(["bash", "-e", "-c", block], cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=1800)
-            assert done.returncode == 0, f"{block}\n{done.stderr[-3000:]}"
-        assert _git_status() == before
-    finally:
-        if runs_before is None:
-            shutil.rmtree(ROOT / "runs", ignore_errors=True)
-        else:
-            for name in set(os.listdir(ROOT / "runs")) - runs_before:
-                target = ROOT / "runs" / name
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
+    run_in_repo(readme_shell_blocks())
 
 
 # placeholders a command may hold; "DIR" (a folder the user names) becomes a runs/ folder, a
@@ -296,26 +303,4 @@ DOC_FILES_TO_RUN = [p for p in DOCS if p != README and runnable_doc_commands(p)]
 def test_each_doc_command_runs_shrunk(path):
     """The docs' commands run as written, on at most 8 images, in the repository (their outputs
     go to runs/, the folders they make removed after); git status stays as it was."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    before = _git_status()
-    runs_before = set(os.listdir(ROOT / "runs")) if (ROOT / "runs").is_dir() else None
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    try:
-        for command in runnable_doc_commands(path):
-            done = subprocess.run(["bash", "-e", "-c", f"robust-attn {command}"], cwd=ROOT, env=env,
-                                  capture_output=True, text=True, timeout=1800)
-            assert done.returncode == 0, f"{path.name}: robust-attn {command}\n{done.stderr[-3000:]}"
-        if before is not None:
-            assert _git_status() == before
-    finally:
-        if runs_before is None:
-            shutil.rmtree(ROOT / "runs", ignore_errors=True)
-        else:
-            for name in set(os.listdir(ROOT / "runs")) - runs_before:
-                target = ROOT / "runs" / name
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
+    run_in_repo([f"robust-attn {command}" for command in runnable_doc_commands(path)])

@@ -207,7 +207,7 @@ def _cards(models: pd.DataFrame) -> list[dict]:
     """Each model's provenance: source and spec, weights (origin, full sha256), preprocessing,
     parameters, protocols and the hardware its records were computed on."""
     cards = []
-    for row in models.fillna("").to_dict("records"):
+    for row in models.astype(object).where(models.notna(), "").to_dict("records"):
         params = row.get("params", "")
         fields = [("source", row.get("source", "")), ("spec", row.get("spec", "")),
                   ("weights", row.get("weights_origin", "")), ("weights sha256", row.get("weights_sha256", "")),
