@@ -22,10 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 
+# docs/extending.md shows the commands of the plugins its reader is about to write (`eval grayscale`,
+# `study --protocols fgsm`): they do not exist until then, and its own tests run its examples
+NOT_YET = {"extending.md"}
+
+
 def doc_files() -> list[Path]:
     """The README and the Markdown files it sends a reader to (a report's packed runs excluded)."""
     found = [README, ROOT / "zoo" / "README.md", ROOT / "benchmarks" / "README.md"]
-    found += sorted((ROOT / "docs").glob("*.md"))
+    found += sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in NOT_YET)
     found += [p for p in sorted((ROOT / "reports").rglob("README.md")) if "runs" not in p.relative_to(ROOT).parts]
     return [p for p in found if p.is_file()]
 
