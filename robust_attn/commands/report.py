@@ -38,6 +38,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run_report(args) -> int:
     from robust_attn.reports import make_report
 
+    # a study's runs folder (`--runs`, its timings.csv beside the runs) is taken as the study wrote
+    # it: given whole, it stands for its runs; given as FOLDER/*, its own files are passed over
+    given, args.runs = args.runs, []
+    for run in given:
+        path = Path(run)
+        if (path / "run.json").is_file():
+            args.runs.append(run)
+        elif path.is_dir() and (path / "timings.csv").is_file():
+            args.runs += sorted(str(p.parent) for p in path.glob("*/run.json"))
+        elif not (path.parent / "timings.csv").is_file():
+            args.runs.append(run)   # not a study's file: refused below
     for run in args.runs:
         if not (Path(run) / "run.json").is_file():
             raise UserError(f"{run} is not a run directory (no run.json); pass directories written by "

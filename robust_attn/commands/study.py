@@ -54,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean", help=ATTENTION_PATH_HELP)
     p.add_argument("--manifest", help="zoo manifest (default zoo/manifest.json)")
     p.add_argument("--runs", default=None, help="run directories (default runs/study-<dataset or config name>)")
-    p.add_argument("--out", default=None, help="report folder (default reports/study-<dataset or config name>)")
+    p.add_argument("--out", default=None, help="report folder (default runs/study-<dataset or config name>-report; give "
+                        "--out reports/study-NAME to regenerate a committed report)")
     p.add_argument("--workers", type=int, default=None,
                    help="processes sharing the runs, one thread each (default on CPU: one per core; on GPU: 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -109,7 +110,7 @@ def run_study_cmd(args) -> int:
     if workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
     try:
-        run_study(config, args.runs or f"runs/study-{name}", args.out or f"reports/study-{name}",
+        run_study(config, args.runs or f"runs/study-{name}", args.out or f"runs/study-{name}-report",
                   root=args.root, device=args.device, manifest=args.manifest, progress=not args.no_progress,
                   workers=workers, attention_path=args.attention_path)
     finally:

@@ -27,7 +27,7 @@ from robust_attn.utils.io import atomic_write_text
 
 __all__ = ["make_report", "bootstrap_mean_ci", "load_runs", "rotation_table", "pgd_table"]
 
-REPORT_SUFFIXES = (".csv", ".md", ".tex", ".png")   # what a report writes at its folder's top level
+REPORT_SUFFIXES = (".csv", ".md", ".tex", ".png", ".html")   # what a report writes at its folder's top level
 
 
 def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
@@ -78,6 +78,10 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
             files.append(dest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    # the page over the files just written (imported here: `python -m robust_attn.reports.html` runs it too)
+    from robust_attn.reports.html import write_html
+
+    files.append(write_html(final))
     stale = sorted(earlier - {f.name for f in files} - set(keep))
     if stale:
         warnings.warn(f"{final} still holds {len(stale)} file(s) of an earlier report that this one did not "
