@@ -90,7 +90,7 @@ MANIFEST = "manifest"
 # ``attention_path``: the implementation the SAN and SASA layers computed with
 # (:mod:`robust_attn.layers.paths`), the same function on either path, as on any device.
 VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_workers", "created",
-                           "host", "data_root", "data_source", "attention_path"})
+                           "host", "data_root", "data_source", "attention_path", "input_contract_from"})
 # Entries of run.json's "parameters" that record where an input came from rather than what it is:
 # the PGD targets may be drawn from a seed or read from another run's targets.csv; the targets
 # themselves are compared by content (the run's targets.csv) when a run is resumed.
@@ -100,9 +100,10 @@ PROVENANCE_PARAMETERS = frozenset({"targets"})
 # still resumes; once stored they are compared.
 # The same for the data's variant (issue #16: e.g. the canonical CIFAR-10 pickles against the JPEG
 # copy): before it, every dataset had one variant, so an old run resumes (e.g. the Fashion-MNIST
-# study's packed runs); a run that stored it is compared.
+# study's packed runs); a run that stored it is compared. The same for the model's input contract
+# (robust_attn.sources.contract): every model before it took normalized input.
 LATER_KEYS = frozenset({"source", "spec", "weights_origin", "weights_sha256", "params", "preprocessing",
-                        "weights_preprocessing", "dataset", "data_variant"})
+                        "weights_preprocessing", "dataset", "data_variant", "input_contract"})
 # Parameters a protocol gained later, with the value every run had before: PGD's ``exact`` (issue
 # #14; before it the native backend always ran its fast mode). A run stored without one resumes
 # when the value asked for is that one; any other value is a different run.

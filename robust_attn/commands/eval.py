@@ -75,6 +75,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
                    help="keyword arguments of the model's constructor, e.g. width=0.25 (registry, without "
                         "--checkpoint), pretrained=False (timm) or those of your FUNCTION")
+    from robust_attn.sources.contract import CONTRACTS, FLAG_HELP
+
+    p.add_argument("--model-input", choices=CONTRACTS, help=FLAG_HELP)
     p.add_argument("--other-dataset", action="store_true",
                    help="evaluate a --checkpoint trained on another dataset than --dataset (refused otherwise)")
     p.add_argument("--dataset", default="imagenet", help="dataset name (default: imagenet)")
@@ -105,11 +108,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rot.set_defaults(func=run_rotation_cmd)
     pgd = ev_sub.add_parser("pgd", help="white-box targeted L-inf PGD (SAN Table 10)")
     _add_common(pgd)
-    pgd.add_argument("--eps", default="8", help="L-inf radius(es) in 1/255 units, comma list (default 8)")
-    pgd.add_argument("--step", default=None, help="step size(s) in 1/255 units, comma list "
+    pgd.add_argument("--eps", default="8/255", help="L-inf radius(es) in [0, 1] image units, comma list: 8/255 or "
+                                                    "0.031, as in every command (default 8/255)")
+    pgd.add_argument("--step", default=None, help="step size(s) in image units, comma list, e.g. 2/255 "
                                                   "(default: eps/steps, the paper's rule)")
     pgd.add_argument("--steps", default="2,4", help="iteration count(s), comma list (default 2,4: with "
-                                                    "eps 8 the paper's {8,4,2} and {8,2,4})")
+                                                    "eps 8/255 the paper's {8,4,2} and {8,2,4})")
     pgd.add_argument("--backend", default="native", choices=["native", "torchattacks", "foolbox"])
     pgd.add_argument("--targets", help="reuse another run's targets.csv (same images) instead of drawing")
     pgd.add_argument("--no-checks", action="store_true", help="skip the attack sanity checks")
@@ -163,6 +167,15 @@ def check_common(args) -> None:
         raise UserError(f"--num-workers must be 0 (load in the main process) or more, got {args.num_workers}")
 
 
+def check_classes(info, root=None) -> None:
+    """A dataset of fewer than two classes is refused: every model is right on every image of it."""
+    if info.num_classes < 2:
+        where = f" (class folders under {root})" if root else ""
+        raise UserError(f"dataset {info.name} has {info.num_classes} class{'' if info.num_classes == 1 else 'es'}"
+                        f"{where}: accuracy and attacks need at least 2; give a folder with one subfolder per "
+                        f"class, two or more")
+
+
 def _setup(args, protocol: str):
     from robust_attn.data import dataset_info
     from robust_attn.distributed import init_distributed
@@ -171,6 +184,7 @@ def _setup(args, protocol: str):
 
     check_common(args)
     info = dataset_info(args.dataset, root=args.root)  # imagefolder: the class count of --root's folders
+    check_classes(info, args.root)
     rank, world_size, device = init_distributed(args.device)
     model, model_desc = load_eval_model(args, info)   # checked to output the dataset's classes (issue #18)
     set_attention_path(model, args.attention_path)
@@ -178,6 +192,7 @@ def _setup(args, protocol: str):
     dataset, applied = model_dataset(args.dataset, model_desc.get("preprocessing"), root=args.root,
                                      split=args.split, limit=args.limit)
     model_desc = record_preprocessing(model_desc, applied)
+    model_desc = _preflight(args, model, model_desc, dataset, device, rank)
     out = Path(args.out or f"runs/{protocol}-{model_desc['model']}-{args.dataset}-{args.split}")
     _repair(args, out, rank)
     run_info = dict(model_desc, dataset={"name": args.dataset, "split": args.split, "limit": args.limit},
@@ -187,6 +202,29 @@ def _setup(args, protocol: str):
                     host=socket.gethostname(),
                     created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     return info, rank, world_size, device, model, dataset, out, run_info
+
+
+def _preflight(args, model, model_desc: dict, dataset, device, rank: int) -> dict:
+    """Before any record: the model's input contract (:mod:`robust_attn.sources.contract`:
+    declared, flagged or probed; printed and recorded) and a deterministic forward (two passes on
+    the first images agree: dropout or another random layer left on makes every number of every
+    protocol a draw)."""
+    from robust_attn.attacks.checks import check_deterministic
+    from robust_attn.sources.contract import apply_input_contract
+
+    if len(dataset) < 1:
+        raise UserError(f"--dataset {args.dataset} --split {args.split} holds no image; check --root and --limit")
+    quiet = (lambda line: None) if rank != 0 else None
+    model_desc = apply_input_contract(model, model_desc, getattr(args, "model_input", None), dataset, device,
+                                      args.batch_size, log=quiet)
+    n = min(len(dataset), args.batch_size, 8)
+    images = torch.stack([dataset[i][0] for i in range(n)]).to(device)
+    check = check_deterministic(model, images)
+    if not check.passed:
+        raise UserError(f"the model is not deterministic: {check.detail} on the same {n} images (dropout or "
+                        f"another random layer left on?); call model.eval() in your function, or make its "
+                        f"random layers follow self.training, so every protocol measures one model")
+    return model_desc
 
 
 def _repair(args, out: Path, rank: int) -> None:
@@ -237,12 +275,17 @@ def run_pgd_cmd(args) -> int:
     from robust_attn.protocols.pgd import load_checks, pgd_settings, run_pgd, summarize_pgd
     from robust_attn.results import load_records
 
-    eps = parse_list(args.eps, float, "--eps")
+    from robust_attn.commands.eps import parse_radii
+
+    # image units on the command line (as every command); Table 10's settings are in 1/255 units
+    eps = [round(e * 255, 6) for e in parse_radii(args.eps, "--eps")]
+    step = parse_radii(args.step, "--step")
     for e in eps:
-        if 0 < e < 1:
-            warnings.warn(f"--eps {e:g} is in 1/255 units (Table 10's 8 is 8/255), so it is {e:g}/255 = "
-                          f"{e / 255:.2g} of the pixel range; for {e:g} of the range give --eps {e * 255:g}")
-    settings = pgd_settings(eps, parse_list(args.steps, int, "--steps"), parse_list(args.step, float, "--step"))
+        if e > 32:
+            warnings.warn(f"--eps {e / 255:g} is {e:g}/255 of the pixel range (Table 10's is 8/255); a radius is in "
+                          f"image units in every command")
+    settings = pgd_settings(eps, parse_list(args.steps, int, "--steps"),
+                            None if step is None else [round(s * 255, 6) for s in step])
     if args.targets and not Path(args.targets).is_file():
         raise UserError(f"--targets {args.targets} does not exist; pass another run's targets.csv")
     info, rank, world_size, device, model, dataset, out, run_info = _setup(args, "pgd")
