@@ -215,8 +215,10 @@ def test_a_checkpoint_alone_names_its_architecture(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["eval", "pgd", "--eps", "300"], "at most 255"),
-    (["eval", "pgd", "--eps", "8", "--step", "400", "--steps", "1"], "at most 255"),
+    (["eval", "pgd", "--eps", "300/255"], "more than the whole [0, 1] pixel range"),
+    (["eval", "pgd", "--eps", "8/255", "--step", "400/255", "--steps", "1"], "more than the whole [0, 1] pixel range"),
+    (["eval", "pgd", "--eps", "8"], "write 8/255 for 8/255"),
+    (["eval", "attack", "--attack", "pgd", "--eps", "8"], "write 8/255 for 8/255"),
 ])
 def test_pgd_eps_beyond_the_pixel_range_is_refused(argv, words, tmp_path, capsys):
     base = ["--model", "resnet26", "--model-args", "width=0.25", "stem_downsample=4", "--dataset", "synthetic",
@@ -237,7 +239,7 @@ def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys):
 # --- long phases say what they do ------------------------------------------------------------
 def test_pgd_start_up_announces_its_sanity_checks(tmp_path, capsys):
     argv = ["eval", "pgd", "--model", "resnet26", "--model-args", "width=0.25", "stem_downsample=4",
-            "--dataset", "synthetic", "--limit", "2", "--batch-size", "2", "--eps", "8", "--steps", "1"]
+            "--dataset", "synthetic", "--limit", "2", "--batch-size", "2", "--eps", "8/255", "--steps", "1"]
     assert main([*argv, "--out", str(tmp_path / "a")]) == 0
     err = capsys.readouterr().err
     assert "pgd: sanity checks on the first 2 images" in err
