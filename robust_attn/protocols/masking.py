@@ -22,7 +22,10 @@ model:
 
 For a single ``eval attack`` run (:func:`attack_run_checks`) the checks the run allows: the
 unbounded attack, the input gradients (no baseline), the loss sweep, success against eps when
-several eps of one attack ran, and Square against every white-box condition at the same eps.
+several eps of one attack ran, and black-box against white-box: AutoAttack's white-box members
+against its own Square member (and a Square condition at the same eps), or else Square against
+a white-box condition at the same eps. ``docs/masking-checks.md`` lists which checks each
+command runs.
 """
 from __future__ import annotations
 
@@ -129,6 +132,15 @@ def attack_run_checks(run_dir, model, dataset, configs, device, images: int = 64
         s = next(s for s in square if abs(s.eps - w.eps) < 1e-9)
         white = records[records["condition"] == w.name]
         black = {"square": records[records["condition"] == s.name]}
+    ensembles = [c for c in linf if c.attack == "autoattack"]
+    if ensembles:   # AutoAttack's own Square member: an image only it fooled is the same evidence
+        aa = max(ensembles, key=lambda c: c.eps)
+        top = records[records["condition"] == aa.name]
+        white = white_box_records(top)
+        black = {"autoattack's square": top.assign(success=top["success"].astype(bool).astype(int))}
+        alone = [c for c in square if abs(c.eps - aa.eps) < 1e-9]
+        if alone:
+            black["square"] = records[records["condition"] == alone[0].name]
     rates = None
     by_attack: dict[str, list] = {}
     for c in linf:
