@@ -4,6 +4,7 @@ work from the random start's, so a model whose input gradient is zero is flagged
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 import torch.nn as nn
@@ -89,3 +90,67 @@ def test_unbounded_attack_in_batches_equals_one_batch():
     parts = unbounded_success(model, images, labels, steps=5, batch_size=2)
     assert whole[["index", "success", "clean_success"]].equals(parts[["index", "success", "clean_success"]])
     assert check_unbounded(whole).verdict == "pass" and check_unbounded(whole).evidence["by_steps"] == 6
+
+
+class Quantized(nn.Module):
+    """A model behind an input rounded to 8 grey levels: its input gradient is exactly 0."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(torch.round(x * 7) / 7)
+
+
+def test_masking_flags_travel_with_the_numbers(tmp_path):
+    """A masked model (input rounded: PGD is blind, so it looks robust) beside a plain one: every
+    label of the masked model in the report carries the mark, and the sentence ranking it first
+    says its lead is not evidence of robustness."""
+    from helpers import tiny_resnet
+
+    from robust_attn.data import build_dataset
+    from robust_attn.reports import make_report
+    from robust_attn.reports.masking_marks import MARK
+
+    data = build_dataset("synthetic", split="test", limit=8)
+    plain, masked = tiny_resnet(1, stem_downsample=4), Quantized(tiny_resnet(1, stem_downsample=4)).eval()
+    dirs = []
+    for name, model in (("plain", plain), ("masked", masked)):
+        info = {"model": name, "dataset": {"name": "synthetic", "split": "test", "limit": 8},
+                "checkpoint": {"path": f"{name}.safetensors", "sha256": name[0] * 64}}
+        dirs.append(run_attack(model, data, tmp_path / f"run_{name[0]}", configs=[AttackConfig("pgd", eps=8 / 255, steps=5)],
+                               num_classes=10, batch_size=4, run_info=info, progress=False, checks=True).root)
+    verdicts = {d.name[-1]: {c["name"]: c["verdict"] for c in json.loads((d / "checks.json").read_text())} for d in dirs}
+    assert verdicts["m"]["unbounded_attack"] == "flag" and verdicts["m"]["input_gradients"] == "flag"
+    assert "flag" not in verdicts["p"].values()
+    make_report(dirs, tmp_path / "report", n_boot=20, plots=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "**[masking flag]** marks a model" in md
+    assert MARK in md and f"plain{MARK}" not in md
+    for line in md.splitlines():   # every mention of the masked model's numbers carries the mark
+        if re.search(r"\bmasked\b", line) and not line.startswith("| masked |"):   # but the checks' own table
+            assert MARK in line, line
+        if "loses least (" in line and line.split("**: ")[1].startswith("masked"):
+            assert "not evidence of robustness" in line, line
+    robust = __import__("pandas").read_csv(tmp_path / "report" / "robust_accuracy.csv")
+    assert {m for m in robust["model"] if MARK in m} == {f"masked{MARK}"}
+
+
+def test_a_flagged_model_ranked_first_is_not_called_most_robust_without_the_mark():
+    import pandas as pd
+
+    from robust_attn.reports.comparison import _sentence
+    from robust_attn.reports.masking_marks import MARK
+
+    group = pd.DataFrame([{"title": "PGD", "model": f"masked{MARK}", "value": 1.0, "unit": "points", "level": 0.95,
+                           "low": 0.5, "high": 1.5, "n": 100, "minus_best": 0.0, "minus_best_low": 0.0,
+                           "minus_best_high": 0.0},
+                          {"title": "PGD", "model": "plain", "value": 9.0, "unit": "points", "level": 0.95,
+                           "low": 8.0, "high": 10.0, "n": 100, "minus_best": 8.0, "minus_best_low": 7.0,
+                           "minus_best_high": 9.0}])
+    text = _sentence(group)
+    assert text.startswith(f"**PGD**: masked{MARK} loses least") and "not evidence of robustness" in text
+    assert "the lead is resolved" in text
+    assert "not evidence" not in _sentence(group.iloc[::-1].reset_index(drop=True).assign(
+        model=["plain", "other"]))

@@ -196,18 +196,25 @@ def distinct_labels(items: list[tuple[str, dict[str, str], str]]) -> list[str]:
 
 
 def run_labels(groups: list[list[Run]]) -> list[str]:
-    """One distinct label per group of runs (a group: runs of the same weights on the same images)."""
-    return distinct_labels([(_base_label(g[0].model, g[0].dataset, g[0].trained), _identity(g),
-                             "+".join(r.path.name for r in g)) for g in groups])
+    """One distinct label per group of runs (a group: runs of the same weights on the same images),
+    marked where a gradient-masking check flagged the model (:mod:`robust_attn.reports.masking_marks`)."""
+    from robust_attn.reports.masking_marks import marked
+
+    labels = distinct_labels([(_base_label(g[0].model, g[0].dataset, g[0].trained), _identity(g),
+                               "+".join(r.path.name for r in g)) for g in groups])
+    return [marked(label, g[0]) for label, g in zip(labels, groups)]
 
 
 def model_names(runs: list[Run]) -> dict[int, str]:
     """The name the findings and the attack tables give each run's model, by ``id(run)``: the
     model's name, or, where runs of that name on one dataset hold different weights, the name
     with the weights (``resnet26 (ckpt 1a2b3c4d)``), so that two checkpoints are never merged
-    into one row or one column of paired losses."""
+    into one row or one column of paired losses. A model a gradient-masking check flagged
+    carries the mark of :mod:`robust_attn.reports.masking_marks`."""
+    from robust_attn.reports.masking_marks import marked
+
     held: dict[tuple[str, str], set[str]] = {}
     for run in runs:
         held.setdefault((run.model, run.dataset), set()).add(weights_label(run))
-    return {id(run): run.model if len(held[(run.model, run.dataset)]) == 1 else f"{run.model} ({weights_label(run)})"
-            for run in runs}
+    return {id(run): marked(run.model if len(held[(run.model, run.dataset)]) == 1
+                            else f"{run.model} ({weights_label(run)})", run) for run in runs}

@@ -4,9 +4,10 @@ must fool every image (Carlini et al. 2019, 5.3; Athalye et al. 2018, 3.1).
 At eps = 1 a random start is already most of the way to any image: uniform noise over the whole
 cube is classified as one class by most models, so the start alone "fools" every image of the
 other classes and a model whose input gradient is zero would pass on an image subset that holds
-none of that class. The attack therefore starts from the clean image (what it fools is the
-gradient steps' work), and the records also hold the zero-step baseline: what the random start
-alone fools (``start_success``), so the report can tell the two apart."""
+none of that class. The attack therefore starts from the clean image and moves it off the
+model's own prediction (what it achieves is the gradient steps' work, on any subset, whether the
+model is right or not), and the records also hold the zero-step baseline: what the random start
+alone achieves (``start_success``), so the report can tell the two apart."""
 from __future__ import annotations
 
 import numbers
@@ -35,9 +36,14 @@ def unbounded_success(model: nn.Module, images: torch.Tensor, labels: torch.Tens
     (None: all at once); ``options`` go to the attack's ``AttackConfig.options``. PGD starts at
     the clean image unless ``options`` say ``random_start=True`` (module docstring).
 
-    Columns: ``index`` (``indices`` or the position in the batch), ``success`` (the attack fooled
-    the image, or it was misclassified already), ``clean_success`` (misclassified already) and
-    ``start_success`` (PGD's random start at eps = 1 alone, zero steps, fools it)."""
+    The attack moves each image away from the model's own prediction on it (the label where the
+    model is right), so an image misclassified already is evidence too: a working gradient reaches
+    another class from any image, a zero one from none, whatever the subset.
+
+    Columns: ``index`` (``indices`` or the position in the batch), ``success`` (the attack changed
+    the model's prediction), ``clean_success`` (the clean image is misclassified; ``labels`` are
+    used for this only) and ``start_success`` (PGD's random start at eps = 1 alone, zero steps,
+    changes the prediction)."""
     from robust_attn.attacks.base import AttackConfig, list_attacks, make_attack
 
     if attack not in list_attacks():
@@ -52,15 +58,17 @@ def unbounded_success(model: nn.Module, images: torch.Tensor, labels: torch.Tens
     success, clean, start = [], [], []
     for a, b in _chunks(len(images), batch_size):
         x, y = images[a:b], labels[a:b]
+        with torch.no_grad():
+            own = model(x).argmax(1)   # the attack moves the model off its own prediction
         config = AttackConfig(attack, norm="linf", eps=1.0, steps=steps, restarts=restarts, seed=seed + a,
                               options=dict(options))
-        adv = make_attack(config).run(model, x, y).adv
+        adv = make_attack(config).run(model, x, own).adv
         gen = torch.Generator(device=x.device).manual_seed(int(seed) + a)
         noise = ((x + (torch.rand(x.shape, generator=gen, device=x.device, dtype=x.dtype) * 2 - 1)).clamp(0, 1))
         with torch.no_grad():
-            success.append(model(adv).argmax(1) != y)
-            clean.append(model(x).argmax(1) != y)
-            start.append(model(noise).argmax(1) != y)
+            success.append(model(adv).argmax(1) != own)
+            clean.append(own != y)
+            start.append(model(noise).argmax(1) != own)
     cat = (lambda parts: torch.cat(parts).long().cpu().numpy() if parts else np.zeros(0, dtype=int))
     return pd.DataFrame({"index": index, "success": cat(success), "clean_success": cat(clean),
                          "start_success": cat(start)})
@@ -72,9 +80,10 @@ def check_unbounded(success: pd.DataFrame | float, condition: str | None = None)
     Athalye et al. 2018, 3.1 "unbounded attacks do not reach 100% success").
 
     ``success``: the eps = 1 records (see :func:`unbounded_success`; evidence lists the images
-    not fooled and, where the records have them, how many the clean images and the random start
-    alone account for: ``by_steps`` counts the images the gradient steps fooled that were
-    classified correctly) or a success rate in [0, 1]."""
+    not fooled and, where the records have them, ``misclassified_clean``, ``by_steps`` (the
+    images whose prediction the gradient steps changed) and ``fooled_by_random_start`` (those the
+    random start alone changes: what a random-start attack's success would have hidden)) or a
+    success rate in [0, 1]."""
     if isinstance(success, pd.DataFrame):
         s = success_by_index(success, condition, "unbounded-attack records")
         missed = s.index[~s.to_numpy()]
@@ -84,9 +93,8 @@ def check_unbounded(success: pd.DataFrame | float, condition: str | None = None)
         for column, key in (("clean_success", "misclassified_clean"), ("start_success", "fooled_by_random_start")):
             if column in frame.columns:
                 evidence[key] = int(pd.to_numeric(frame[column]).sum())
-        if "clean_success" in frame.columns:
-            evidence["by_steps"] = int(((frame["success"].astype(int) == 1)
-                                        & (frame["clean_success"].astype(int) == 0)).sum())
+        if "start_success" in frame.columns:
+            evidence["by_steps"] = int(s.sum())
     elif isinstance(success, numbers.Real) and not isinstance(success, bool):
         rate = float(success)
         if not 0.0 <= rate <= 1.0:
@@ -99,6 +107,6 @@ def check_unbounded(success: pd.DataFrame | float, condition: str | None = None)
     if rate < 1.0:
         detail += f"; {evidence['not_fooled']} image(s) not fooled" if "not_fooled" in evidence else ""
     if "by_steps" in evidence:
-        detail += (f"; the gradient steps fooled {evidence['by_steps']} correctly classified image(s), "
-                   f"the random start alone {evidence['fooled_by_random_start']} of {evidence['n']}")
+        detail += (f"; the gradient steps changed the prediction of {evidence['by_steps']} of {evidence['n']} "
+                   f"image(s), the random start alone {evidence['fooled_by_random_start']} of {evidence['n']}")
     return MaskingCheck("unbounded_attack", _verdict(rate < 1.0), detail, evidence)
