@@ -132,8 +132,8 @@ def load_entry(entry: ZooEntry, manifest: Manifest, device: str = "cpu") -> Norm
         return _load_torchvision(entry, device)
     weights = manifest.resolve(entry.weights)
     if not weights.is_file():
-        raise CheckpointError(f"zoo entry {entry.name!r} ({entry.dataset}) of the manifest {manifest.path}: its weights "
-                              f"file {weights} does not exist; fetch it (git lfs pull, or copy it there), train it "
+        raise CheckpointError(f"zoo entry {entry.name!r} ({entry.dataset}) of the manifest {manifest.path}: its "
+                              f"weights file {weights} does not exist; fetch it (git lfs pull, or copy it there), train it "
                               f"again with its recipe, or remove the entry from the manifest")
     model = load_checkpoint(weights, expected_sha256=entry.sha256, map_location=device)
     if entry.arch and model.arch_args != entry.arch:

@@ -435,14 +435,17 @@ def test_a_normalized_model_is_probed_and_recorded(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("protocol", [["rotation"], ["pgd", "--steps", "1"], ["attack", "--attack", "pgd"],
-                                      ["occlusion"], ["shuffle"], ["corruption", "--corruptions", "gaussian_noise"]],
+                                      ["occlusion"], ["shuffle"], ["corruption", "--corruptions", "gaussian_noise"],
+                                      ["transfer"]],
                          ids=lambda p: p[0])
 def test_a_model_with_dropout_left_on_is_refused_by_every_protocol(protocol, unit_file, tmp_path, capsys):
-    argv = ["eval", *protocol, "--model", f"{unit_file}:dropout", "--model-input", "unit", "--dataset", "synthetic",
+    spec = f"{unit_file}:dropout"
+    model = ["--source", spec, "--target", spec] if protocol == ["transfer"] else ["--model", spec]
+    argv = ["eval", *protocol, *model, "--model-input", "unit", "--dataset", "synthetic",
             "--limit", "4", "--no-progress", "--out", str(tmp_path / "o")]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "the model is not deterministic" in err and "model.eval()" in err and "Traceback" not in err
+    assert "is not deterministic" in err and "model.eval()" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
 
 
@@ -590,7 +593,8 @@ def _fake_timm(monkeypatch, cfg: dict):
 
     def create_model(name, pretrained=False, **kwargs):
         calls.append({"pretrained": pretrained, "offline": __import__("os").environ.get("HF_HUB_OFFLINE"), **kwargs})
-        net = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, kwargs.get("num_classes", cfg["num_classes"])))
+        head = nn.Linear(3, kwargs.get("num_classes", cfg["num_classes"]))
+        net = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), head)
         net.pretrained_cfg = dict(cfg)
         return net
 

@@ -119,9 +119,11 @@ def test_masking_flags_travel_with_the_numbers(tmp_path):
     for name, model in (("plain", plain), ("masked", masked)):
         info = {"model": name, "dataset": {"name": "synthetic", "split": "test", "limit": 8},
                 "checkpoint": {"path": f"{name}.safetensors", "sha256": name[0] * 64}}
-        dirs.append(run_attack(model, data, tmp_path / f"run_{name[0]}", configs=[AttackConfig("pgd", eps=8 / 255, steps=5)],
-                               num_classes=10, batch_size=4, run_info=info, progress=False, checks=True).root)
-    verdicts = {d.name[-1]: {c["name"]: c["verdict"] for c in json.loads((d / "checks.json").read_text())} for d in dirs}
+        dirs.append(run_attack(model, data, tmp_path / f"run_{name[0]}",
+                               configs=[AttackConfig("pgd", eps=8 / 255, steps=5)], num_classes=10, batch_size=4,
+                               run_info=info, progress=False, checks=True).root)
+    verdicts = {d.name[-1]: {c["name"]: c["verdict"] for c in json.loads((d / "checks.json").read_text())}
+                for d in dirs}
     assert verdicts["m"]["unbounded_attack"] == "flag" and verdicts["m"]["input_gradients"] == "flag"
     assert "flag" not in verdicts["p"].values()
     make_report(dirs, tmp_path / "report", n_boot=20, plots=False)

@@ -209,7 +209,6 @@ def _preflight(args, model, model_desc: dict, dataset, device, rank: int) -> dic
     declared, flagged or probed; printed and recorded) and a deterministic forward (two passes on
     the first images agree: dropout or another random layer left on makes every number of every
     protocol a draw)."""
-    from robust_attn.attacks.checks import check_deterministic
     from robust_attn.sources.contract import apply_input_contract
 
     if len(dataset) < 1:
@@ -217,14 +216,21 @@ def _preflight(args, model, model_desc: dict, dataset, device, rank: int) -> dic
     quiet = (lambda line: None) if rank != 0 else None
     model_desc = apply_input_contract(model, model_desc, getattr(args, "model_input", None), dataset, device,
                                       args.batch_size, log=quiet)
-    n = min(len(dataset), args.batch_size, 8)
+    check_deterministic_model(model, dataset, device, args.batch_size)
+    return model_desc
+
+
+def check_deterministic_model(model, dataset, device, batch_size: int, name: str = "the model") -> None:
+    """Two forward passes on the first images (at most 8, at most ``batch_size``) must agree."""
+    from robust_attn.attacks.checks import check_deterministic
+
+    n = min(len(dataset), batch_size, 8)
     images = torch.stack([dataset[i][0] for i in range(n)]).to(device)
     check = check_deterministic(model, images)
     if not check.passed:
-        raise UserError(f"the model is not deterministic: {check.detail} on the same {n} images (dropout or "
+        raise UserError(f"{name} is not deterministic: {check.detail} on the same {n} images (dropout or "
                         f"another random layer left on?); call model.eval() in your function, or make its "
                         f"random layers follow self.training, so every protocol measures one model")
-    return model_desc
 
 
 def _repair(args, out: Path, rank: int) -> None:

@@ -140,9 +140,11 @@ def load_named_model(spec: str, info, device, other_dataset: bool = False) -> tu
 
 @_with_cleanup
 def run_transfer_cmd(args) -> int:
+    from robust_attn.commands.eval import check_classes, check_deterministic_model
     from robust_attn.data import dataset_info
     from robust_attn.distributed import init_distributed
     from robust_attn.protocols.transfer import EnsembleModel, run_transfer, summarize_transfer
+    from robust_attn.sources.contract import apply_input_contract
     from robust_attn.sources.inputs import model_dataset, same_preprocessing
     from robust_attn.results import load_records
 
@@ -151,25 +153,23 @@ def run_transfer_cmd(args) -> int:
     check_common(args)
     configs = attack_configs(args)
     info = dataset_info(args.dataset, root=args.root)
-    from robust_attn.commands.eval import check_classes
-
     check_classes(info, args.root)
     rank, world_size, device = init_distributed(args.device)
     sources = [load_named_model(s, info, device, args.other_dataset) for s in args.source]
     targets = [load_named_model(t, info, device, args.other_dataset) for t in args.target]
     source_name = "+".join(n for n, _, _ in sources)
-    source = sources[0][1] if len(sources) == 1 else EnsembleModel([m for _, m, _ in sources])
     common = same_preprocessing({n: d.get("preprocessing") for n, _, d in sources + targets},
                                 "a transferred image is one tensor for every source and target",
                                 "transfer between models of one preprocessing")
     dataset = model_dataset(args.dataset, common, root=args.root, split=args.split, limit=args.limit)[0]
-    from robust_attn.sources.contract import apply_input_contract
-
+    # each user's model: its input contract (printed, recorded with it); every model: deterministic
     flag = getattr(args, "model_input", None)
     sources, targets = ([(n, m, apply_input_contract(m, d, flag if d.get("source") == "callable" else None, dataset,
                                                      device, args.batch_size,
                                                      log=lambda line, n=n: print(f"{n}: {line}", file=sys.stderr)))
                          for n, m, d in group] for group in (sources, targets))
+    for n, m, _ in sources + targets:
+        check_deterministic_model(m, dataset, device, args.batch_size, name=f"model {n}")
     source = sources[0][1] if len(sources) == 1 else EnsembleModel([m for _, m, _ in sources])
     out = Path(args.out or f"runs/transfer-{source_name}-{args.dataset}-{args.split}")
     _repair(args, out, rank)

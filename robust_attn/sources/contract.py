@@ -50,7 +50,8 @@ def _check_value(value, where: str) -> str:
 
 def declared_contract(net, function=None) -> str | None:
     """The ``input_range`` a user's module (or the function that built it) declares, or None."""
-    for owner, where in ((net, "the model's input_range attribute"), (function, "the function's input_range attribute")):
+    for owner, where in ((net, "the model's input_range attribute"),
+                         (function, "the function's input_range attribute")):
         value = getattr(owner, ATTRIBUTE, None) if owner is not None else None
         if value is not None:
             return _check_value(value, where)
@@ -148,7 +149,8 @@ def apply_input_contract(model, description: dict, flag: str | None, dataset, de
     record = {"from": origin, **({"probe": probe} if probe is not None else {})}
     said = ("[0, 1] images (it normalizes inside)" if contract == "unit" else
             "normalized images (robust-attn applies the mean/std)")
-    how = {"flag": "--model-input", "declaration": "its declaration", "source": f"the {source or 'registry and zoo'} convention",
+    how = {"flag": "--model-input", "declaration": "its declaration",
+           "source": f"the {source or 'registry and zoo'} convention",
            "probe": (f"not declared; probed on {probe['images']} images: {probe['normalized_correct']} correct "
                      f"normalized, {probe['unit_correct']} on [0, 1]; --model-input to say" if probe else "")}[origin]
     log(f"model input: {said} ({how})")

@@ -15,8 +15,9 @@ Normalization: the returned module is wrapped in a :class:`NormalizedModel` with
 :class:`NormalizedModel` (its own mean/std inside) is taken as it is. A module that takes [0, 1]
 images and normalizes inside says so with ``input_range = "unit"`` (on the module or the
 function; recorded in the description) or the CLI's ``--model-input unit``; undeclared, the
-command probes both conventions (:mod:`robust_attn.sources.contract`). Either way the model sees [0, 1] images from the attacks. ``checkpoint``: a
-local state dict loaded (strictly) into the module the function returned.
+command probes both conventions (:mod:`robust_attn.sources.contract`). Either way the model
+sees [0, 1] images from the attacks. ``checkpoint``: a local state dict loaded (strictly) into
+the module the function returned.
 
 Weights: ``weights_origin`` is ``checkpoint`` with one, else ``user``: the function may have
 drawn them at random or loaded its own; robust-attn does not claim either.
