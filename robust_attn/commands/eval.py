@@ -85,7 +85,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="test", choices=["test", "val", "train"],
                    help="test = the paper's val-original set for ImageNet (default)")
     p.add_argument("--limit", type=int, help="evaluate a fixed-seed subset of this many images")
-    p.add_argument("--batch-size", type=int, default=64, help="images per batch and per record chunk")
+    p.add_argument("--batch-size", type=int, help="images per batch and per record chunk: every protocol, attack "
+                                                  "and check runs the model on at most this many images at a time "
+                                                  "(default: 64 for 32 px datasets, 16 at ImageNet resolution, which "
+                                                  "fits 8 GB)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean", help=ATTENTION_PATH_HELP)
     p.add_argument("--num-workers", type=int, default=0, help="data loader workers")
@@ -158,7 +161,13 @@ def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
 
 
 def check_common(args) -> None:
-    """The numeric options every ``eval`` subcommand has, checked before anything is loaded or written."""
+    """The numeric options every ``eval`` subcommand has, checked before anything is loaded or written.
+    Without ``--batch-size``: 64 images for 32 px datasets, 16 at ImageNet resolution (an attack's
+    backward pass on 16 images of an ImageNet model fits 8 GB; ``docs/memory.md``)."""
+    if args.batch_size is None:
+        from robust_attn.data import dataset_info
+
+        args.batch_size = 16 if dataset_info(args.dataset, root=args.root).resolution == "imagenet" else 64
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be positive, got {args.batch_size}")
     if args.limit is not None and args.limit < 1:
