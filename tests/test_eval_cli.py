@@ -85,7 +85,7 @@ def test_pgd_cli_sweep_lists(tmp_path, capsys):
     (["report", "/nonexistent-run", "--out", "/tmp/x"], "not a run directory"),
     (["eval", "pgd", *TINY, "--eps", "nan"], "--eps takes finite numbers"),
     (["eval", "pgd", *TINY, "--eps", "2/255,,8/255"], "--eps has an empty item"),
-    (["eval", "pgd", *TINY, "--eps", "8"], "write 8/255 for 8/255"),
+    (["eval", "pgd", *TINY, "--eps", "8"], "of 255 grey levels write 8/255"),
     (["eval", "rotation", *TINY, "--num-workers", "-1"], "--num-workers must be 0"),
     (["eval", "transfer", "--source", "resnet26", "--target", "resnet26", "--dataset", "synthetic",
       "--num-workers", "-1"], "--num-workers must be 0"),

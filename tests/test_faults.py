@@ -218,8 +218,8 @@ def test_a_checkpoint_alone_names_its_architecture(tmp_path, capsys):
 @pytest.mark.parametrize("argv, words", [
     (["eval", "pgd", "--eps", "300/255"], "more than the whole [0, 1] pixel range"),
     (["eval", "pgd", "--eps", "8/255", "--step", "400/255", "--steps", "1"], "more than the whole [0, 1] pixel range"),
-    (["eval", "pgd", "--eps", "8"], "write 8/255 for 8/255"),
-    (["eval", "attack", "--attack", "pgd", "--eps", "8"], "write 8/255 for 8/255"),
+    (["eval", "pgd", "--eps", "8"], "of 255 grey levels write 8/255"),
+    (["eval", "attack", "--attack", "pgd", "--eps", "8"], "of 255 grey levels write 8/255"),
 ])
 def test_pgd_eps_beyond_the_pixel_range_is_refused(argv, words, tmp_path, capsys):
     base = ["--model", "resnet26", "--model-args", "width=0.25", "stem_downsample=4", "--dataset", "synthetic",

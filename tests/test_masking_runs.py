@@ -92,22 +92,12 @@ def test_unbounded_attack_in_batches_equals_one_batch():
     assert check_unbounded(whole).verdict == "pass" and check_unbounded(whole).evidence["by_steps"] == 6
 
 
-class Quantized(nn.Module):
-    """A model behind an input rounded to 8 grey levels: its input gradient is exactly 0."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(torch.round(x * 7) / 7)
-
-
 def test_masking_flags_travel_with_the_numbers(tmp_path):
     """A masked model (input rounded: PGD is blind, so it looks robust) beside a plain one: every
     label of the masked model in the report carries the mark, and the sentence ranking it first
     says its lead is not evidence of robustness."""
     from helpers import tiny_resnet
+    from test_masking import Quantized   # a ResNet behind an input rounded to 4 grey levels
 
     from robust_attn.data import build_dataset
     from robust_attn.reports import make_report

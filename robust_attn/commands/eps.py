@@ -34,7 +34,7 @@ def parse_radius(text: str | float, option: str = "--eps", norm: str = "linf") -
     if value < 0:
         raise UserError(f"{option} {raw}: eps must be >= 0 (image units, e.g. 8/255)")
     if norm == "linf" and value > 1:
-        hint = f"; write {raw}/255 for {raw}/255" if "/" not in raw and value <= 255 else ""
+        hint = f"; for {raw} of 255 grey levels write {raw}/255" if "/" not in raw and value <= 255 else ""
         raise UserError(f"{option} {raw} is more than the whole [0, 1] pixel range: every command reads a radius in "
                         f"image units (8/255 or 0.031){hint}")
     return value
