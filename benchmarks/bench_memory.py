@@ -111,6 +111,23 @@ def main() -> None:
                 print(f"{arch} {size} px: apgd-ce with checks / --no-checks peak = {a['peak_mb'] / b['peak_mb']:.2f}x")
     write_json(args.out, {"machine": machine_description(), "batch": args.batch, "images": args.images,
                           "width": args.width, "baseline_peak_mb": base["peak_mb"], "rows": rows})
+    print(markdown(rows))
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table of docs/memory.md: peak MB (and what the protocol added to the import's) per
+    protocol, one column per architecture and size."""
+    columns = list(dict.fromkeys((r["arch"], r["size"]) for r in rows))
+    by = {(r["arch"], r["size"], r["protocol"]): r for r in rows}
+    lines = ["| protocol | " + " | ".join(f"{a} {s} px" for a, s in columns) + " |",
+             "|:--|" + "--:|" * len(columns)]
+    for name in dict.fromkeys(r["protocol"] for r in rows):
+        cells = []
+        for a, s in columns:
+            r = by.get((a, s, name), {})
+            cells.append(f"{r['peak_mb']:.0f} (+{r['work_mb']:.0f})" if "peak_mb" in r else r.get("error", "-")[:40])
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ masked or obfuscated gradients follow Athalye et al. 2018 (section 3.1) and Carl
 * ``blackbox_beats_whitebox``: images a black-box (Square) or transfer attack fools that the
   white-box attack at the same eps did not (:func:`check_blackbox_beats_whitebox`).
 * ``unbounded_attack``: a gradient attack at L-inf eps = 1, where the whole image may change, must
-  fool every image (:func:`unbounded_success`, :func:`check_unbounded`).
+  move every image off the model's prediction, starting from the clean image so that the random
+  start alone cannot pass the check (:func:`unbounded_success`, :func:`check_unbounded`).
 * ``gain_with_strength``: success must not fall, and must grow, with steps, restarts or eps
   (:func:`check_gain_with_strength`).
 * ``input_gradients``: the fraction of input-gradient entries that are exactly zero or
