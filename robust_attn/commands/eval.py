@@ -287,10 +287,9 @@ def run_rotation_cmd(args) -> int:
 
 @_with_cleanup
 def run_pgd_cmd(args) -> int:
+    from robust_attn.commands.eps import parse_radii
     from robust_attn.protocols.pgd import load_checks, pgd_settings, run_pgd, summarize_pgd
     from robust_attn.results import load_records
-
-    from robust_attn.commands.eps import parse_radii
 
     # image units on the command line (as every command); Table 10's settings are in 1/255 units
     eps = [round(e * 255, 6) for e in parse_radii(args.eps, "--eps")]

@@ -113,20 +113,24 @@ def run_corruption_cmd(args) -> int:
 
 def _check_baseline(baseline: Path, run_info: dict, images: str, seed: int) -> None:
     """Before any work: the baseline was measured on the same images (dataset, variant, split,
-    subset, the weights' preprocessing and the corrupted images' source and seed); a relative mCE
-    against another image set means nothing."""
+    subset, and the corrupted images' source and seed); a relative mCE against another image set
+    means nothing. (Models of different preprocessing see the same images resized differently, as
+    in a study's corruption step: allowed.)"""
     from robust_attn.results import load_description
 
     base = load_description(baseline)
     if base.get("protocol") != "corruption":
         raise UserError(f"--baseline {baseline} is a {base.get('protocol')} run, not a corruption run")
     params = base.get("parameters", {})
-    mine = {"dataset": run_info.get("dataset"), "data variant": run_info.get("data_variant"),
-            "preprocessing": run_info.get("preprocessing"), "corrupted images": images,
-            "corruption seed": seed if images == "generated" else None}
-    theirs = {"dataset": base.get("dataset"), "data variant": base.get("data_variant", mine["data variant"]),
-              "preprocessing": base.get("preprocessing"), "corrupted images": params.get("images"),
-              "corruption seed": params.get("seed")}
+
+    def images_of(dataset) -> dict:
+        return {k: (dataset or {}).get(k) for k in ("name", "split", "limit")}
+
+    mine = {"dataset": images_of(run_info.get("dataset")), "data variant": run_info.get("data_variant"),
+            "corrupted images": images, "corruption seed": seed if images == "generated" else None}
+    theirs = {"dataset": images_of(base.get("dataset")),
+              "data variant": base.get("data_variant", mine["data variant"]),
+              "corrupted images": params.get("images"), "corruption seed": params.get("seed")}
     differ = [k for k in mine if mine[k] != theirs[k]]
     if differ:
         shown = "; ".join(f"{k}: baseline {theirs[k]!r}, this run {mine[k]!r}" for k in differ)
