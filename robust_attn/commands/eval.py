@@ -65,7 +65,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="model spec: NAME (registry architecture, robust-attn zoo list; with --checkpoint it must "
                         "match), zoo:NAME, timm:NAME (pip install timm), torchvision:NAME[:WEIGHTS|none], "
                         "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION (a function "
-                        "returning an nn.Module that takes input normalized with the dataset's mean/std)")
+                        "returning an nn.Module; what it takes: --model-input)")
     p.add_argument("--checkpoint", help="trained weights: a robust-attn .safetensors with its .json sidecar "
                                         "(registry NAME), or a state dict file (.pth/.safetensors) for timm:, "
                                         "torchvision:NAME:none and FILE.py:FUNCTION; without one, NAME has RANDOM "
