@@ -7,7 +7,7 @@ The environment chooses it (a transfer's ``--source``/``--target`` take no model
 it takes normalized input (``input_range``)."""
 import os
 
-from robust_attn.registry import create_model
+from robust_attn.models.registry import create_model
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

@@ -48,7 +48,7 @@ def test_autoattack_run_compares_its_white_box_members_with_its_own_square(tmp_p
     data = TensorImageDataset((images * 255).round().to(torch.uint8), labels)
     store = run_attack(model, data, tmp_path / "aa", configs=[AttackConfig("autoattack", eps=8 / 255, steps=5)],
                        num_classes=4, batch_size=4, progress=False, checks=True)
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     records = load_records(store.root)
     fooled_by = records.loc[records["condition"] != "clean", "by"]

@@ -1,29 +1,29 @@
 """Gradient-masking flags travel with the numbers: a model flagged by any masking check carries
-:data:`MARK` in every row label of the report (findings, Tables 9 and 10, robust accuracy,
-AutoAttack's members, the headline intervals), so no sentence or table ranks it most robust
-without it.
+:data:`MARK` (:data:`robust_attn.reports.runs.MASKING_MARK`) in every row label of the report
+(findings, Tables 9 and 10, robust accuracy, AutoAttack's members, the headline intervals), so no
+sentence or table ranks it most robust without it.
 
 The flags are the ``checks.json`` entries with ``verdict == "flag"`` of the report's masking runs
 (the study's ``masking`` step) and attack runs (``eval attack``'s checks), matched to every run
 of the same model, dataset and weights (:func:`~robust_attn.reports.runs.weights_label`).
 :func:`annotate_masking` notes them on the runs (``run.masking_flags``: the flagged check names),
-where the labelling functions of :mod:`robust_attn.reports.runs` read them.
+where the labelling functions of :mod:`robust_attn.reports.runs` read them (:func:`marked`).
 """
 from __future__ import annotations
 
 import json
 
+from robust_attn.reports.runs import MASKING_MARK as MARK
+from robust_attn.reports.runs import marked, weights_label
+
 __all__ = ["MARK", "LEGEND", "annotate_masking", "marked", "flags_of"]
 
-MARK = " [masking flag]"
 LEGEND = ("**[masking flag]** marks a model that a gradient-masking check flagged ({checks}): its robust accuracy "
           "is an upper bound a stronger or different attack may lower, not evidence of robustness; the checks' "
           "details are in the Gradient-masking checks section.")
 
 
 def _key(run) -> tuple:
-    from robust_attn.reports.runs import weights_label
-
     return run.model, run.dataset, weights_label(run)
 
 
@@ -54,9 +54,5 @@ def annotate_masking(runs) -> dict[tuple, list[str]]:
 
 
 def flags_of(run) -> tuple[str, ...]:
+    """The masking checks that flagged the run's model (after :func:`annotate_masking`)."""
     return tuple(getattr(run, "masking_flags", ()) or ())
-
-
-def marked(label: str, run) -> str:
-    """``label`` with :data:`MARK` where the run's model was flagged."""
-    return label + MARK if flags_of(run) and not label.endswith(MARK) else label

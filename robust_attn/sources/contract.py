@@ -59,7 +59,7 @@ def declared_contract(net, function=None) -> str | None:
 
 
 def _wrapper(model):
-    from robust_attn.wrapper import NormalizedModel
+    from robust_attn.models.wrapper import NormalizedModel
 
     return model if isinstance(model, NormalizedModel) else None
 

@@ -232,7 +232,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] | dict = (), check_da
 
 def _validate(recipe: Recipe, check_data: bool) -> None:
     from robust_attn.data import dataset_info, locate_dataset
-    from robust_attn.registry import list_models
+    from robust_attn.models.registry import list_models
 
     models = list_models()
     if recipe.model not in models:

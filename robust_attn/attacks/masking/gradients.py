@@ -24,7 +24,7 @@ def _input_gradient(model: nn.Module, images: torch.Tensor, labels: torch.Tensor
                     batch_size: int | None = None) -> torch.Tensor:
     """d CE(x_i, y_i) / d x_i for every image (the gradient of the summed loss: images are
     independent), computed on at most ``batch_size`` images at a time (None: all at once)."""
-    from robust_attn.attacks.pgd import frozen_parameters, validate_attack_inputs
+    from robust_attn.attacks.inputs import frozen_parameters, validate_attack_inputs
 
     labels = labels.to(images.device, torch.long)
     if batch_size is not None and len(images) > batch_size:
