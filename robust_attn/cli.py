@@ -97,10 +97,21 @@ def _run(parser: argparse.ArgumentParser, args, extra: list[str]) -> int:
     except KeyboardInterrupt as err:
         from robust_attn.attacks.stopping import StopRequested
 
-        if not isinstance(err, StopRequested):
+        if isinstance(err, StopRequested):
+            print(f"robust-attn {args.command}: {err}", file=sys.stderr)
+            return 128 + err.signum   # as a process killed by the signal reports it
+        resume = ("; what was finished is saved: run the same command again to resume"
+                  if args.command in ("eval", "study", "train") else "")
+        print(f"robust-attn {args.command}: interrupted (Ctrl-C){resume}", file=sys.stderr)
+        return 130   # as a process killed by SIGINT reports it
+    except (MemoryError, RuntimeError) as err:
+        from robust_attn.utils.memory import out_of_memory_message
+
+        message = out_of_memory_message(err, args)
+        if message is None:
             raise
-        print(f"robust-attn {args.command}: {err}", file=sys.stderr)
-        return 128 + err.signum   # as a process killed by the signal reports it
+        print(f"robust-attn {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

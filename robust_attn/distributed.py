@@ -29,11 +29,21 @@ def init_distributed(device: str | torch.device | None = None) -> tuple[int, int
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a device torch knows; give cpu, cuda, cuda:1 or mps") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device} is not supported here; give cpu, cuda, cuda:N or mps")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} was asked for but CUDA is not available here; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"--device {device} was asked for but MPS is not available here; use --device cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank if _env_world_size() > 1 else torch.cuda.current_device())
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu")
     if _env_world_size() > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)

@@ -233,9 +233,9 @@ def test_the_cli_reports_a_stop_and_exits_as_if_killed_by_the_signal(capsys):
     args = argparse.Namespace(command="study", func=stopped)
     assert _run(argparse.ArgumentParser(), args, []) == 128 + signal.SIGTERM
     assert "stopped by SIGTERM after saving the attack's progress" in capsys.readouterr().err
-    args.func = lambda a: (_ for _ in ()).throw(KeyboardInterrupt())   # Ctrl-C elsewhere: as before
-    with pytest.raises(KeyboardInterrupt):
-        _run(argparse.ArgumentParser(), args, [])
+    args.func = lambda a: (_ for _ in ()).throw(KeyboardInterrupt())   # Ctrl-C elsewhere: 130, no traceback
+    assert _run(argparse.ArgumentParser(), args, []) == 130
+    assert "interrupted (Ctrl-C); what was finished is saved: run the same command again" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("config", [AttackConfig("apgd-t", eps=16 / 255, steps=3, seed=5, options={"n_target_classes": 6}),

@@ -63,7 +63,7 @@ def test_attention_path_reaches_the_model_and_run_json(tmp_path, monkeypatch):
 
 def test_pgd_cli_sweep_lists(tmp_path, capsys):
     out = tmp_path / "pgd"
-    assert main(["eval", "pgd", *TINY, "--limit", "2", "--batch-size", "2", "--eps", "2,8", "--steps", "1",
+    assert main(["eval", "pgd", *TINY, "--limit", "2", "--batch-size", "2", "--eps", "2/255,8/255", "--steps", "1",
                  "--no-checks", "--out", str(out)]) == 0
     desc = json.loads((out / "run.json").read_text())
     assert [c["name"] for c in desc["conditions"]] == ["clean", "pgd_eps2_step2_n1", "pgd_eps8_step8_n1"]
@@ -76,7 +76,7 @@ def test_pgd_cli_sweep_lists(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["eval", "rotation", "--model", "resnet262", "--dataset", "synthetic"], "unknown model 'resnet262'"),
     (["eval", "rotation", "--dataset", "synthetic"], "give --model"),
-    (["eval", "pgd", *TINY, "--eps", "8,x"], "--eps takes a comma-separated list"),
+    (["eval", "pgd", *TINY, "--eps", "8/255,x"], "--eps 'x' is not a number"),
     (["eval", "rotation", *TINY[:3], "width", "--dataset", "synthetic"], "key=value"),
     (["eval", "rotation", *TINY, "--batch-size", "0"], "--batch-size must be positive"),
     (["eval", "rotation", "--model", "resnet26", "--dataset", "cifar100", "--root", "/nonexistent"],
@@ -85,8 +85,8 @@ def test_pgd_cli_sweep_lists(tmp_path, capsys):
     (["eval", "rotation", *TINY, "--dataset", "imagenet2"], "unknown dataset"),
     (["report", "/nonexistent-run", "--out", "/tmp/x"], "not a run directory"),
     (["eval", "pgd", *TINY, "--eps", "nan"], "--eps takes finite numbers"),
-    (["eval", "pgd", *TINY, "--eps", "2,,8"], "--eps has an empty item"),
-    (["eval", "pgd", *TINY, "--eps", "8/255"], "(in 1/255 units: 8 means 8/255)"),
+    (["eval", "pgd", *TINY, "--eps", "2/255,,8/255"], "--eps has an empty item"),
+    (["eval", "pgd", *TINY, "--eps", "8"], "of 255 grey levels write 8/255"),
     (["eval", "rotation", *TINY, "--num-workers", "-1"], "--num-workers must be 0"),
     (["eval", "transfer", "--source", "resnet26", "--target", "resnet26", "--dataset", "synthetic",
       "--num-workers", "-1"], "--num-workers must be 0"),
@@ -112,10 +112,12 @@ def test_a_file_where_a_folder_is_written_is_a_one_line_error(tmp_path, capsys):
     assert "a file is in the way" in capsys.readouterr().err
 
 
-def test_pgd_eps_below_one_is_warned_to_be_in_1_255_units(tmp_path, capsys):
-    assert main(["eval", "pgd", *TINY, "--limit", "2", "--batch-size", "2", "--eps", "0.03", "--steps", "1",
+def test_pgd_eps_is_in_image_units_and_a_large_one_is_warned(tmp_path, capsys):
+    assert main(["eval", "pgd", *TINY, "--limit", "2", "--batch-size", "2", "--eps", "0.5", "--steps", "1",
                  "--no-checks", "--out", str(tmp_path / "o")]) == 0
-    assert "warning: --eps 0.03 is in 1/255 units" in capsys.readouterr().err
+    assert "warning: --eps 0.5 is 127.5/255 of the pixel range" in capsys.readouterr().err
+    names = [c["name"] for c in json.loads((tmp_path / "o" / "run.json").read_text())["conditions"]]
+    assert names == ["clean", "pgd_eps127.5_step127.5_n1"]
 
 
 def test_rerun_with_other_settings_in_the_same_dir_is_refused(tmp_path, capsys):
@@ -216,7 +218,7 @@ def test_sigkill_midway_then_resume_equals_an_uninterrupted_run(tmp_path):
 
 @pytest.mark.parametrize("protocol", ["rotation", pytest.param("pgd", marks=pytest.mark.slow)])
 def test_torchrun_two_gloo_ranks_merge_to_the_single_process_run(tmp_path, protocol):
-    extra = ["--angle-step", "90"] if protocol == "rotation" else ["--eps", "4", "--steps", "1"]
+    extra = ["--angle-step", "90"] if protocol == "rotation" else ["--eps", "4/255", "--steps", "1"]
     args = ["eval", protocol, *TINY, "--limit", "6", "--batch-size", "2", "--device", "cpu", *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "robust_attn.cli", *args, "--out", str(tmp_path / "ddp")]

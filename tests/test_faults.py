@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -219,8 +220,10 @@ def test_a_checkpoint_alone_names_its_architecture(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["eval", "pgd", "--eps", "300"], "at most 255"),
-    (["eval", "pgd", "--eps", "8", "--step", "400", "--steps", "1"], "at most 255"),
+    (["eval", "pgd", "--eps", "300/255"], "more than the whole [0, 1] pixel range"),
+    (["eval", "pgd", "--eps", "8/255", "--step", "400/255", "--steps", "1"], "more than the whole [0, 1] pixel range"),
+    (["eval", "pgd", "--eps", "8"], "of 255 grey levels write 8/255"),
+    (["eval", "attack", "--attack", "pgd", "--eps", "8"], "of 255 grey levels write 8/255"),
 ])
 def test_pgd_eps_beyond_the_pixel_range_is_refused(argv, words, tmp_path, capsys):
     base = ["--model", "resnet26", "--model-args", "width=0.25", "stem_downsample=4", "--dataset", "synthetic",
@@ -241,7 +244,7 @@ def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys):
 # --- long phases say what they do ------------------------------------------------------------
 def test_pgd_start_up_announces_its_sanity_checks(tmp_path, capsys):
     argv = ["eval", "pgd", "--model", "resnet26", "--model-args", "width=0.25", "stem_downsample=4",
-            "--dataset", "synthetic", "--limit", "2", "--batch-size", "2", "--eps", "8", "--steps", "1"]
+            "--dataset", "synthetic", "--limit", "2", "--batch-size", "2", "--eps", "8/255", "--steps", "1"]
     assert main([*argv, "--out", str(tmp_path / "a")]) == 0
     err = capsys.readouterr().err
     assert "pgd: sanity checks on the first 2 images" in err
@@ -338,3 +341,314 @@ def test_top5_is_na_with_five_classes_or_fewer(tmp_path, recorded):
     sweep = __import__("pandas").read_csv(tmp_path / "report" / "rotation_conditions.csv")
     assert sweep.loc[sweep["dataset"] == "four_shapes", "top5"].isna().all()
     assert sweep.loc[sweep["dataset"] == "synthetic", "top5"].notna().all()
+
+
+# --- a user's model at real resolution: every fault a clear error or a correct result -------------
+TINY_ARGS = ["--model", "resnet26", "--model-args", "width=0.25", "stem_downsample=4", "--dataset", "synthetic",
+             "--limit", "2", "--batch-size", "2", "--no-progress"]
+
+UNIT_MODEL = '''
+import torch
+import torch.nn as nn
+
+from robust_attn.data.synthetic import class_patterns
+
+
+class NearestColour(nn.Module):
+    """The class whose pattern's mean colour is nearest, on [0, 1] images (RobustBench's
+    convention: it takes [0, 1] input and does its own preprocessing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("colours", class_patterns().mean((2, 3)))
+
+    def forward(self, x):
+        return -100 * torch.cdist(x.mean((2, 3)), self.colours)
+
+
+def build(num_classes=10):
+    return NearestColour()
+
+
+def declared(num_classes=10):
+    model = NearestColour()
+    model.input_range = "unit"
+    return model
+
+
+def dropout(num_classes=10):
+    class Noisy(NearestColour):
+        def forward(self, x):
+            return torch.nn.functional.dropout(super().forward(x), 0.5, training=True)
+
+    return Noisy()
+'''
+
+
+@pytest.fixture()
+def unit_file(tmp_path):
+    path = tmp_path / "unit_model.py"
+    path.write_text(UNIT_MODEL)
+    return path
+
+
+def _nearest_colour_top1(n=100):
+    """Top-1 of the nearest-colour rule on the first n test images, computed here on [0, 1] images."""
+    from robust_attn.data.synthetic import class_patterns
+
+    data = build_dataset("synthetic", split="test", limit=n)
+    images = torch.stack([data[i][0] for i in range(n)])
+    labels = torch.tensor([data[i][1] for i in range(n)])
+    pred = torch.cdist(images.mean((2, 3)), class_patterns().mean((2, 3))).argmin(1)
+    return 100.0 * float((pred == labels).double().mean())
+
+
+def test_an_undeclared_unit_model_is_refused_naming_the_flag(unit_file, tmp_path, capsys):
+    """A file model that takes [0, 1] images, without a declaration: the probe of the first 64
+    images scores it both ways and stops, naming --model-input unit; with the flag (or its
+    input_range attribute) it scores what the rule scores on [0, 1] images."""
+    argv = ["eval", "rotation", "--model", f"{unit_file}:build", "--dataset", "synthetic", "--limit", "100",
+            "--batch-size", "50", "--angle-step", "0", "--no-hflip", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "probe")]) == 2
+    err = capsys.readouterr().err
+    assert "--model-input unit" in err and "64 of 64 on [0, 1] images" in err and "Traceback" not in err
+    assert not (tmp_path / "probe").exists()
+    expected = _nearest_colour_top1()
+    for extra, spec, origin in ((["--model-input", "unit"], f"{unit_file}:build", "flag"),
+                                ([], f"{unit_file}:declared", "declaration")):
+        out = tmp_path / origin
+        argv[3] = spec
+        assert main([*argv, *extra, "--out", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert "model input: [0, 1] images (it normalizes inside)" in err
+        desc = json.loads((out / "run.json").read_text())
+        assert desc["input_contract"] == "unit" and desc["input_contract_from"]["from"] == origin
+        records = __import__("robust_attn.runs.store", fromlist=["load_records"]).load_records(out)
+        assert 100 * records.loc[records["condition"] == "none", "top1"].mean() == pytest.approx(expected)
+    assert expected > 90
+
+
+def test_a_normalized_model_is_probed_and_recorded(tmp_path, capsys):
+    """The registry's models take normalized input by their source's convention (no probe)."""
+    assert main(["eval", "rotation", *TINY_ARGS, "--angle-step", "0", "--out", str(tmp_path / "r")]) == 0
+    assert "model input: normalized images (robust-attn applies the mean/std) (the registry convention)" in \
+        capsys.readouterr().err
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["input_contract"] == "normalized"
+    assert main(["eval", "rotation", *TINY_ARGS, "--model-input", "unit", "--out", str(tmp_path / "u")]) == 2
+    assert "--model-input unit is for a FILE.py:FUNCTION" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("protocol", [["rotation"], ["pgd", "--steps", "1"], ["attack", "--attack", "pgd"],
+                                      ["occlusion"], ["shuffle"], ["corruption", "--corruptions", "gaussian_noise"],
+                                      ["transfer"]],
+                         ids=lambda p: p[0])
+def test_a_model_with_dropout_left_on_is_refused_by_every_protocol(protocol, unit_file, tmp_path, capsys):
+    spec = f"{unit_file}:dropout"
+    model = ["--source", spec, "--target", spec] if protocol == ["transfer"] else ["--model", spec]
+    argv = ["eval", *protocol, *model, "--model-input", "unit", "--dataset", "synthetic",
+            "--limit", "4", "--no-progress", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is not deterministic" in err and "model.eval()" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_folder_of_one_class_is_refused(tmp_path, capsys):
+    from PIL import Image
+
+    (tmp_path / "data" / "cat").mkdir(parents=True)
+    Image.new("RGB", (32, 32), (10, 20, 30)).save(tmp_path / "data" / "cat" / "a.png")
+    argv = ["eval", "rotation", "--model", "resnet26", "--dataset", "imagefolder", "--root", str(tmp_path / "data"),
+            "--no-progress", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "has 1 class" in err and "at least 2" in err
+    assert main(["eval", "transfer", "--source", "resnet26", "--target", "resnet26", *argv[4:]]) == 2
+    assert "has 1 class" in capsys.readouterr().err
+
+
+def test_a_truncated_jpeg_names_its_file(tmp_path, capsys):
+    from PIL import Image
+
+    gen = np.random.default_rng(0)
+    for c in ("a", "b"):
+        (tmp_path / "data" / c).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(gen.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "data" / c / f"{i}.jpg")
+    bad = tmp_path / "data" / "b" / "1.jpg"
+    bad.write_bytes(bad.read_bytes()[:300])
+    assert main(["eval", "rotation", "--model", "resnet26", "--model-args", "width=0.125", "--dataset", "imagefolder",
+                 "--root", str(tmp_path / "data"), "--angle-step", "0", "--no-progress",
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "damaged or not an image" in err and "class b" in err and "Traceback" not in err
+
+
+def test_a_manifest_entry_without_its_weights_file_names_the_entry_and_the_fix(good, tmp_path, monkeypatch,
+                                                                                  capsys):
+    arch = json.loads(good["sidecar"])["arch"]
+    manifest = tmp_path / "zoo" / "manifest.json"
+    manifest.parent.mkdir()
+    manifest.write_text(json.dumps({"models": [{"name": "resnet26", "dataset": "synthetic", "arch": arch,
+                                                "weights": "gone.safetensors", "sha256": "f" * 64}]}))
+    monkeypatch.setenv("ROBUST_ATTN_ZOO_MANIFEST", str(manifest))
+    assert main([*EVAL, "--zoo", "--model", "resnet26", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "zoo entry 'resnet26' (synthetic)" in err and str(manifest) in err and "gone.safetensors" in err
+    assert "git lfs pull" in err and "remove the entry" in err
+
+
+def test_a_corruption_baseline_of_other_images_is_refused(tmp_path, capsys):
+    argv = ["eval", "corruption", *TINY_ARGS, "--corruptions", "gaussian_noise", "--severities", "1"]
+    assert main([*argv, "--out", str(tmp_path / "base")]) == 0
+    # another subset of the same dataset, another split, another dataset: refused before any work
+    for change in (["--limit", "3"], ["--split", "val"], ["--dataset", "fashion_mnist"]):
+        other = list(argv)
+        if change[0] in other:
+            other[other.index(change[0]) + 1] = change[1]
+        else:
+            other += change
+        capsys.readouterr()
+        code = main([*other, "--baseline", str(tmp_path / "base"), "--out", str(tmp_path / f"o{change[0]}")])
+        err = capsys.readouterr().err
+        if change[1] == "fashion_mnist" and "not found" in err:
+            continue   # the Fashion-MNIST files are not on this machine: refused for that reason first
+        assert code == 2 and "was measured on other images" in err, err
+    # the same images: the relative mCE against itself is 100
+    assert main([*argv, "--baseline", str(tmp_path / "base"), "--out", str(tmp_path / "same")]) == 0
+    assert f"against resnet26 ({tmp_path / 'base'}): mCE 100.0" in capsys.readouterr().out
+
+
+def test_ctrl_c_exits_130_with_the_resume_line(tmp_path, monkeypatch, capsys):
+    import robust_attn.protocols.rotation as rotation
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rotation, "run_rotation", interrupted)
+    assert main(["eval", "rotation", *TINY_ARGS, "--out", str(tmp_path / "o")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C)" in err and "run the same command again to resume" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("DefaultCPUAllocator: can't allocate memory: you "
+                                                               "tried to allocate 9000000000 bytes")],
+                         ids=["MemoryError", "CPU allocator"])
+def test_out_of_memory_names_a_batch_size(error, tmp_path, monkeypatch, capsys):
+    import robust_attn.protocols.rotation as rotation
+
+    def oom(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(rotation, "run_rotation", oom)
+    argv = ["eval", "rotation", *TINY_ARGS[:-3], "--batch-size", "16", "--no-progress", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "out of memory" in err and "at --batch-size 16" in err and "--batch-size 4" in err
+    assert "Traceback" not in err
+
+
+def test_other_runtime_errors_are_not_called_out_of_memory(tmp_path, monkeypatch):
+    import robust_attn.protocols.rotation as rotation
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(rotation, "run_rotation", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main(["eval", "rotation", *TINY_ARGS, "--out", str(tmp_path / "o")])
+
+
+@pytest.mark.parametrize("device, words", [("gpu", "--device 'gpu' is not a device torch knows"),
+                                           ("cuda", "CUDA is not available here; use --device cpu")])
+def test_a_device_that_is_not_there_is_a_clear_error(device, words, tmp_path, capsys):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["eval", "rotation", *TINY_ARGS, "--device", device, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", [["pgd", "--steps", "1", "--no-checks"],
+                                     ["attack", "--attack", "pgd", "--steps", "1", "--no-checks"]], ids=lambda c: c[0])
+def test_one_eps_syntax_in_every_command(command, tmp_path, capsys):
+    """``0.5/255`` and its float work in both commands and name the same condition; records keep
+    image units (eval attack) or the Table-10 1/255 units its parameters declare (eval pgd)."""
+    names = []
+    for eps in ("0.5/255", repr(0.5 / 255)):
+        out = tmp_path / eps.replace("/", "_")
+        assert main(["eval", *command, *TINY_ARGS, "--eps", eps, "--out", str(out)]) == 0, capsys.readouterr().err
+        desc = json.loads((out / "run.json").read_text())
+        condition = desc["conditions"][1]
+        names.append(condition["name"])
+        if command[0] == "attack":
+            assert condition["eps"] == pytest.approx(0.5 / 255)
+        else:
+            assert desc["parameters"]["units"] == "1/255" and condition["eps"] == pytest.approx(0.5)
+    assert names[0] == names[1]
+
+
+# --- timm without a network (a stand-in timm module) ----------------------------------------------
+def _fake_timm(monkeypatch, cfg: dict):
+    import sys
+    import types
+
+    calls = []
+
+    def create_model(name, pretrained=False, **kwargs):
+        calls.append({"pretrained": pretrained, "offline": __import__("os").environ.get("HF_HUB_OFFLINE"), **kwargs})
+        head = nn.Linear(3, kwargs.get("num_classes", cfg["num_classes"]))
+        net = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), head)
+        net.pretrained_cfg = dict(cfg)
+        return net
+
+    fake = types.ModuleType("timm")
+    fake.is_model = lambda name: name == "fakenet"
+    fake.list_models = lambda: ["fakenet"]
+    fake.create_model = create_model
+    fake.data = types.ModuleType("timm.data")
+    fake.data.resolve_data_config = lambda args, model=None: {"input_size": (3, 32, 32), "mean": (0.5,) * 3,
+                                                              "std": (0.5,) * 3, "crop_pct": 1.0}
+    monkeypatch.setitem(sys.modules, "timm", fake)
+    monkeypatch.setitem(sys.modules, "timm.data", fake.data)
+    return calls
+
+
+def test_timm_class_mismatch_is_refused_before_any_download(monkeypatch, tmp_path, capsys):
+    calls = _fake_timm(monkeypatch, {"num_classes": 1000, "hf_hub_id": "timm/fakenet.in1k"})
+    assert main(["eval", "rotation", "--model", "timm:fakenet", *TINY_ARGS[5:], "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "classify 1000 classes but the dataset has 10" in err and "pretrained=False" in err
+    assert "--checkpoint" in err and [c["pretrained"] for c in calls] == [False]   # nothing fetched
+
+
+def test_timm_without_a_network_fails_at_once_naming_the_fixes(monkeypatch, tmp_path, capsys):
+    import socket
+
+    calls = _fake_timm(monkeypatch, {"num_classes": 10, "hf_hub_id": "timm/fakenet.in1k"})
+    tried = []
+
+    def no_network(address, timeout=None, *args, **kwargs):
+        tried.append((address, timeout))
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert main(["eval", "rotation", "--model", "timm:fakenet", *TINY_ARGS[5:], "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "not on this machine and huggingface.co cannot be reached" in err
+    assert "--checkpoint LOCAL_STATE_DICT" in err and "pretrained=False" in err
+    assert [c["pretrained"] for c in calls] == [False] and tried == [(("huggingface.co", 443), 3.0)]
+
+
+def test_timm_weights_on_this_machine_load_offline(monkeypatch, tmp_path):
+    from robust_attn.data import dataset_info
+    from robust_attn.sources import load_model_spec
+
+    weights = tmp_path / "fakenet.safetensors"
+    weights.write_bytes(b"cached")
+    calls = _fake_timm(monkeypatch, {"num_classes": 10, "file": str(weights)})
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    load_model_spec("timm:fakenet", dataset_info=dataset_info("synthetic"))
+    assert [(c["pretrained"], c["offline"]) for c in calls] == [(False, None), (True, "1")]
+    assert "HF_HUB_OFFLINE" not in __import__("os").environ

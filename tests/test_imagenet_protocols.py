@@ -72,7 +72,7 @@ def _reference(path) -> torch.Tensor:
 
 PROTOCOLS = {
     "rotation": ["rotation", "--angle-step", "0", "--no-hflip"],
-    "pgd": ["pgd", "--eps", "8", "--steps", "1", "--no-checks"],
+    "pgd": ["pgd", "--eps", "8/255", "--steps", "1", "--no-checks"],
     "attack": ["attack", "--attack", "pgd", "--targeted", "--eps", "8/255", "--steps", "2", "--no-checks"],
 }
 CONDITIONS = {"rotation": ["none", "cw90", "cw180", "cw270", "flip_ud"], "pgd": ["clean", "pgd_eps8_step8_n1"],

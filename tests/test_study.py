@@ -195,18 +195,26 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
     assert {"robust_accuracy.csv", "transfer_matrix.csv", "transfer_matrix.png", "masking_checks.csv",
             "autoattack_members.csv"} <= names
     table = pd.read_csv(report / "robust_accuracy.csv")
+    from robust_attn.reports.masking_marks import MARK
+
+    flagged = set(pd.read_csv(report / "masking_checks.csv").query("verdict == 'flag'")["model"])
+
+    def shown(model):   # a model a masking check flagged carries the mark in every table
+        return model + MARK if model in flagged else model
+
+    assert set(table["model"]) == {shown("resnet26"), shown("sasa_resnet26")}
     aa = load_records(runs / "autoattack-resnet26")
     for condition, group in aa.groupby("condition"):
         column = {"clean": "clean", "autoattack_linf_eps2_n3": "AutoAttack 2/255",
                   "autoattack_linf_eps8_n3": "AutoAttack 8/255"}[condition]
-        row = table[(table["model"] == "resnet26") & (table["column"] == column)]
+        row = table[(table["model"] == shown("resnet26")) & (table["column"] == column)]
         assert row["top1"].item() == pytest.approx(group["top1"].mean() * 100)
         assert row["n"].item() == 6
     # who fooled each image first, per AutoAttack radius: the records' `by`, counted
     members = pd.read_csv(report / "autoattack_members.csv")
     for condition, label in (("autoattack_linf_eps2_n3", "AutoAttack 2/255"), ("autoattack_linf_eps8_n3",
                                                                                  "AutoAttack 8/255")):
-        row = members[(members["model"] == "resnet26") & (members["attack"] == label)].iloc[0]
+        row = members[(members["model"] == shown("resnet26")) & (members["attack"] == label)].iloc[0]
         by = aa.loc[aa["condition"] == condition, "by"].value_counts()
         assert row["images"] == 6 and sum(row[c] for c in ("clean", "apgd-ce", "apgd-t", "fab-t", "square",
                                                            "none")) == 6
@@ -219,7 +227,7 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
         group = apgd[apgd["condition"] == condition]
         assert sorted(group["index"]) == sorted(aa.loc[aa["condition"] == "clean", "index"])
         assert (group["linf"] <= float(column.split()[1].split("/")[0]) / 255 + 1e-6).all()
-        row = table[(table["model"] == "resnet26") & (table["column"] == column)]
+        row = table[(table["model"] == shown("resnet26")) & (table["column"] == column)]
         assert row["top1"].item() == pytest.approx(group["top1"].mean() * 100)
     # AutoAttack attacks only the clean-correct images and keeps every fooled one fooled
     attacked = aa[aa["condition"] != "clean"]
@@ -230,7 +238,7 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
     transfer = load_records(runs / "transfer-resnet26")
     own = transfer[(transfer["target_model"] == "resnet26") & (transfer["target"] == -1)
                    & ~transfer["condition"].str.startswith("clean")]
-    assert matrix.loc["resnet26", "resnet26"] == pytest.approx(own["top1"].mean() * 100)
+    assert matrix.loc[shown("resnet26"), "resnet26"] == pytest.approx(own["top1"].mean() * 100)
     assert (own["success"] == own["source_success"]).all()
     checks = pd.read_csv(report / "masking_checks.csv")
     assert set(checks["check"]) >= {"blackbox_beats_whitebox", "unbounded_attack", "gain_with_strength",

@@ -33,11 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rot.set_defaults(func=run_rotation_cmd)
     pgd = ev_sub.add_parser("pgd", help="white-box targeted L-inf PGD (SAN Table 10)")
     add_common_options(pgd)
-    pgd.add_argument("--eps", default="8", help="L-inf radius(es) in 1/255 units, comma list (default 8)")
-    pgd.add_argument("--step", default=None, help="step size(s) in 1/255 units, comma list "
+    pgd.add_argument("--eps", default="8/255", help="L-inf radius(es) in [0, 1] image units, comma list: 8/255 or "
+                                                    "0.031, as in every command (default 8/255)")
+    pgd.add_argument("--step", default=None, help="step size(s) in image units, comma list, e.g. 2/255 "
                                                   "(default: eps/steps, the paper's rule)")
     pgd.add_argument("--steps", default="2,4", help="iteration count(s), comma list (default 2,4: with "
-                                                    "eps 8 the paper's {8,4,2} and {8,2,4})")
+                                                    "eps 8/255 the paper's {8,4,2} and {8,2,4})")
     pgd.add_argument("--backend", default="native", choices=BACKENDS)
     pgd.add_argument("--targets", help="reuse another run's targets.csv (same images) instead of drawing")
     pgd.add_argument("--no-checks", action="store_true", help="skip the attack sanity checks")
@@ -122,15 +123,19 @@ def run_rotation_cmd(args) -> int:
 
 @with_cleanup
 def run_pgd_cmd(args) -> int:
+    from robust_attn.commands.eps import parse_radii
     from robust_attn.protocols.pgd import load_checks, pgd_settings, run_pgd, summarize_pgd
     from robust_attn.runs.store import load_records
 
-    eps = parse_list(args.eps, float, "--eps")
+    # image units on the command line (as every command); Table 10's settings are in 1/255 units
+    eps = [round(e * 255, 6) for e in parse_radii(args.eps, "--eps")]
+    step = parse_radii(args.step, "--step")
     for e in eps:
-        if 0 < e < 1:
-            warnings.warn(f"--eps {e:g} is in 1/255 units (Table 10's 8 is 8/255), so it is {e:g}/255 = "
-                          f"{e / 255:.2g} of the pixel range; for {e:g} of the range give --eps {e * 255:g}")
-    settings = pgd_settings(eps, parse_list(args.steps, int, "--steps"), parse_list(args.step, float, "--step"))
+        if e > 32:
+            warnings.warn(f"--eps {e / 255:g} is {e:g}/255 of the pixel range (Table 10's is 8/255); a radius is in "
+                          f"image units in every command")
+    settings = pgd_settings(eps, parse_list(args.steps, int, "--steps"),
+                            None if step is None else [round(s * 255, 6) for s in step])
     if args.targets and not Path(args.targets).is_file():
         raise UserError(f"--targets {args.targets} does not exist; pass another run's targets.csv")
     info, rank, world_size, device, model, dataset, out, run_info = setup_run(args, "pgd")

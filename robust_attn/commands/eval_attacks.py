@@ -24,8 +24,8 @@ def _add_attack_options(p: argparse.ArgumentParser, default_attack: str | None) 
     p.add_argument("--attack", default=default_attack, required=default_attack is None,
                    help=f"attack name ({', '.join(list_attacks())})")
     p.add_argument("--norm", default="linf", choices=NORMS, help="threat model (default linf)")
-    p.add_argument("--eps", default="8/255", help="radius(es) in [0, 1] image units, comma list; "
-                                                  "'8/255' allowed (default 8/255)")
+    p.add_argument("--eps", default="8/255", help="radius(es) in [0, 1] image units, comma list: 8/255 or 0.031 "
+                                                  "(as in every command; default 8/255)")
     p.add_argument("--targeted", action="store_true", help="attack toward seeded wrong-class targets")
     p.add_argument("--steps", type=int, help="iterations (default: the attack's own)")
     p.add_argument("--step", help="step size in image units, e.g. 2/255 (PGD; default: the attack's own)")
@@ -56,12 +56,11 @@ def add_attack_parsers(ev_sub) -> None:
 
 def attack_configs(args) -> list:
     """One :class:`~robust_attn.attacks.base.AttackConfig` per ``--eps`` value."""
-    from robust_attn.attacks.base import AttackConfig, parse_eps
+    from robust_attn.attacks.base import AttackConfig
+    from robust_attn.commands.eps import parse_radii, parse_radius
 
-    step = parse_eps(args.step) if args.step is not None else None
-    eps = [parse_eps(e) for e in str(args.eps).split(",") if e.strip()]
-    if not eps:
-        raise UserError("--eps is empty; give e.g. 8/255 or 1/255,2/255,4/255,8/255")
+    step = parse_radius(args.step, "--step", args.norm) if args.step is not None else None
+    eps = parse_radii(args.eps, "--eps", args.norm)
     return [AttackConfig(args.attack, norm=args.norm, eps=e, targeted=args.targeted, steps=args.steps,
                          restarts=args.restarts, step=step, queries=args.queries, seed=args.attack_seed)
             for e in eps]
@@ -143,26 +142,37 @@ def load_named_model(spec: str, info, device, other_dataset: bool = False) -> tu
 
 @with_cleanup
 def run_transfer_cmd(args) -> int:
+    from robust_attn.commands.eval_common import check_classes, check_deterministic_model
     from robust_attn.data import dataset_info
     from robust_attn.distributed import init_distributed
     from robust_attn.protocols.transfer import EnsembleModel, run_transfer, summarize_transfer
     from robust_attn.sources.inputs import model_dataset, same_preprocessing
     from robust_attn.runs.store import load_records
+    from robust_attn.sources.contract import apply_input_contract
 
     if args.model or args.checkpoint or args.zoo:
         raise UserError("eval transfer takes its models as --source and --target, not --model/--checkpoint/--zoo")
     check_common(args)
     configs = attack_configs(args)
     info = dataset_info(args.dataset, root=args.root)
+    check_classes(info, args.root)
     rank, world_size, device = init_distributed(args.device)
     sources = [load_named_model(s, info, device, args.other_dataset) for s in args.source]
     targets = [load_named_model(t, info, device, args.other_dataset) for t in args.target]
     source_name = "+".join(n for n, _, _ in sources)
-    source = sources[0][1] if len(sources) == 1 else EnsembleModel([m for _, m, _ in sources])
     common = same_preprocessing({n: d.get("preprocessing") for n, _, d in sources + targets},
                                 "a transferred image is one tensor for every source and target",
                                 "transfer between models of one preprocessing")
     dataset = model_dataset(args.dataset, common, root=args.root, split=args.split, limit=args.limit)[0]
+    # each user's model: its input contract (printed, recorded with it); every model: deterministic
+    flag = getattr(args, "model_input", None)
+    sources, targets = ([(n, m, apply_input_contract(m, d, flag if d.get("source") == "callable" else None, dataset,
+                                                     device, args.batch_size,
+                                                     log=lambda line, n=n: print(f"{n}: {line}", file=sys.stderr)))
+                         for n, m, d in group] for group in (sources, targets))
+    for n, m, _ in sources + targets:
+        check_deterministic_model(m, dataset, device, args.batch_size, name=f"model {n}")
+    source = sources[0][1] if len(sources) == 1 else EnsembleModel([m for _, m, _ in sources])
     out = Path(args.out or f"runs/transfer-{source_name}-{args.dataset}-{args.split}")
     repair_run(args, out, rank)
     origins = sorted({d.get("weights_origin", "zoo" if d.get("zoo_entry") else "checkpoint") for _, _, d in sources})

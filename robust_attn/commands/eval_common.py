@@ -16,8 +16,8 @@ from robust_attn.cli import UserError
 from robust_attn.data import SPLITS
 from robust_attn.layers.paths import ATTENTION_PATH_HELP, ATTENTION_PATHS
 
-__all__ = ["parse_model_args", "parse_list", "add_common_options", "load_eval_model", "check_common", "setup_run",
-           "repair_run", "with_cleanup"]
+__all__ = ["parse_model_args", "parse_list", "add_common_options", "load_eval_model", "check_common", "check_classes",
+           "setup_run", "check_deterministic_model", "repair_run", "with_cleanup"]
 
 
 def parse_model_args(items: list[str] | None) -> dict:
@@ -59,7 +59,7 @@ def add_common_options(p: argparse.ArgumentParser) -> None:
                    help="model spec: NAME (registry architecture, robust-attn zoo list; with --checkpoint it must "
                         "match), zoo:NAME, timm:NAME (pip install timm), torchvision:NAME[:WEIGHTS|none], "
                         "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION (a function "
-                        "returning an nn.Module that takes input normalized with the dataset's mean/std)")
+                        "returning an nn.Module; what it takes: --model-input)")
     p.add_argument("--checkpoint", help="trained weights: a robust-attn .safetensors with its .json sidecar "
                                         "(registry NAME), or a state dict file (.pth/.safetensors) for timm:, "
                                         "torchvision:NAME:none and FILE.py:FUNCTION; without one, NAME has RANDOM "
@@ -69,6 +69,9 @@ def add_common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
                    help="keyword arguments of the model's constructor, e.g. width=0.25 (registry, without "
                         "--checkpoint), pretrained=False (timm) or those of your FUNCTION")
+    from robust_attn.sources.contract import CONTRACTS, FLAG_HELP
+
+    p.add_argument("--model-input", choices=CONTRACTS, help=FLAG_HELP)
     p.add_argument("--other-dataset", action="store_true",
                    help="evaluate a --checkpoint trained on another dataset than --dataset (refused otherwise)")
     p.add_argument("--dataset", default="imagenet", help="dataset name (default: imagenet)")
@@ -76,7 +79,10 @@ def add_common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="test", choices=SPLITS,
                    help="test = the paper's val-original set for ImageNet (default)")
     p.add_argument("--limit", type=int, help="evaluate a fixed-seed subset of this many images")
-    p.add_argument("--batch-size", type=int, default=64, help="images per batch and per record chunk")
+    p.add_argument("--batch-size", type=int, help="images per batch and per record chunk: every protocol, attack "
+                                                  "and check runs the model on at most this many images at a time "
+                                                  "(default: 64 for 32 px datasets, 16 at ImageNet resolution, which "
+                                                  "fits 8 GB)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean", help=ATTENTION_PATH_HELP)
     p.add_argument("--num-workers", type=int, default=0, help="data loader workers")
@@ -118,13 +124,28 @@ def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
 
 
 def check_common(args) -> None:
-    """The numeric options every ``eval`` subcommand has, checked before anything is loaded or written."""
+    """The numeric options every ``eval`` subcommand has, checked before anything is loaded or written.
+    Without ``--batch-size``: 64 images for 32 px datasets, 16 at ImageNet resolution (an attack's
+    backward pass on 16 images of an ImageNet model fits 8 GB; ``docs/memory.md``)."""
+    if args.batch_size is None:
+        from robust_attn.data import dataset_info
+
+        args.batch_size = 16 if dataset_info(args.dataset, root=args.root).resolution == "imagenet" else 64
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be positive, got {args.batch_size}")
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be positive, got {args.limit}")
     if args.num_workers < 0:
         raise UserError(f"--num-workers must be 0 (load in the main process) or more, got {args.num_workers}")
+
+
+def check_classes(info, root=None) -> None:
+    """A dataset of fewer than two classes is refused: every model is right on every image of it."""
+    if info.num_classes < 2:
+        where = f" (class folders under {root})" if root else ""
+        raise UserError(f"dataset {info.name} has {info.num_classes} class{'' if info.num_classes == 1 else 'es'}"
+                        f"{where}: accuracy and attacks need at least 2; give a folder with one subfolder per "
+                        f"class, two or more")
 
 
 def setup_run(args, protocol: str):
@@ -135,6 +156,7 @@ def setup_run(args, protocol: str):
 
     check_common(args)
     info = dataset_info(args.dataset, root=args.root)  # imagefolder: the class count of --root's folders
+    check_classes(info, args.root)
     rank, world_size, device = init_distributed(args.device)
     model, model_desc = load_eval_model(args, info)   # checked to output the dataset's classes
     set_attention_path(model, args.attention_path)
@@ -142,6 +164,7 @@ def setup_run(args, protocol: str):
     dataset, applied = model_dataset(args.dataset, model_desc.get("preprocessing"), root=args.root,
                                      split=args.split, limit=args.limit)
     model_desc = record_preprocessing(model_desc, applied)
+    model_desc = _preflight(args, model, model_desc, dataset, device, rank)
     out = Path(args.out or f"runs/{protocol}-{model_desc['model']}-{args.dataset}-{args.split}")
     repair_run(args, out, rank)
     run_info = dict(model_desc, dataset={"name": args.dataset, "split": args.split, "limit": args.limit},
@@ -151,6 +174,35 @@ def setup_run(args, protocol: str):
                     host=socket.gethostname(),
                     created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     return info, rank, world_size, device, model, dataset, out, run_info
+
+
+def _preflight(args, model, model_desc: dict, dataset, device, rank: int) -> dict:
+    """Before any record: the model's input contract (:mod:`robust_attn.sources.contract`:
+    declared, flagged or probed; printed and recorded) and a deterministic forward (two passes on
+    the first images agree: dropout or another random layer left on makes every number of every
+    protocol a draw)."""
+    from robust_attn.sources.contract import apply_input_contract
+
+    if len(dataset) < 1:
+        raise UserError(f"--dataset {args.dataset} --split {args.split} holds no image; check --root and --limit")
+    quiet = (lambda line: None) if rank != 0 else None
+    model_desc = apply_input_contract(model, model_desc, getattr(args, "model_input", None), dataset, device,
+                                      args.batch_size, log=quiet)
+    check_deterministic_model(model, dataset, device, args.batch_size)
+    return model_desc
+
+
+def check_deterministic_model(model, dataset, device, batch_size: int, name: str = "the model") -> None:
+    """Two forward passes on the first images (at most 8, at most ``batch_size``) must agree."""
+    from robust_attn.attacks.checks import check_deterministic
+
+    n = min(len(dataset), batch_size, 8)
+    images = torch.stack([dataset[i][0] for i in range(n)]).to(device)
+    check = check_deterministic(model, images)
+    if not check.passed:
+        raise UserError(f"{name} is not deterministic: {check.detail} on the same {n} images (dropout or "
+                        f"another random layer left on?); call model.eval() in your function, or make its "
+                        f"random layers follow self.training, so every protocol measures one model")
 
 
 def repair_run(args, out: Path, rank: int) -> None:

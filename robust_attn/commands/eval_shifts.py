@@ -89,6 +89,8 @@ def run_corruption_cmd(args) -> int:
     if args.baseline and not (Path(args.baseline) / "run.json").is_file():
         raise UserError(f"--baseline {args.baseline} is not a run directory (no run.json)")
     info, rank, world_size, device, model, dataset, out, run_info = setup_run(args, "corruption")
+    if args.baseline:
+        _check_baseline(Path(args.baseline), run_info, images, args.shift_seed)
     source = make_source(dataset)
     if hasattr(source, "ensure"):
         source.ensure([(c["corruption"], c["severity"]) for c in conditions[1:]], repair=args.repair,
@@ -109,6 +111,33 @@ def run_corruption_cmd(args) -> int:
     return 0
 
 
+def _check_baseline(baseline: Path, run_info: dict, images: str, seed: int) -> None:
+    """Before any work: the baseline was measured on the same images (dataset, variant, split,
+    subset, and the corrupted images' source and seed); a relative mCE against another image set
+    means nothing. (Models of different preprocessing see the same images resized differently, as
+    in a study's corruption step: allowed.)"""
+    from robust_attn.runs.store import load_description
+
+    base = load_description(baseline)
+    if base.get("protocol") != "corruption":
+        raise UserError(f"--baseline {baseline} is a {base.get('protocol')} run, not a corruption run")
+    params = base.get("parameters", {})
+
+    def images_of(dataset) -> dict:
+        return {k: (dataset or {}).get(k) for k in ("name", "split", "limit")}
+
+    mine = {"dataset": images_of(run_info.get("dataset")), "data variant": run_info.get("data_variant"),
+            "corrupted images": images, "corruption seed": seed if images == "generated" else None}
+    theirs = {"dataset": images_of(base.get("dataset")),
+              "data variant": base.get("data_variant", mine["data variant"]),
+              "corrupted images": params.get("images"), "corruption seed": params.get("seed")}
+    differ = [k for k in mine if mine[k] != theirs[k]]
+    if differ:
+        shown = "; ".join(f"{k}: baseline {theirs[k]!r}, this run {mine[k]!r}" for k in differ)
+        raise UserError(f"--baseline {baseline} was measured on other images ({shown}); give a corruption run of "
+                        f"the baseline model on the same --dataset, --split, --limit and corrupted images")
+
+
 def _print_mce(records, conditions, baseline: Path) -> None:
     from robust_attn.runs.store import load_description, load_records
     from robust_attn.shifts.metrics import error_table, mce_summary
@@ -116,8 +145,14 @@ def _print_mce(records, conditions, baseline: Path) -> None:
     base_desc = load_description(baseline)
     if base_desc.get("protocol") != "corruption":
         raise UserError(f"--baseline {baseline} is a {base_desc.get('protocol')} run, not a corruption run")
-    summary = mce_summary(error_table(records, conditions),
-                          error_table(load_records(baseline), base_desc["conditions"]))
+    base_records = load_records(baseline)
+    key = ["index", "label"]
+    mine = records.loc[records["condition"] == "clean", key].sort_values("index").reset_index(drop=True)
+    theirs = base_records.loc[base_records["condition"] == "clean", key].sort_values("index").reset_index(drop=True)
+    if not mine.equals(theirs):
+        raise UserError(f"--baseline {baseline} holds other images than this run (its clean records' image "
+                        f"indices and labels differ); give a corruption run of the baseline on the same images")
+    summary = mce_summary(error_table(records, conditions), error_table(base_records, base_desc["conditions"]))
     print(f"against {base_desc.get('model')} ({baseline}): mCE {summary['mCE']:.1f}, relative mCE "
           f"{summary['relative_mCE']:.1f} over {summary['corruptions']} corruption(s)")
 

@@ -68,8 +68,15 @@ class ImageListDataset(Dataset):
         from PIL import Image
 
         path, label = self.samples[index]
-        with open(path, "rb") as f:
-            image = Image.open(f).convert("RGB")
+        try:
+            with open(path, "rb") as f:
+                image = Image.open(f).convert("RGB")
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError, SyntaxError) as err:   # PIL: truncated, not an image, a broken header
+            name = self.classes[label] if 0 <= label < len(self.classes) else label
+            raise ValueError(f"image file {path} cannot be read ({err}): it is damaged or not an image; replace or "
+                             f"delete it (image {index} of the dataset, class {name})") from err
         if self.transform is not None:
             image = self.transform(image)
         return image, label

@@ -130,7 +130,12 @@ def _load_torchvision(entry: ZooEntry, device: str) -> NormalizedModel:
 def load_entry(entry: ZooEntry, manifest: Manifest, device: str = "cpu") -> NormalizedModel:
     if entry.source == "torchvision":
         return _load_torchvision(entry, device)
-    model = load_checkpoint(manifest.resolve(entry.weights), expected_sha256=entry.sha256, map_location=device)
+    weights = manifest.resolve(entry.weights)
+    if not weights.is_file():
+        raise CheckpointError(f"zoo entry {entry.name!r} ({entry.dataset}) of the manifest {manifest.path}: its "
+                              f"weights file {weights} does not exist; fetch it (git lfs pull, or copy it there), train it "
+                              f"again with its recipe, or remove the entry from the manifest")
+    model = load_checkpoint(weights, expected_sha256=entry.sha256, map_location=device)
     if entry.arch and model.arch_args != entry.arch:
         raise CheckpointError(f"zoo entry {entry.name!r}: the checkpoint's sidecar describes {model.arch_args}, "
                               f"the manifest {entry.arch}; one of them was edited by hand")

@@ -219,7 +219,7 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
     if checks and rank == 0:
         from robust_attn.protocols.masking import attack_run_checks
 
-        attack_run_checks(store.root, model, dataset, configs, device)
+        attack_run_checks(store.root, model, dataset, configs, device, batch_size=batch_size)
     return store
 
 

@@ -22,7 +22,10 @@ model:
 
 For a single ``eval attack`` run (:func:`attack_run_checks`) the checks the run allows: the
 unbounded attack, the input gradients (no baseline), the loss sweep, success against eps when
-several eps of one attack ran, and Square against every white-box condition at the same eps.
+several eps of one attack ran, and black-box against white-box: AutoAttack's white-box members
+against its own Square member (and a Square condition at the same eps), or else Square against
+a white-box condition at the same eps. ``docs/masking-checks.md`` lists which checks each
+command runs.
 """
 from __future__ import annotations
 
@@ -81,9 +84,10 @@ def _success_by_eps(run_dir: Path, records: pd.DataFrame, attack: str, eps_255, 
 
 
 def write_checks(out: Path, model, images, labels, indices, eps: float, run_info: dict, *, white=None,
-                 black=None, rates=None, baseline=None, seed: int = 0) -> list[dict]:
+                 black=None, rates=None, baseline=None, seed: int = 0, batch_size: int = 64) -> list[dict]:
     """Run the checks the inputs allow and save them in run directory ``out`` (records of the
-    unbounded attack, the loss sweep and its plot, ``checks.json``). Returns the checks."""
+    unbounded attack, the loss sweep and its plot, ``checks.json``). Returns the checks. The
+    model sees at most ``batch_size`` images at a time."""
     store = open_run(out, run_info, protocol=PROTOCOL, parameters={"eps": eps, "unbounded_steps": 20,
                                                                    "sweep_images": 4, "seed": seed},
                      conditions=[{"name": "unbounded", "attack": "pgd", "eps": 1.0, "steps": 20}],
@@ -93,12 +97,15 @@ def write_checks(out: Path, model, images, labels, indices, eps: float, run_info
     results = []
     if white is not None and black:
         results.append(masking.check_blackbox_beats_whitebox(white, black))
-    unbounded = masking.unbounded_success(model, images, labels, steps=20, seed=seed, indices=indices)
+    unbounded = masking.unbounded_success(model, images, labels, steps=20, seed=seed, indices=indices,
+                                          batch_size=batch_size)
     results.append(masking.check_unbounded(unbounded))
     if rates is not None and len(rates) > 1:
         results.append(masking.check_gain_with_strength(rates, what="eps"))
-    results.append(masking.check_input_gradients(masking.input_gradient_stats(model, images, labels), baseline))
-    sweep = masking.loss_along_directions(model, images[:4], labels[:4], eps, seed=seed, indices=indices[:4])
+    results.append(masking.check_input_gradients(masking.input_gradient_stats(model, images, labels, batch_size),
+                                                 baseline))
+    sweep = masking.loss_along_directions(model, images[:4], labels[:4], eps, seed=seed, indices=indices[:4],
+                                          batch_size=batch_size)
     sweep.to_csv(out / SWEEP_FILE, index=False)
     masking.plot_loss_along_directions(sweep, out / PLOT_FILE, title=str(run_info.get("model", "")))
     results.append(masking.check_loss_saturation(sweep))
@@ -109,9 +116,11 @@ def write_checks(out: Path, model, images, labels, indices, eps: float, run_info
     return checks
 
 
-def attack_run_checks(run_dir, model, dataset, configs, device, images: int = 64) -> list[dict]:
+def attack_run_checks(run_dir, model, dataset, configs, device, images: int = 64,
+                      batch_size: int = 64) -> list[dict]:
     """The checks an ``eval attack`` run allows (module docstring), saved in ``<run_dir>/masking``
-    and summarized in ``<run_dir>/checks.json``."""
+    and summarized in ``<run_dir>/checks.json``; the model sees at most ``batch_size`` images at a
+    time (the run's own batch size)."""
     run_dir = Path(run_dir)
     records = load_records(run_dir)
     x, y, idx = _first_images(dataset, images, device)
@@ -125,6 +134,15 @@ def attack_run_checks(run_dir, model, dataset, configs, device, images: int = 64
         s = next(s for s in square if abs(s.eps - w.eps) < 1e-9)
         white = records[records["condition"] == w.name]
         black = {"square": records[records["condition"] == s.name]}
+    ensembles = [c for c in linf if c.attack == "autoattack"]
+    if ensembles:   # AutoAttack's own Square member: an image only it fooled is the same evidence
+        aa = max(ensembles, key=lambda c: c.eps)
+        top = records[records["condition"] == aa.name]
+        white = white_box_records(top)
+        black = {"autoattack's square": top.assign(success=top["success"].astype(bool).astype(int))}
+        alone = [c for c in square if abs(c.eps - aa.eps) < 1e-9]
+        if alone:
+            black["square"] = records[records["condition"] == alone[0].name]
     rates = None
     by_attack: dict[str, list] = {}
     for c in linf:
@@ -135,7 +153,8 @@ def attack_run_checks(run_dir, model, dataset, configs, device, images: int = 64
         rates = {c.name: float(records.loc[records["condition"] == c.name, "success"].mean()) for c in cs}
     description = load_description(run_dir)
     info = {k: description[k] for k in ("model", "dataset", "checkpoint") if k in description}
-    checks = write_checks(run_dir / "masking", model, x, y, idx, eps, info, white=white, black=black, rates=rates)
+    checks = write_checks(run_dir / "masking", model, x, y, idx, eps, info, white=white, black=black, rates=rates,
+                          batch_size=batch_size)
     atomic_write_json(run_dir / CHECKS_FILE, checks)
     return checks
 
@@ -161,7 +180,8 @@ def study_masking(ctx, entries, models):
     config = ctx.config
     images, labels, indices = _first_images(ctx.attack_dataset, config.masking_images, ctx.device)
     base = models.get(config.baseline)
-    baseline = masking.input_gradient_stats(base, images, labels) if base is not None else None
+    batch = config.attack_batch_size
+    baseline = masking.input_gradient_stats(base, images, labels, batch) if base is not None else None
     eps = max(config.autoattack_eps) / 255
     outs = []
     for entry in entries:
@@ -196,6 +216,6 @@ def study_masking(ctx, entries, models):
         out = ctx.run_dir("masking", entry.name)
         if ctx.rank == 0:
             write_checks(out, model, images, labels, indices, eps, ctx.run_info(entry, model), white=white,
-                         black=black or None, rates=rates, baseline=baseline, seed=config.seed)
+                         black=black or None, rates=rates, baseline=baseline, seed=config.seed, batch_size=batch)
         outs.append(out)
     return outs

@@ -121,7 +121,7 @@ def dataset_labels(dataset) -> torch.Tensor:
     targets = getattr(dataset, "targets", None)
     if targets is not None and len(targets) == len(dataset):
         return torch.as_tensor(list(targets), dtype=torch.long)
-    labels = [torch.as_tensor(y) for _, y in DataLoader(dataset, batch_size=256)]
+    labels = [torch.as_tensor(y) for _, y in DataLoader(dataset, batch_size=32)]   # images of any size: a small batch
     return torch.cat(labels).long()
 
 
@@ -230,13 +230,13 @@ def make_evaluator(model: nn.Module, settings: Sequence[AttackSetting], targets:
     return evaluate
 
 
-def _batch_checks(model, dataset, targets, settings, device, backend) -> list[dict]:
+def _batch_checks(model, dataset, targets, settings, device, backend, batch_size: int = 8) -> list[dict]:
     """The attack's per-batch sanity checks (:func:`robust_attn.attacks.run_checks`: eval mode,
     determinism, perturbation within eps and images in [0, 1], non-zero input gradient, eps = 0
-    reproduces clean) for every setting, on the first (up to) 8 images."""
+    reproduces clean) for every setting, on the first (up to) 8 images, at most ``batch_size``."""
     from robust_attn.attacks import PGDConfig, run_checks, targeted_pgd
 
-    n = min(8, len(dataset))
+    n = min(8, len(dataset), batch_size)
     images, _ = next(iter(DataLoader(dataset, batch_size=n)))
     images, tgt = images.to(device), targets[:n].to(device)
     out = []
@@ -300,9 +300,11 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
     checks_path = Path(out_dir) / CHECKS_FILE
     if checks and rank == 0 and not checks_path.is_file():
         if progress:  # tens of seconds with no output otherwise looks hung
-            print(f"pgd: sanity checks on the first {min(8, len(dataset))} images (eps 0, gradients, bounds)...",
+            print(f"pgd: sanity checks on the first {min(8, len(dataset), batch_size)} images (eps 0, gradients, "
+                  f"bounds)...",
                   file=sys.stderr, flush=True)
-        atomic_write_json(checks_path, _batch_checks(model, dataset, targets, settings, device, backend))
+        atomic_write_json(checks_path, _batch_checks(model, dataset, targets, settings, device, backend,
+                                                       batch_size))
     run_chunks(store, dataset, [c["name"] for c in conditions],
                make_evaluator(model, settings, targets, device, backend, attack, exact=exact),
                chunk_size=batch_size, rank=rank, world_size=world_size, num_workers=num_workers,

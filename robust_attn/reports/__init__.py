@@ -103,6 +103,12 @@ def _write_report(runs, left_out, out: Path, n_boot, seed, level, plots, baselin
         md += ["**Warning: some runs used random weights (no checkpoint); their numbers say nothing "
                "about the architectures.**", ""]
     md += list(preamble or [])
+    from robust_attn.reports.masking_marks import LEGEND, annotate_masking
+
+    flagged = annotate_masking(runs)   # before any label is made: every label of a flagged model is marked
+    if flagged:
+        checks = sorted({c for names in flagged.values() for c in names})
+        md += [LEGEND.format(checks=", ".join(checks)), ""]
     models = model_table(runs)
     files.append(write_csv(models, out / "models.csv"))
     md += ["## Models", "", MODELS_CAPTION, "", to_markdown(format_model_table(models)), ""]

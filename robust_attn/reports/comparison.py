@@ -183,6 +183,11 @@ def _sentence(group: pd.DataFrame) -> str:
     first = group.iloc[0]
     text = (f"**{first['title']}**: {first['model']} loses least ({first['value']:.2f} {first['unit']}, "
             f"{first['level']:.0%} interval [{first['low']:.2f}, {first['high']:.2f}]).")
+    from robust_attn.reports.masking_marks import MARK
+
+    if str(first["model"]).endswith(MARK):
+        text += (" Its lead is not evidence of robustness: a gradient-masking check flagged it, so its attacked "
+                 "numbers may only say that the attack failed.")
     if len(group) > 1:
         second = group.iloc[1]
         if _resolved(second["minus_best_low"], second["minus_best_high"]):

@@ -16,7 +16,7 @@ from robust_attn.runs.store import RunStore, load_description, load_records
 
 __all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "check_one_result_per_condition",
            "check_one_variant_per_dataset", "model_key", "run_labels", "distinct_labels", "model_names",
-           "weights_label"]
+           "weights_label", "MASKING_MARK", "marked"]
 
 
 #: The conditions every run of a protocol has as its own baseline (the unattacked, unshifted or
@@ -195,19 +195,32 @@ def distinct_labels(items: list[tuple[str, dict[str, str], str]]) -> list[str]:
     return labels
 
 
+#: what every label of a model flagged by a gradient-masking check ends with
+#: (:func:`robust_attn.reports.masking_marks.annotate_masking` notes the flags on the runs)
+MASKING_MARK = " [masking flag]"
+
+
+def marked(label: str, run) -> str:
+    """``label`` with :data:`MASKING_MARK` where the run's model was flagged (``run.masking_flags``)."""
+    return label + MASKING_MARK if getattr(run, "masking_flags", ()) and not label.endswith(MASKING_MARK) else label
+
+
 def run_labels(groups: list[list[Run]]) -> list[str]:
-    """One distinct label per group of runs (a group: runs of the same weights on the same images)."""
-    return distinct_labels([(_base_label(g[0].model, g[0].dataset, g[0].trained), _identity(g),
-                             "+".join(r.path.name for r in g)) for g in groups])
+    """One distinct label per group of runs (a group: runs of the same weights on the same images),
+    marked where a gradient-masking check flagged the model (:func:`marked`)."""
+    labels = distinct_labels([(_base_label(g[0].model, g[0].dataset, g[0].trained), _identity(g),
+                               "+".join(r.path.name for r in g)) for g in groups])
+    return [marked(label, g[0]) for label, g in zip(labels, groups)]
 
 
 def model_names(runs: list[Run]) -> dict[int, str]:
     """The name the findings and the attack tables give each run's model, by ``id(run)``: the
     model's name, or, where runs of that name on one dataset hold different weights, the name
     with the weights (``resnet26 (ckpt 1a2b3c4d)``), so that two checkpoints are never merged
-    into one row or one column of paired losses."""
+    into one row or one column of paired losses. A model a gradient-masking check flagged
+    carries :data:`MASKING_MARK`."""
     held: dict[tuple[str, str], set[str]] = {}
     for run in runs:
         held.setdefault((run.model, run.dataset), set()).add(weights_label(run))
-    return {id(run): run.model if len(held[(run.model, run.dataset)]) == 1 else f"{run.model} ({weights_label(run)})"
-            for run in runs}
+    return {id(run): marked(run.model if len(held[(run.model, run.dataset)]) == 1
+                            else f"{run.model} ({weights_label(run)})", run) for run in runs}

@@ -91,14 +91,14 @@ MANIFEST = "manifest"
 # ``attention_path``: the implementation the SAN and SASA layers computed with
 # (:mod:`robust_attn.layers.paths`), the same function on either path, as on any device.
 VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_workers", "created",
-                           "host", "data_root", "data_source", "attention_path"})
+                           "host", "data_root", "data_source", "attention_path", "input_contract_from"})
 # Entries of run.json's "parameters" that record where an input came from rather than what it is:
 # the PGD targets may be drawn from a seed or read from another run's targets.csv; the targets
 # themselves are compared by content (the run's targets.csv) when a run is resumed.
 PROVENANCE_PARAMETERS = frozenset({"targets"})
 #: The version of run.json's layout this code writes (key ``schema``; a run.json without it is
 #: version 1). :data:`MIGRATIONS` says what each version added.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 SCHEMA_KEY = "schema"
 
 
@@ -125,6 +125,9 @@ MIGRATIONS: dict[int, Migration] = {
                       "before it every dataset had one variant"),
     4: Migration(parameters={"exact": False},
                  what="PGD's exact mode; before it the native backend always ran its fast mode"),
+    5: Migration(frozenset({"input_contract"}),
+                 what="the model's input contract (robust_attn.sources.contract); before it every model took "
+                      "normalized input"),
 }
 
 

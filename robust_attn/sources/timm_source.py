@@ -6,7 +6,8 @@ instead (read with ``weights_only=True``); with model-arg ``pretrained=False`` a
 checkpoint, random weights (after ``torch.manual_seed(seed)``). Other model-args go to
 ``timm.create_model`` (e.g. ``num_classes=10`` for a checkpoint fine-tuned on 10 classes).
 Pretrained weights keep their own head (timm would otherwise put a fresh random classifier on
-them); a head that is not the dataset's is refused by the class check.
+them); a head that is not the dataset's is refused before any download, and weights that are
+neither cached nor reachable fail within seconds (:mod:`robust_attn.sources.timm_weights`).
 
 Preprocessing: timm's pretrained config as ``timm.data.resolve_data_config({}, model=model)``
 gives it: ``input_size`` (C, H, W), ``interpolation``, ``mean``, ``std`` and ``crop_pct``; the
@@ -16,6 +17,7 @@ resize-then-centre-crop).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -70,9 +72,15 @@ def load_timm(request: SourceRequest) -> LoadedModel:
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise SourceError(f"{request.spec!r}: timm has no model {name!r}.{hint} timm.list_models('*pattern*') "
                           f"lists them")
+    where = contextlib.nullcontext()
+    if pretrained:   # the class count and the weights' whereabouts before any download
+        from robust_attn.sources.timm_weights import prepare_pretrained
+
+        where = prepare_pretrained(timm, name, kwargs, request.dataset_info.num_classes, request.spec)
     torch.manual_seed(request.seed)
     try:
-        net = timm.create_model(name, pretrained=pretrained, **kwargs)
+        with where:
+            net = timm.create_model(name, pretrained=pretrained, **kwargs)
     except (TypeError, ValueError) as err:
         raise SourceError(f"{request.spec!r}: timm cannot build it with {kwargs or 'no arguments'} ({err})") from None
     except Exception as err:  # the download: hub/network/file errors of every kind

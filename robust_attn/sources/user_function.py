@@ -10,11 +10,14 @@ Preprocessing: ``None`` (the dataset's images as they are), unless the returned 
 fields (mean, std, input_size, resize_size, crop_size, interpolation), applied to the images of
 datasets read from files (imagenet, imagefolder) like a timm model's.
 
-Normalization: the returned module is assumed to take input normalized with its
-``preprocessing`` mean/std, else the dataset's, and is wrapped in a :class:`NormalizedModel`
-with them; a function that returns a :class:`NormalizedModel` (its own mean/std inside) is
-taken as it is. Either way the model sees [0, 1] images from the attacks. ``checkpoint``: a
-local state dict loaded (strictly) into the module the function returned.
+Normalization: the returned module is wrapped in a :class:`NormalizedModel` with its
+``preprocessing`` mean/std, else the dataset's; a function that returns a
+:class:`NormalizedModel` (its own mean/std inside) is taken as it is. A module that takes [0, 1]
+images and normalizes inside says so with ``input_range = "unit"`` (on the module or the
+function; recorded in the description) or the CLI's ``--model-input unit``; undeclared, the
+command probes both conventions (:mod:`robust_attn.sources.contract`). Either way the model
+sees [0, 1] images from the attacks. ``checkpoint``: a local state dict loaded (strictly) into
+the module the function returned.
 
 Weights: ``weights_origin`` is ``checkpoint`` with one, else ``user``: the function may have
 drawn them at random or loaded its own; robust-attn does not claim either.
@@ -130,13 +133,17 @@ def load_user_function(request: SourceRequest) -> LoadedModel:
                           f"return the model (e.g. `return MyNet(num_classes)`)")
     info = request.dataset_info
     preprocessing = _preprocessing_attribute(net, f"{left}:{function}")
+    from robust_attn.sources.contract import declared_contract
+
+    declared = declared_contract(net, fn)
     wrapped = isinstance(net, NormalizedModel)
     mean, std = (preprocessing.mean, preprocessing.std) if preprocessing is not None else (info.mean, info.std)
     desc = {"source": CALLABLE, "model": model_name, "function": function, **origin, "checkpoint": None,
             "arch": {"name": model_name, "class": type(net).__qualname__, **request.model_args},
             "normalization": "the function's own NormalizedModel" if wrapped else
                              "the model's preprocessing mean/std (the wrapper)" if preprocessing is not None else
-                             f"dataset {info.name} mean/std (the wrapper)"}
+                             f"dataset {info.name} mean/std (the wrapper)",
+            "input_range": declared}
     if request.checkpoint:
         sha = load_weights_file(net, request.checkpoint, request.spec)
         desc.update(checkpoint={"path": request.checkpoint, "sha256": sha}, weights_sha256=sha,

@@ -140,6 +140,9 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     chosen = study_models(config, manifest)
     root = root if root is not None else config.root
     info = dataset_info(config.dataset, root=root)
+    if info.num_classes < 2:
+        raise ValueError(f"dataset {info.name} has {info.num_classes} class(es): accuracy and attacks need at least 2; "
+                         f"give a folder with one subfolder per class, two or more")
     locate_dataset(config.dataset, root, config.split)   # the data is there before any model is loaded
     steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
     rank, world_size, device = init_distributed(device)   # under torchrun: each rank a shard of the images
@@ -173,8 +176,16 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
                        device=device, rank=rank, world_size=world_size, progress=progress, base_info=base_info,
                        log=log)
     run_dirs: list[Path] = []
-    entries = [StudyEntry(m.name, record_preprocessing(loaded[m.name].description, inputs[m.name][2]))
-               for m in chosen]
+    from robust_attn.sources.contract import apply_input_contract
+
+    quiet = rank != 0 or _worker
+
+    def contract(name):   # declared, the source's convention, or probed (an error when it looks wrong)
+        description = record_preprocessing(loaded[name].description, inputs[name][2])
+        return apply_input_contract(loaded[name].model, description, None, inputs[name][0], device, config.batch_size,
+                                    log=lambda line: None if quiet else log(f"{name}: {line}"))
+
+    entries = [StudyEntry(m.name, contract(m.name)) for m in chosen]
     models = {e.name: loaded[e.name].model for e in entries}
     for i, entry in enumerate(entries, start=1):
         model_ctx = replace(ctx, dataset=inputs[entry.name][0], attack_dataset=inputs[entry.name][1])

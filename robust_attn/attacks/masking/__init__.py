@@ -11,7 +11,8 @@ masked or obfuscated gradients follow Athalye et al. 2018 (section 3.1) and Carl
 * ``blackbox_beats_whitebox``: images a black-box (Square) or transfer attack fools that the
   white-box attack at the same eps did not (:func:`check_blackbox_beats_whitebox`).
 * ``unbounded_attack``: a gradient attack at L-inf eps = 1, where the whole image may change, must
-  fool every image (:func:`unbounded_success`, :func:`check_unbounded`).
+  move every image off the model's prediction, starting from the clean image so that the random
+  start alone cannot pass the check (:func:`unbounded_success`, :func:`check_unbounded`).
 * ``gain_with_strength``: success must not fall, and must grow, with steps, restarts or eps
   (:func:`check_gain_with_strength`).
 * ``input_gradients``: the fraction of input-gradient entries that are exactly zero or
@@ -59,27 +60,29 @@ def run_masking_checks(model: nn.Module, images: torch.Tensor, labels: torch.Ten
                        rates: Mapping | None = None, order: Sequence | None = None,
                        baseline: nn.Module | Mapping | None = None, unbounded_steps: int = 20,
                        sweep_images: int = 4, seed: int = 0, plot_path: str | Path | None = None,
-                       indices: Sequence[int] | None = None) -> list[MaskingCheck]:
+                       indices: Sequence[int] | None = None, batch_size: int | None = None) -> list[MaskingCheck]:
     """Every check the inputs allow, in the issue's order.
 
     Always: ``unbounded_attack`` (PGD, eps = 1, ``unbounded_steps`` steps, on ``images``),
     ``input_gradients`` (against ``baseline``: a baseline model run on the same images, or its
     :func:`input_gradient_stats`) and ``loss_saturation`` (sweep to ``eps`` on the first
     ``sweep_images`` images; plotted to ``plot_path`` when given). With ``white`` and ``black``:
-    ``blackbox_beats_whitebox``; with ``rates``: ``gain_with_strength``."""
+    ``blackbox_beats_whitebox``; with ``rates``: ``gain_with_strength``. Every probe runs the model
+    on at most ``batch_size`` images at a time (None: all of ``images`` at once)."""
     results = []
     if white is not None and black:
         results.append(check_blackbox_beats_whitebox(white, black))
     results.append(check_unbounded(unbounded_success(model, images, labels, steps=unbounded_steps, seed=seed,
-                                                     indices=indices)))
+                                                     indices=indices, batch_size=batch_size)))
     if rates is not None:
         results.append(check_gain_with_strength(rates, order))
     if isinstance(baseline, nn.Module):
-        baseline = input_gradient_stats(baseline, images, labels)
-    results.append(check_input_gradients(input_gradient_stats(model, images, labels), baseline))
+        baseline = input_gradient_stats(baseline, images, labels, batch_size)
+    results.append(check_input_gradients(input_gradient_stats(model, images, labels, batch_size), baseline))
     k = min(sweep_images, len(images))
     sweep = loss_along_directions(model, images[:k], labels[:k], eps, seed=seed,
-                                  indices=None if indices is None else list(indices)[:k])
+                                  indices=None if indices is None else list(indices)[:k],
+                                  **({} if batch_size is None else {"batch_size": batch_size}))
     if plot_path is not None:
         plot_loss_along_directions(sweep, plot_path)
     results.append(check_loss_saturation(sweep))

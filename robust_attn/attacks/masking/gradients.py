@@ -20,11 +20,18 @@ def _per_image_loss(model: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> 
     return F.cross_entropy(model(x).double(), labels, reduction="none")
 
 
-def _input_gradient(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """d CE(x_i, y_i) / d x_i for every image (the gradient of the summed loss: images are independent)."""
+def _input_gradient(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                    batch_size: int | None = None) -> torch.Tensor:
+    """d CE(x_i, y_i) / d x_i for every image (the gradient of the summed loss: images are
+    independent), computed on at most ``batch_size`` images at a time (None: all at once)."""
     from robust_attn.attacks.inputs import frozen_parameters, validate_attack_inputs
 
     labels = labels.to(images.device, torch.long)
+    if batch_size is not None and len(images) > batch_size:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        return torch.cat([_input_gradient(model, images[a:a + batch_size], labels[a:a + batch_size])
+                          for a in range(0, len(images), batch_size)])
     validate_attack_inputs(model, images, labels)
     x = images.detach().clone().requires_grad_(True)
     with torch.enable_grad(), frozen_parameters(model):
@@ -35,12 +42,14 @@ def _input_gradient(model: nn.Module, images: torch.Tensor, labels: torch.Tensor
     return torch.zeros_like(images) if grad is None else grad.detach()
 
 
-def input_gradient_stats(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> dict:
+def input_gradient_stats(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                         batch_size: int | None = None) -> dict:
     """Input gradients of the label's cross-entropy: ``zero_fraction`` and ``nonfinite_fraction``
     (over all gradient entries), ``zero_images`` (images whose whole gradient is 0, with
     ``zero_indices``), and the quantiles :data:`QUANTILES` of the per-image L1 and L2 norms over
-    the images with a finite gradient (``l1_quantiles``/``l2_quantiles``: q -> value)."""
-    grad = _input_gradient(model, images, labels).flatten(1).double()
+    the images with a finite gradient (``l1_quantiles``/``l2_quantiles``: q -> value). The model
+    sees at most ``batch_size`` images at a time (None: all at once)."""
+    grad = _input_gradient(model, images, labels, batch_size).flatten(1).double()
     finite = torch.isfinite(grad)
     zero_image = (grad == 0).all(1)
     ok = finite.all(1)

@@ -18,12 +18,13 @@ from robust_attn.attacks.masking.gradients import _input_gradient, _per_image_lo
 
 def loss_along_directions(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, eps: float,
                           points: int = 21, random_directions: int = 4, seed: int = 0,
-                          indices: Sequence[int] | None = None, batch_size: int = 256) -> pd.DataFrame:
+                          indices: Sequence[int] | None = None, batch_size: int = 64) -> pd.DataFrame:
     """The label's cross-entropy at ``clip_[0,1](x + t * d)`` for ``t`` in ``linspace(-eps, eps,
     points)`` (``points`` odd, so t = 0 is a point) along ``d = sign(grad_x CE)`` ("grad_sign") and
     ``random_directions`` random sign vectors ("random_0", ...; Rademacher, drawn from a generator
     seeded with ``seed``, so every direction has the same L-inf size 1 and ``t`` is an L-inf
-    distance before clipping). Returns a long frame: image, direction, t, loss (float64)."""
+    distance before clipping). The model sees at most ``batch_size`` images at a time. Returns a
+    long frame: image, direction, t, loss (float64)."""
     if isinstance(points, bool) or not isinstance(points, numbers.Integral) or points < 3 or points % 2 == 0:
         raise ValueError(f"points must be an odd int >= 3 (so t = 0 is swept), got {points!r}")
     if not isinstance(eps, numbers.Real) or not 0 < eps <= 1:
@@ -32,7 +33,7 @@ def loss_along_directions(model: nn.Module, images: torch.Tensor, labels: torch.
             or random_directions < 0:
         raise ValueError(f"random_directions must be an int >= 0, got {random_directions!r}")
     labels = labels.to(images.device, torch.long)
-    grad = _input_gradient(model, images, labels)
+    grad = _input_gradient(model, images, labels, batch_size)
     gen = torch.Generator(device=images.device).manual_seed(int(seed))
     directions = {"grad_sign": grad.sign().nan_to_num(0.0)}
     for k in range(random_directions):

@@ -1,0 +1,148 @@
+"""Gradient-masking checks where they run: ``eval attack --attack autoattack`` compares its
+white-box members with its own Square member, and the unbounded attack tells the gradient steps'
+work from the random start's, so a model whose input gradient is zero is flagged on any subset."""
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+import torch.nn as nn
+
+from robust_attn.attacks.base import AttackConfig, make_attack
+from robust_attn.attacks.masking import check_unbounded, unbounded_success
+from robust_attn.data.base import TensorImageDataset
+from robust_attn.protocols.attack import run_attack
+
+
+class RoundedBrightness(nn.Module):
+    """Four classes by the mean brightness of the image rounded to 8 grey levels (torch.round has
+    a zero gradient, so every gradient attack is blind), nearest of 0.3, 0.45, 0.55 and 0.7."""
+
+    def forward(self, x):
+        r = torch.round(x * 7) / 7
+        return -50 * (r.mean((1, 2, 3))[:, None] - torch.tensor([0.3, 0.45, 0.55, 0.7])).abs()
+
+
+class RoundedContrast(nn.Module):
+    """Two classes on the image rounded to 8 grey levels: 1 ("noisy") when the mean distance of
+    its pixels from mid-grey exceeds 0.2, else 0. Uniform noise over the cube is class 1."""
+
+    def forward(self, x):
+        r = torch.round(x * 7) / 7
+        z = 50 * ((r - 0.5).abs().mean((1, 2, 3)) - 0.2)
+        return torch.stack([-z, z], 1)
+
+
+def _grey_images(n=8, size=16, seed=0):
+    """Near mid-grey images: 0.5 plus up to 0.04, every pixel within one rounding step of 0.5."""
+    gen = torch.Generator().manual_seed(seed)
+    return 0.5 + 0.04 * torch.rand(n, 3, size, size, generator=gen)
+
+
+def test_autoattack_run_compares_its_white_box_members_with_its_own_square(tmp_path):
+    model = RoundedBrightness().eval()
+    images = _grey_images()
+    labels = model(images).argmax(1)
+    assert labels.tolist() == [2] * 8
+    data = TensorImageDataset((images * 255).round().to(torch.uint8), labels)
+    store = run_attack(model, data, tmp_path / "aa", configs=[AttackConfig("autoattack", eps=8 / 255, steps=5)],
+                       num_classes=4, batch_size=4, progress=False, checks=True)
+    from robust_attn.runs.store import load_records
+
+    records = load_records(store.root)
+    fooled_by = records.loc[records["condition"] != "clean", "by"]
+    square_only = int((fooled_by == "square").sum())
+    assert square_only > 0   # this model's zero gradient leaves every image to Square
+    checks = {c["name"]: c for c in json.loads((store.root / "checks.json").read_text())}
+    check = checks["blackbox_beats_whitebox"]
+    assert check["verdict"] == "flag"
+    assert check["evidence"]["autoattack's square"]["beats"] == square_only
+
+
+def test_zero_gradient_model_is_flagged_on_a_subset_without_the_noise_class():
+    """Every image here is class 0 and uniform noise is class 1: PGD's random start alone fools all
+    of them, so a check on the random-start attack's success would pass this fully masked model."""
+    model = RoundedContrast().eval()
+    images = _grey_images()
+    labels = model(images).argmax(1)
+    assert labels.tolist() == [0] * 8
+    noise = torch.rand(64, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    assert model(noise).argmax(1).tolist() == [1] * 64   # the class uniform noise is assigned to
+    # the attack with its random start "succeeds" on every image though its steps did nothing
+    random_start = make_attack(AttackConfig("pgd", eps=1.0, steps=20)).run(model, images, labels).adv
+    assert (model(random_start).argmax(1) != labels).all()
+    records = unbounded_success(model, images, labels, steps=20, batch_size=3)
+    assert records["start_success"].tolist() == [1] * 8 and records["success"].tolist() == [0] * 8
+    check = check_unbounded(records)
+    assert check.verdict == "flag"
+    assert check.evidence["by_steps"] == 0 and check.evidence["fooled_by_random_start"] == 8
+    assert "the random start alone 8 of 8" in check.detail
+
+
+def test_unbounded_attack_in_batches_equals_one_batch():
+    from helpers import tiny_resnet
+
+    model = tiny_resnet(1, stem_downsample=4)
+    images = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    labels = model(images).argmax(1)
+    whole = unbounded_success(model, images, labels, steps=5)
+    parts = unbounded_success(model, images, labels, steps=5, batch_size=2)
+    assert whole[["index", "success", "clean_success"]].equals(parts[["index", "success", "clean_success"]])
+    assert check_unbounded(whole).verdict == "pass" and check_unbounded(whole).evidence["by_steps"] == 6
+
+
+def test_masking_flags_travel_with_the_numbers(tmp_path):
+    """A masked model (input rounded: PGD is blind, so it looks robust) beside a plain one: every
+    label of the masked model in the report carries the mark, and the sentence ranking it first
+    says its lead is not evidence of robustness."""
+    from helpers import tiny_resnet
+    from test_masking import Quantized   # a ResNet behind an input rounded to 4 grey levels
+
+    from robust_attn.data import build_dataset
+    from robust_attn.reports import make_report
+    from robust_attn.reports.masking_marks import MARK
+
+    data = build_dataset("synthetic", split="test", limit=8)
+    plain, masked = tiny_resnet(1, stem_downsample=4), Quantized(tiny_resnet(1, stem_downsample=4)).eval()
+    dirs = []
+    for name, model in (("plain", plain), ("masked", masked)):
+        info = {"model": name, "dataset": {"name": "synthetic", "split": "test", "limit": 8},
+                "checkpoint": {"path": f"{name}.safetensors", "sha256": name[0] * 64}}
+        dirs.append(run_attack(model, data, tmp_path / f"run_{name[0]}",
+                               configs=[AttackConfig("pgd", eps=8 / 255, steps=5)], num_classes=10, batch_size=4,
+                               run_info=info, progress=False, checks=True).root)
+    verdicts = {d.name[-1]: {c["name"]: c["verdict"] for c in json.loads((d / "checks.json").read_text())}
+                for d in dirs}
+    assert verdicts["m"]["unbounded_attack"] == "flag" and verdicts["m"]["input_gradients"] == "flag"
+    assert "flag" not in verdicts["p"].values()
+    make_report(dirs, tmp_path / "report", n_boot=20, plots=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "**[masking flag]** marks a model" in md
+    assert MARK in md and f"plain{MARK}" not in md
+    for line in md.splitlines():   # every mention of the masked model's numbers carries the mark
+        if re.search(r"\bmasked\b", line) and not line.startswith("| masked |"):   # but the checks' own table
+            assert MARK in line, line
+        if "loses least (" in line and line.split("**: ")[1].startswith("masked"):
+            assert "not evidence of robustness" in line, line
+    robust = __import__("pandas").read_csv(tmp_path / "report" / "robust_accuracy.csv")
+    assert {m for m in robust["model"] if MARK in m} == {f"masked{MARK}"}
+
+
+def test_a_flagged_model_ranked_first_is_not_called_most_robust_without_the_mark():
+    import pandas as pd
+
+    from robust_attn.reports.comparison import _sentence
+    from robust_attn.reports.masking_marks import MARK
+
+    group = pd.DataFrame([{"title": "PGD", "model": f"masked{MARK}", "value": 1.0, "unit": "points", "level": 0.95,
+                           "low": 0.5, "high": 1.5, "n": 100, "minus_best": 0.0, "minus_best_low": 0.0,
+                           "minus_best_high": 0.0},
+                          {"title": "PGD", "model": "plain", "value": 9.0, "unit": "points", "level": 0.95,
+                           "low": 8.0, "high": 10.0, "n": 100, "minus_best": 8.0, "minus_best_low": 7.0,
+                           "minus_best_high": 9.0}])
+    text = _sentence(group)
+    assert text.startswith(f"**PGD**: masked{MARK} loses least") and "not evidence of robustness" in text
+    assert "the lead is resolved" in text
+    assert "not evidence" not in _sentence(group.iloc[::-1].reset_index(drop=True).assign(
+        model=["plain", "other"]))
