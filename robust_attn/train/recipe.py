@@ -52,6 +52,8 @@ class DataConfig:
     eval_split: str = "test"          # evaluated after every epoch: "test" or "val"
     limit_train: int | None = None    # train on a fixed random subset (smoke runs)
     limit_eval: int | None = None
+    translate: int | None = None      # random translation in pixels (zero padding); None: the dataset's
+    flip: str = "random"              # "random", "alternating" (airbench) or "none"; with augment only
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class OptimConfig:
     milestones: tuple[float, ...] = ()  # "step": epochs at which the rate is multiplied by gamma
     gamma: float = 0.1
     clip_grad_norm: float = 0.0       # 0: no clipping
+    bias_lr_scale: float = 1.0        # learning-rate multiplier of the biases (airbench: 64)
+    ema_decay: float = 0.0            # per-step decay of the weight average evaluated and saved; 0: none
+    ema_every: int = 1                # update the average every this many steps
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,9 @@ class Recipe:
         out = dataclasses.asdict(self)
         out.pop("source")
         out["optim"]["milestones"] = list(out["optim"]["milestones"])
+        for section, key in _LATER_KEYS:  # at their defaults they change nothing: keep older hashes
+            if out[section][key] == _LATER_KEYS[(section, key)]:
+                del out[section][key]
         return out
 
     def sha256(self) -> str:
@@ -109,7 +117,11 @@ class Recipe:
 
 
 _SECTIONS = {"data": DataConfig, "optim": OptimConfig, "runtime": RuntimeConfig}
-_CHOICES = {("optim", "schedule"): ("cosine", "step"), ("runtime", "amp"): ("none", "bf16", "fp16"),
+# Keys added after recipes were first hashed, with the default at which they are left out of
+# to_dict(), so that a run started before they existed still resumes (its hash is unchanged).
+_LATER_KEYS = {("data", "translate"): None, ("data", "flip"): "random", ("optim", "bias_lr_scale"): 1.0,
+               ("optim", "ema_decay"): 0.0, ("optim", "ema_every"): 1}
+_CHOICES = {("optim", "schedule"): ("cosine", "step", "linear"), ("data", "flip"): ("random", "alternating", "none"), ("runtime", "amp"): ("none", "bf16", "fp16"),
             ("runtime", "device"): ("auto", "cpu", "cuda"), ("data", "eval_split"): ("test", "val")}
 
 
@@ -263,6 +275,16 @@ def _validate(recipe: Recipe, check_data: bool) -> None:
         raise RecipeError("optim.nesterov needs optim.momentum > 0")
     if o.warmup_epochs < 0 or o.min_lr < 0 or o.clip_grad_norm < 0:
         raise RecipeError("optim.warmup_epochs, optim.min_lr and optim.clip_grad_norm must not be negative")
+    if o.bias_lr_scale <= 0:
+        raise RecipeError(f"optim.bias_lr_scale must be positive (1: the biases train at the common rate), "
+                          f"got {o.bias_lr_scale}")
+    if not 0 <= o.ema_decay < 1 or o.ema_every < 1:
+        raise RecipeError(f"optim.ema_decay must be in [0, 1) (0: no weight average; e.g. 0.999) and "
+                          f"optim.ema_every at least 1; got {o.ema_decay} and {o.ema_every}")
+    if d.translate is not None and d.translate < 0:
+        raise RecipeError(f"data.translate must be 0 or more pixels, or unset for the dataset's; got {d.translate}")
+    if (d.translate is not None or d.flip != "random") and not d.augment:
+        raise RecipeError("data.translate and data.flip set the training augmentation; they need data.augment = true")
     if o.schedule == "step" and not o.milestones:
         raise RecipeError('optim.schedule = "step" needs optim.milestones (epochs), e.g. [30, 60, 90]')
     if d.eval_split == "val" and not d.holdout:

@@ -44,8 +44,10 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from robust_attn.checkpoint import save_checkpoint
 from robust_attn.data import SeededAugment, build_dataset, dataset_info
+from robust_attn.data.transforms import RandomCropFlip
 from robust_attn.distributed import barrier, init_distributed, is_distributed, shard_indices
 from robust_attn.registry import create_model
+from robust_attn.train.ema import WeightAverage
 from robust_attn.train.optim import build_optimizer, build_scheduler
 from robust_attn.train.recipe import Recipe, RecipeError
 from robust_attn.utils.io import atomic_path, atomic_write_json, atomic_write_text, sha256_file
@@ -144,6 +146,22 @@ def _write_csv(path: Path, history: list[dict]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
+def _set_translate_flip(dataset, translate: int | None, flip: str) -> None:
+    """Replace the crop-and-flip augmentation of ``dataset`` (or of the dataset it wraps) by one with
+    ``translate`` pixels of padding (None: keep the dataset's) and a random flip only when
+    ``flip == "random"`` (the alternating flip is :class:`SeededAugment`'s)."""
+    if translate is None and flip == "random":
+        return
+    inner = dataset
+    while inner is not None and not isinstance(getattr(inner, "transform", None), RandomCropFlip):
+        inner = getattr(inner, "dataset", None)
+    if inner is None:
+        raise RecipeError("data.translate and data.flip apply to the CIFAR-resolution datasets' crop-and-flip "
+                          "augmentation; this dataset has another one: remove them from the recipe")
+    padding = inner.transform.padding if translate is None else translate
+    inner.transform = RandomCropFlip(padding, flip=flip == "random")
+
+
 def _tensorboard(out: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -190,8 +208,11 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
         net = net.to(memory_format=torch.channels_last)
 
     # data
-    train_set = SeededAugment(build_dataset(recipe.dataset, dcfg.root, "train", augment=dcfg.augment,
-                                            holdout=dcfg.holdout, limit=dcfg.limit_train), seed=recipe.seed)
+    base_train = build_dataset(recipe.dataset, dcfg.root, "train", augment=dcfg.augment, holdout=dcfg.holdout,
+                               limit=dcfg.limit_train)
+    if dcfg.augment:
+        _set_translate_flip(base_train, dcfg.translate, dcfg.flip)
+    train_set = SeededAugment(base_train, seed=recipe.seed, alternate_flip=dcfg.augment and dcfg.flip == "alternating")
     eval_set = build_dataset(recipe.dataset, dcfg.root, dcfg.eval_split, limit=dcfg.limit_eval,
                              holdout=dcfg.holdout)
     per_rank = dcfg.batch_size // world
@@ -210,7 +231,9 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     # optimization
     peak_lr = recipe.lr_at(dcfg.batch_size)
     optimizer = build_optimizer(net, peak_lr, ocfg.momentum, ocfg.nesterov, ocfg.weight_decay,
-                                ocfg.no_decay_norm_bias)
+                                ocfg.no_decay_norm_bias, ocfg.bias_lr_scale)
+    average = WeightAverage(net, ocfg.ema_decay, ocfg.ema_every) if ocfg.ema_decay > 0 else None
+    shown = net if average is None else average.module  # what is evaluated and saved
     scheduler = build_scheduler(optimizer, steps_per_epoch, recipe.epochs, ocfg.warmup_epochs, ocfg.schedule,
                                 ocfg.min_lr, ocfg.milestones, ocfg.gamma)
     scaler = torch.amp.GradScaler(device.type, enabled=rt.amp == "fp16")
@@ -235,7 +258,12 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
                               f"or use a new --out")
         if sha256_file(folder / "model.safetensors") != state["weights_sha256"]:
             raise ResumeError(f"--resume: {folder} is inconsistent (weights do not match state.pt)")
-        net.load_state_dict(load_file(str(folder / "model.safetensors"), device=str(device)), strict=True)
+        saved = load_file(str(folder / "model.safetensors"), device=str(device))
+        if average is None:
+            net.load_state_dict(saved, strict=True)
+        else:  # model.safetensors holds the average; state.pt the live weights
+            net.load_state_dict(state["live_weights"], strict=True)
+            average.load_state_dict({"weights": saved, "updates": state["ema_updates"]})
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
@@ -293,6 +321,8 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
+            if average is not None:
+                average.maybe_update(net, epoch * steps_per_epoch + step)
             loss_sum += loss.detach().double()
             if bar is not None:
                 bar.update(1)
@@ -309,13 +339,13 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
         if not torch.isfinite(torch.tensor(train_loss)):
             raise FloatingPointError(f"epoch {epoch + 1}: training loss is {train_loss}; lower optim.lr or set "
                                      f"optim.clip_grad_norm")
-        top1, top5, _ = evaluate(net, eval_loader, device, autocast, rt.channels_last)
+        top1, top5, _ = evaluate(shown, eval_loader, device, autocast, rt.channels_last)
         row = {"epoch": epoch + 1, "train_loss": train_loss, "lr": optimizer.param_groups[0]["lr"],
                "images_per_s": steps_per_epoch * step_images / seconds, "eval_top1": top1, "eval_top5": top5,
                "epoch_seconds": seconds}
         history.append(row)
         if main:
-            _save_epoch(out, net, optimizer, scheduler, scaler, device, history, recipe, world, meta_base)
+            _save_epoch(out, net, optimizer, scheduler, scaler, device, history, recipe, world, meta_base, average)
             _write_csv(out / "metrics.csv", history)
             if writer is not None:
                 for key in CSV_COLUMNS[1:]:
@@ -332,7 +362,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     sha = None
     if main:
         meta = dict(meta_base, epoch=len(history), metrics=history[-1] if history else {}, history=history)
-        sha = save_checkpoint(weights, net, meta)
+        sha = save_checkpoint(weights, shown, meta)
         say(f"wrote {weights} (sha256 {sha})")
         if writer is not None:
             writer.close()
@@ -341,8 +371,10 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
 
 
 def _save_epoch(out: Path, net: NormalizedModel, optimizer, scheduler, scaler, device: torch.device,
-                history: list[dict], recipe: Recipe, world: int, meta_base: dict) -> None:
-    """Write checkpoints/epoch_NNNN completely, then point LAST at it, then drop older folders."""
+                history: list[dict], recipe: Recipe, world: int, meta_base: dict,
+                average: WeightAverage | None = None) -> None:
+    """Write checkpoints/epoch_NNNN completely, then point LAST at it, then drop older folders.
+    With a weight average, model.safetensors holds the average and state.pt the live weights."""
     epoch = len(history)
     root = out / "checkpoints"
     name = f"epoch_{epoch:04d}"
@@ -351,12 +383,15 @@ def _save_epoch(out: Path, net: NormalizedModel, optimizer, scheduler, scaler, d
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     meta = dict(meta_base, epoch=epoch, metrics=history[-1])
-    weights_sha = save_checkpoint(folder / "model.safetensors", net, meta)
+    weights_sha = save_checkpoint(folder / "model.safetensors", net if average is None else average.module, meta)
     state = {"epoch": epoch, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "scaler": scaler.state_dict(), "rng_cpu": torch.get_rng_state(),
              "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
              "history": history, "recipe_sha256": recipe.sha256(), "weights_sha256": weights_sha,
              "world_size": world}
+    if average is not None:
+        state["live_weights"] = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+        state["ema_updates"] = average.updates
     with atomic_path(folder / "state.pt") as tmp:
         torch.save(state, tmp)
     atomic_write_text(root / "LAST", name + "\n")
