@@ -86,7 +86,8 @@ def main(argv=None) -> None:
         print(f"{v[0]:16s} {v[1]:5g} {v[2]:4d} {v[3]:>5s} {v[4]:>3s} {median:10.3f} {row['images_per_cpu_s']:9.1f} "
               f"{row['ratio_to_first']:6.2f} {row['epoch_cpu_minutes_50k']:13.1f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"batch": args.batch, "threads": args.threads, "repeats": args.repeats,
+        Path(args.out).write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "batch": args.batch,
+                                              "threads": args.threads, "repeats": args.repeats,
                                               "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
 
 
