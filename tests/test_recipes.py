@@ -33,7 +33,7 @@ def test_inheriting_recipes_repeat_nothing_of_their_base(name):
     base = load(raw.pop("inherit")).to_dict()
     for key, value in raw.items():
         if isinstance(value, dict) and key != "model_args":
-            same = [f"{key}.{k}" for k, v in value.items() if base[key].get(k) == v]
+            same = [f"{key}.{k}" for k, v in value.items() if base.get(key, {}).get(k) == v]
         else:
             same = [key] if base.get(key) == value else []
         assert not same, f"{name} repeats {same} of its base; delete them"
