@@ -214,3 +214,33 @@ def test_adversarial_recipe_loads():
     recipe = load_recipe(path, check_data=False)
     a = recipe.adversarial
     assert a.method in ("fgsm", "pgd", "trades") and a.eps == pytest.approx(8 / 255)
+
+
+def test_trades_under_torchrun_and_fgsm_under_bf16(tmp_path):
+    """DDP (two processes, gloo): TRADES's two forward passes per step and the guard's all-reduce;
+    bf16 autocast: FGSM training runs and stays finite."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_train import _write_recipe
+
+    repo = Path(__file__).resolve().parents[1]
+    raw = tiny_recipe(epochs=1, data={"limit_train": 24, "limit_eval": 10},
+                      adversarial={"method": "trades", "eps": "8/255", "steps": 2, "guard_images": 8,
+                                   "guard_steps": 2})
+    path = _write_recipe(tmp_path / "r.toml", raw)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "robust_attn.cli", "train", str(path), "--out", str(tmp_path / "ddp"),
+                           "--no-progress"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    meta = read_sidecar(tmp_path / "ddp" / "model.safetensors")
+    assert meta["world_size"] == 2 and meta["adversarial"]["method"] == "trades"
+    assert math.isfinite(meta["metrics"]["train_loss"]) and math.isfinite(meta["metrics"]["guard_pgd_top1"])
+
+    bf16 = recipe_from_dict(tiny_recipe(epochs=1, data={"limit_train": 16}, runtime={"amp": "bf16"},
+                                        adversarial={"method": "fgsm", "guard_images": 4, "guard_steps": 1}))
+    (row,) = train(bf16, tmp_path / "bf16", progress=False, log=quiet)["history"]
+    assert math.isfinite(row["train_loss"]) and 0 <= row["guard_pgd_top1"] <= 100
