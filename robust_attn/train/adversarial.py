@@ -96,6 +96,8 @@ def _attack(cls, net: nn.Module, images: torch.Tensor, labels: torch.Tensor, eps
     attack = cls(config)
     if reference is not None:
         attack.reference = reference
+    # Attack.run insists on an eval-mode model (right for evaluation); the training attacks of
+    # fgsm and pgd run in train mode, so the attack's own loop is called, then its output check.
     with torch.enable_grad(), frozen_parameters(net):
         adv = attack._run(net, images.detach(), labels, None).adv
     attack._check_output(images, adv)  # within the ball and [0, 1], or an error
