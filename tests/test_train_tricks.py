@@ -12,7 +12,7 @@ from robust_attn.checkpoint import read_sidecar
 from robust_attn.data import SeededAugment
 from robust_attn.data.base import TensorImageDataset
 from robust_attn.data.transforms import RandomCropFlip
-from robust_attn.train import recipe_from_dict, train
+from robust_attn.train import RecipeError, recipe_from_dict, train
 from robust_attn.train.ema import WeightAverage
 from robust_attn.train.optim import build_optimizer, build_scheduler, lr_factor
 from robust_attn.train.trainer import _set_translate_flip
@@ -147,6 +147,9 @@ def test_translate_and_flip_replace_the_datasets_augmentation(tmp_path):
     assert data.transform.padding == 2 and data.transform.flip is False
     _set_translate_flip(data, None, "random")  # the defaults: untouched
     assert data.transform.padding == 2
+    plain = TensorImageDataset(images, torch.zeros(2, dtype=torch.long), None)
+    with pytest.raises(RecipeError, match="crop-and-flip augmentation"):
+        _set_translate_flip(plain, 2, "random")
     # end to end: a recipe with them trains and records them
     raw = tiny_recipe(epochs=1, data={"limit_train": 8, "translate": 2, "flip": "alternating"})
     result = train(recipe_from_dict(raw), tmp_path, progress=False, log=quiet)
