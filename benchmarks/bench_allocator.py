@@ -43,7 +43,7 @@ def child(model_name: str, batch: int, repeats: int, keep: bool) -> dict:
     took = keep_freed_memory() if keep else False
     import torch
 
-    from robust_attn.zoo import load_model
+    from robust_attn.models.manifest import load_model
 
     torch.set_num_threads(1)
     model = load_model(model_name, dataset="fashion_mnist").eval()

@@ -43,7 +43,7 @@ from _measure import machine_description, write_json  # noqa: E402
 import robust_attn  # noqa: E402
 from robust_attn.attacks import PGDConfig, draw_targets, targeted_pgd  # noqa: E402
 from robust_attn.attacks.base import AttackConfig, make_attack  # noqa: E402
-from robust_attn.wrapper import NormalizedModel  # noqa: E402
+from robust_attn.models.wrapper import NormalizedModel  # noqa: E402
 
 FAMILIES = ("resnet26", "san10_pairwise", "san10_patchwise", "sasa_resnet26", "gsa_resnet26", "aa_resnet26",
             "ea_resnet26")
@@ -141,7 +141,7 @@ def main() -> None:
     rows = []
     if args.zoo:
         from robust_attn.data import build_dataset
-        from robust_attn.zoo import load_model
+        from robust_attn.models.manifest import load_model
 
         test = build_dataset(args.zoo, split="test")
         images = torch.stack([test[i][0] for i in range(args.batch)])

@@ -38,7 +38,7 @@ from robust_attn.data import build_dataset  # noqa: E402
 
 def attack_images(dataset: str, attack_limit: int, images: int):
     """The first ``images`` images of the study's attack subset (the seeded ``attack_limit`` of
-    the test split, :func:`robust_attn.study_models.model_inputs`)."""
+    the test split, :func:`robust_attn.study.models.model_inputs`)."""
     subset = build_dataset(dataset, split="test", limit=attack_limit)
     xs, ys = zip(*(subset[i] for i in range(min(images, len(subset)))))
     return torch.stack(xs), torch.as_tensor(ys).long()

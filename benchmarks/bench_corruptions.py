@@ -40,7 +40,7 @@ from robust_attn.data import build_dataset, dataset_info  # noqa: E402
 from robust_attn.shifts.cache import to_uint8  # noqa: E402
 from robust_attn.shifts.corruptions import SEVERITIES, corrupt_batch, corruption_names  # noqa: E402
 from robust_attn.shifts.corruptions.weather import frost_dir  # noqa: E402
-from robust_attn.wrapper import NormalizedModel  # noqa: E402
+from robust_attn.models.wrapper import NormalizedModel  # noqa: E402
 
 
 def timed(fn) -> tuple[float, float]:

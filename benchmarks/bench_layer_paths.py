@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _measure import machine_description, time_interleaved_ms, write_json  # noqa: E402
 
 from robust_attn.layers.paths import set_attention_path as set_path  # noqa: E402
-from robust_attn.zoo import load_model  # noqa: E402
+from robust_attn.models.manifest import load_model  # noqa: E402
 
 MODELS = ("san10_pairwise", "san10_patchwise", "sasa_resnet26")
 

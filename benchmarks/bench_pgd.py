@@ -33,8 +33,9 @@ from _measure import machine_description, time_ms, write_json  # noqa: E402
 import robust_attn  # noqa: E402
 from robust_attn.attacks import PGDConfig, draw_targets, targeted_pgd  # noqa: E402
 from robust_attn.attacks.fast_model import attack_model, fold_batchnorm  # noqa: E402
-from robust_attn.attacks.pgd import native_pgd, validate_attack_inputs  # noqa: E402
-from robust_attn.wrapper import NormalizedModel  # noqa: E402
+from robust_attn.attacks.inputs import validate_attack_inputs  # noqa: E402
+from robust_attn.attacks.targeted_pgd import native_pgd  # noqa: E402
+from robust_attn.models.wrapper import NormalizedModel  # noqa: E402
 
 
 def cpu_ms(fn, repeats: int) -> float:

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from robust_attn.registry import create_model  # noqa: E402
+from robust_attn.models.registry import create_model  # noqa: E402
 from robust_attn.train.adversarial import adversarial_loss  # noqa: E402
 from robust_attn.train.recipe import AdversarialConfig  # noqa: E402
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _measure import (json_from_fresh_process, machine_description, peak_memory_mb,  # noqa: E402
                       time_interleaved_ms, write_json)  # noqa: E402
 
-from robust_attn.registry import create_model, list_models, model_info  # noqa: E402
+from robust_attn.models.registry import create_model, list_models, model_info  # noqa: E402
 
 
 def default_models() -> list[str]:

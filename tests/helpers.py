@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import robust_attn
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 REPO = Path(__file__).resolve().parents[1]
 MEAN, STD = [0.49, 0.48, 0.45], [0.25, 0.24, 0.26]

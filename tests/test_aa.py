@@ -7,11 +7,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from robust_attn import create_model
-from robust_attn.complexity import count_params, model_complexity
+from robust_attn.models.complexity import count_params, model_complexity
 from robust_attn.layers.aa import AugmentedConv2d, aa_dims, relative_logits
 from robust_attn.models.aa import PAPER_MACS
 from robust_attn.models.resnet import build_resnet
-from robust_attn.reference import imagenet_reference, reference_table
+from robust_attn.models.reference import imagenet_reference, reference_table
 
 
 # -- independent slow references, written from AA equations 1-4 -------------------------------------

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from robust_attn.checkpoint import read_sidecar
+from robust_attn.models.checkpoint import read_sidecar
 from robust_attn.train import RecipeError, build_model, recipe_from_dict, train
 from robust_attn.train import adversarial as adv
 from robust_attn.train.recipe import AdversarialConfig

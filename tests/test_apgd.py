@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from robust_attn.attacks.apgd import apgd_single_run, checkpoints, dlr_loss, dlr_loss_targeted, random_start
 from robust_attn.attacks.base import AttackConfig, AttackInputError, list_attacks, make_attack
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 from helpers import tiny_resnet
 

@@ -19,9 +19,9 @@ import robust_attn.protocols.attack as attack_protocol
 from robust_attn.protocols.attack import (CLEAN, computation_order, logit_margin, resume_order, run_attack,
                                           summarize_attack)
 from robust_attn.protocols.transfer import EnsembleModel, run_transfer, summarize_transfer
-from robust_attn.registry import create_model
-from robust_attn.results import RunStore, load_records
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.registry import create_model
+from robust_attn.runs.store import RunStore, load_records
+from robust_attn.models.wrapper import NormalizedModel
 from helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,11 +69,15 @@ class _PixelModel(nn.Module):
 
 
 @pytest.fixture
-def registered(monkeypatch):
+def registered():
+    added = []
+
     def add(cls):
-        monkeypatch.setitem(ATTACKS, cls.name, cls)
+        added.append(ATTACKS.register(cls.name, cls))
         return cls
-    return add
+    yield add
+    for cls in added:
+        ATTACKS.remove(cls.name)
 
 
 class BudgetBreaker(Attack):
@@ -391,7 +395,7 @@ def test_transfer_from_the_model_itself_equals_the_white_box_attack(tmp_path, re
 def test_transfer_resumes_with_its_targets_in_another_order(tmp_path, registered):
     """A study resumed with --models in another order asks for the same targets in another order:
     the run resumes as it is (nothing recomputed, same records); other targets are still refused."""
-    from robust_attn.results import RunMismatchError, RunStore
+    from robust_attn.runs.store import RunMismatchError, RunStore
 
     registered(SignNoise)
     dataset = build_dataset("synthetic", split="test", limit=8)
@@ -447,7 +451,7 @@ def test_l2_eps_in_255_units_warns():
 
 
 def test_transfer_cli_names_the_class_mismatch(tmp_path, capsys):
-    from robust_attn.checkpoint import save_checkpoint
+    from robust_attn.models.checkpoint import save_checkpoint
 
     for name, classes in (("ten", 10), ("seven", 7)):
         net = create_model("resnet26", num_classes=classes, resolution="cifar", width=0.25, stem_downsample=4)

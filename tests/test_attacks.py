@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from robust_attn.attacks import BACKENDS, PGDConfig, draw_targets, run_checks, targeted_pgd
 from robust_attn.attacks import checks
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 PAPER_SETTINGS = [PGDConfig(8, 4, 2), PGDConfig(8, 2, 4)]  # SAN Table 10: {eps, rho, n}
 from helpers import MEAN, STD, tiny_resnet

@@ -9,7 +9,7 @@ import torch
 
 from robust_attn.attacks import apgd, apgd_run, autoattack, fab, square
 from robust_attn.attacks.base import AttackConfig, make_attack
-from robust_attn.study import StudyConfig
+from robust_attn.study.config import StudyConfig
 from helpers import LeadingLinear
 
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from robust_attn import create_model
-from robust_attn.checkpoint import (CheckpointError, check_safetensors_file, load_checkpoint, save_checkpoint,
+from robust_attn.models.checkpoint import (CheckpointError, check_safetensors_file, load_checkpoint, save_checkpoint,
                                     sidecar_path)
 from robust_attn.utils.io import atomic_write_text, sha256_file
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 
 def tiny(num_classes=10):

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from robust_attn.reports.runs import load_runs
-from robust_attn.zoo import Manifest
+from robust_attn.models.manifest import Manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS = {"study-fashion_mnist": "fashion_mnist", "study-cifar10": "cifar10", "study-cifar10-full": "cifar10"}

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from robust_attn import create_model
-from robust_attn.complexity import count_params
+from robust_attn.models.complexity import count_params
 from robust_attn.layers.external_attention import ExternalAttention, double_normalize
 from robust_attn.models.resnet import RESNET_LAYERS, build_resnet
 

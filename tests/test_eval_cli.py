@@ -12,11 +12,11 @@ import pandas as pd
 import pytest
 import torch
 
-from robust_attn.checkpoint import save_checkpoint
+from robust_attn.models.checkpoint import save_checkpoint
 from robust_attn.cli import main
-from robust_attn.registry import create_model
-from robust_attn.results import load_records
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.registry import create_model
+from robust_attn.runs.store import load_records
+from robust_attn.models.wrapper import NormalizedModel
 from helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,8 +6,8 @@ import torch.nn as nn
 
 from robust_attn.attacks.base import AttackConfig, AttackInputError, make_attack
 from robust_attn.attacks.fab import multi_targeted
-from robust_attn.registry import create_model
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.registry import create_model
+from robust_attn.models.wrapper import NormalizedModel
 
 K, SHAPE = 10, (3, 8, 8)
 

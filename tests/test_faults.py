@@ -11,19 +11,20 @@ import pytest
 import torch
 import torch.nn as nn
 
-from robust_attn.checkpoint import (CheckpointError, check_num_classes, check_safetensors_file, load_checkpoint,
+from robust_attn.models.checkpoint import (CheckpointError, check_num_classes, check_safetensors_file, load_checkpoint,
                                     save_checkpoint, sidecar_path)
 from robust_attn.cli import main
 from robust_attn.data import build_dataset
 from robust_attn.data.base import TensorImageDataset
 from robust_attn.protocols.pgd import AttackSetting, run_pgd
-from robust_attn.protocols.rotation import rotation_conditions, run_rotation
-from robust_attn.registry import create_model
+from robust_attn.protocols.rotation import run_rotation
+from robust_attn.shifts.rotation import rotation_conditions
+from robust_attn.models.registry import create_model
 from robust_attn.reports import make_report
 from robust_attn.reports.runs import distinct_labels, load_runs
 from robust_attn.reports.tables import TOP5_NA, format_pgd, format_rotation, pgd_table, rotation_table
 from robust_attn.utils.io import sha256_file
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 EVAL = ["eval", "rotation", "--dataset", "synthetic", "--limit", "2", "--batch-size", "2", "--angle-step", "0",
         "--no-progress"]
@@ -174,10 +175,13 @@ def test_eval_refuses_a_model_that_does_not_fit_the_dataset_whatever_its_source(
     import robust_attn.sources as sources
 
     sources.list_sources()   # the real sources first, so the stand-in is one more
-    monkeypatch.setitem(sources._SOURCES, "other", lambda request: sources.LoadedModel(
+    sources.SOURCES.register("other", sources.Source(lambda request: sources.LoadedModel(
         _head(5).eval(), None, {"model": "other", "arch": {}, "checkpoint": None, "weights_origin": "user",
-                                  "weights_sha256": "0" * 64}))
-    assert main([*EVAL, "--model", "other:m", "--out", str(tmp_path / "run")]) == 2
+                                  "weights_sha256": "0" * 64})))
+    try:
+        assert main([*EVAL, "--model", "other:m", "--out", str(tmp_path / "run")]) == 2
+    finally:
+        sources.SOURCES.remove("other")
     err = capsys.readouterr().err
     assert "model other:m outputs 5 classes but the dataset has 10" in err and "trained on" in err
     assert not (tmp_path / "run").exists()

@@ -10,10 +10,11 @@ import torch.nn as nn
 from robust_attn.data.base import TensorImageDataset
 from robust_attn.protocols.attack import attack_records
 from robust_attn.protocols.pgd import AttackSetting, run_pgd
-from robust_attn.protocols.rotation import rotation_conditions, run_rotation
+from robust_attn.protocols.rotation import run_rotation
+from robust_attn.shifts.rotation import rotation_conditions
 from robust_attn.protocols.runner import NonFiniteLogitsError, finite_logits
 from robust_attn.protocols.shift_runner import prediction_records
-from robust_attn.results import RunStore
+from robust_attn.runs.store import RunStore
 
 BAD = 5   # the one image (dataset index) on which the model below returns NaN logits
 

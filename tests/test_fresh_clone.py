@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from robust_attn.cli import main
-from robust_attn.zoo import Manifest
+from robust_attn.models.manifest import Manifest
 
 
 @pytest.fixture

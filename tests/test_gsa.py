@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from robust_attn import create_model
-from robust_attn.complexity import count_params, model_complexity
+from robust_attn.models.complexity import count_params, model_complexity
 from robust_attn.layers.gsa import GlobalSelfAttention2d, content_attention
 from robust_attn.models.resnet import RESNET_LAYERS
 
@@ -180,13 +180,13 @@ def test_gsa_resnet26_parameter_count_matches_derivation():
 
 
 def test_registered_in_the_gsa_family():
-    from robust_attn.registry import list_models
+    from robust_attn.models.registry import list_models
     assert list_models(family="gsa") == GSA_MODELS
 
 
 def test_checkpoint_round_trip_keeps_outputs(tmp_path):
-    from robust_attn.checkpoint import load_checkpoint, save_checkpoint
-    from robust_attn.wrapper import NormalizedModel
+    from robust_attn.models.checkpoint import load_checkpoint, save_checkpoint
+    from robust_attn.models.wrapper import NormalizedModel
     model = create_model("gsa_resnet26", num_classes=10, resolution="cifar", width=0.25)
     wrapped = NormalizedModel(model, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)).eval()
     save_checkpoint(tmp_path / "gsa.safetensors", wrapped)

@@ -217,7 +217,7 @@ def test_imagefolder_cli(tmp_path, capsys):
             _image(tmp_path / "imgs" / name / f"{j}.jpg", 100 * value)
     rc, out = _eval(tmp_path, "imagefolder", tmp_path / "imgs")  # random weights: the model gets 2 classes
     assert rc == 0
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     records = load_records(out)
     clean = records[records["condition"] == "none"]

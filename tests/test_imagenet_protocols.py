@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from robust_attn.cli import main
-from robust_attn.results import load_records
+from robust_attn.runs.store import load_records
 from helpers import IMAGENET_CLASSES, tiny_imagenet
 
 PROBE = '''

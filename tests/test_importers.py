@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from robust_attn.checkpoint import load_checkpoint
+from robust_attn.models.checkpoint import load_checkpoint
 from robust_attn.cli import main
 from robust_attn.importers import ConversionError, read_state_dict
 from robust_attn.importers.san_official import convert_san_official, import_san_official
 from robust_attn.importers.torchvision_resnet import convert_torchvision_resnet
-from robust_attn.registry import create_model
+from robust_attn.models.registry import create_model
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)

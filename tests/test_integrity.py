@@ -22,8 +22,8 @@ from torch.utils.data import TensorDataset
 
 from robust_attn.cli import main
 from robust_attn.protocols.runner import open_run, run_chunks
-from robust_attn.results import DamagedRecordsError, RunStore, load_records
-from robust_attn.results import main as results_main
+from robust_attn.runs.store import DamagedRecordsError, RunStore, load_records
+from robust_attn.runs.sealing import main as results_main, seal
 from helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def test_seal_adopts_an_intact_old_packed_run_and_refuses_a_damaged_one(finished
     (packed.root / "checksums.json").unlink()  # as packed before checksums existed
     with pytest.raises(DamagedRecordsError, match="seal"):
         load_records(packed.root)
-    assert packed.seal() == [packed.root / "checksums.json"]
+    assert seal(packed) == [packed.root / "checksums.json"]
     pd.testing.assert_frame_equal(load_records(packed.root), load_records(finished.root))
     # an old packed file that lost lines is not adopted
     (packed.root / "checksums.json").unlink()
@@ -206,7 +206,7 @@ def test_seal_adopts_an_intact_old_packed_run_and_refuses_a_damaged_one(finished
     lines = gzip.decompress(gz.read_bytes()).splitlines(keepends=True)
     gz.write_bytes(gzip.compress(b"".join(lines[:-2]), mtime=0))
     with pytest.raises(DamagedRecordsError, match="once"):
-        packed.seal()
+        seal(packed)
     assert not (packed.root / "checksums.json").exists()
 
 
@@ -218,9 +218,9 @@ def test_seal_adopts_old_chunks_without_checksums(finished):
         load_records(finished.root)
     _drop_last_line(finished.chunk_path("a", 0, 4))
     with pytest.raises(DamagedRecordsError, match=r"not the images \[0, 4\)"):
-        finished.seal()
+        seal(finished)
     finished.chunk_path("a", 0, 4).unlink()
-    assert len(finished.seal()) == 8
+    assert len(seal(finished)) == 8
     _run(finished.root)
     pd.testing.assert_frame_equal(load_records(finished.root), good)
 
@@ -233,11 +233,11 @@ def test_seal_verifies_the_checksums_already_there(finished):
     intact = path.read_bytes()
     path.write_bytes(intact.replace(b",", b";", 1))
     with pytest.raises(DamagedRecordsError, match=r"000000000-000000004.csv: sha256 differs.*--repair"):
-        finished.seal()
+        seal(finished)
     assert results_main(["seal", str(finished.root)]) == 2  # the command says so too, not "sealed"
     assert not finished.checksum_path(finished.chunk_path("b", 4, 8)).exists()
     path.write_bytes(intact)  # restored from a copy
-    assert finished.seal() == [finished.checksum_path(finished.chunk_path("b", 4, 8))]
+    assert seal(finished) == [finished.checksum_path(finished.chunk_path("b", 4, 8))]
     assert finished.verify() == []
 
 
@@ -261,7 +261,7 @@ def test_committed_packed_runs_carry_checksums_and_verify():
         pytest.skip("no committed packed runs")
     for gz in runs:
         store = RunStore(gz.parent)
-        assert (gz.parent / "checksums.json").is_file(), f"{gz.parent}: run `python -m robust_attn.results seal`"
+        assert (gz.parent / "checksums.json").is_file(), f"{gz.parent}: run `python -m robust_attn.runs.sealing seal`"
         assert store.verify() == [], gz.parent
 
 
@@ -372,7 +372,7 @@ def test_a_claim_whose_pid_is_reused_or_a_zombie_is_taken_over_and_a_live_one_is
     start time (the pid reused) or a zombie (killed, not yet reaped) holds nothing."""
     import socket
 
-    from robust_attn.claims import _process_start, claim_chunk
+    from robust_attn.runs.claims import _process_start, claim_chunk
 
     chunk = tmp_path / "run" / "records" / "a" / "000000000-000000004.csv"
     folder = tmp_path / "run" / "claims" / "a"
@@ -527,7 +527,7 @@ def test_seal_refuses_an_old_chunk_holding_another_chunks_records(finished, copi
     finished.checksum_path(path).unlink()   # an old chunk, written before checksums existed
     path.write_bytes(finished.chunk_path(*copied_from).read_bytes())
     with pytest.raises(DamagedRecordsError, match=r"not the images \[4, 8\) of b"):
-        finished.seal()
+        seal(finished)
     assert not finished.checksum_path(path).exists()
 
 
@@ -539,7 +539,7 @@ def test_seal_refuses_an_old_chunk_without_a_condition_column(finished):
     frame = pd.read_csv(path)
     path.write_text(frame.drop(columns="condition").to_csv(index=False))
     with pytest.raises(DamagedRecordsError, match=r"not the images \[4, 8\) of b; delete it"):
-        finished.seal()
+        seal(finished)
     assert not finished.checksum_path(path).exists()
 
 
@@ -558,7 +558,7 @@ def test_seal_refuses_an_old_packed_run_holding_a_record_twice(finished, tmp_pat
     would count twice in its condition's accuracy."""
     packed = _old_packed(finished, tmp_path, lambda text: text + text.splitlines(keepends=True)[5])
     with pytest.raises(DamagedRecordsError, match="once"):
-        packed.seal()
+        seal(packed)
     assert not (packed.root / "checksums.json").exists()
 
 
@@ -567,7 +567,7 @@ def test_seal_refuses_an_old_packed_run_whose_last_line_is_cut(finished, tmp_pat
     wrong: sealing must refuse it rather than checksum the damage."""
     packed = _old_packed(finished, tmp_path, lambda text: text[:-2])
     with pytest.raises(DamagedRecordsError, match="last line is cut"):
-        packed.seal()
+        seal(packed)
     assert not (packed.root / "checksums.json").exists()
 
 
@@ -637,7 +637,7 @@ def test_a_packed_manifest_whose_files_are_not_objects_is_damage(finished, tmp_p
 
 
 def test_results_verify_command_exits_2_naming_a_damaged_chunk(finished, capsys):
-    """``python -m robust_attn.results verify RUN`` says intact only for an intact run; a damaged
+    """``python -m robust_attn.runs.sealing verify RUN`` says intact only for an intact run; a damaged
     chunk is exit code 2 naming the file and --repair."""
     assert results_main(["verify", str(finished.root)]) == 0
     assert f"{finished.root}: intact" in capsys.readouterr().out
@@ -651,7 +651,7 @@ def test_results_verify_command_exits_2_naming_a_damaged_chunk(finished, capsys)
 def test_a_chunk_finished_by_another_process_while_claiming_is_not_claimed(tmp_path, monkeypatch):
     """When another process writes the chunk between our look and our claim, the claim is dropped
     (None: nothing to compute) and no claim file stays behind."""
-    from robust_attn import claims
+    from robust_attn.runs import claims
 
     store = _open(tmp_path / "run")
     chunk = store.chunk_path("a", 0, 4)

@@ -16,7 +16,7 @@ from robust_attn.attacks.masking import (MaskingCheck, check_blackbox_beats_whit
                                          check_input_gradients, check_loss_saturation, check_unbounded,
                                          input_gradient_stats, loss_along_directions, plot_loss_along_directions,
                                          run_masking_checks, unbounded_success)
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 from helpers import tiny_resnet
 EPS = 2 / 255

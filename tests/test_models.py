@@ -5,8 +5,8 @@ import torch
 from model_checks import SLOW_AT_CIFAR, check_trains_evaluates_and_round_trips
 
 from robust_attn import create_model, list_models
-from robust_attn.complexity import model_complexity
-from robust_attn.reference import imagenet_reference
+from robust_attn.models.complexity import model_complexity
+from robust_attn.models.reference import imagenet_reference
 
 
 @pytest.mark.parametrize("resolution", ["cifar", "imagenet"])

@@ -103,7 +103,7 @@ def test_protocol_spec_files_agree_with_the_code():
 
     tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     from robust_attn.protocols import occlusion, shuffle
-    from robust_attn.study import StudyConfig
+    from robust_attn.study.config import StudyConfig
 
     root = Path(__file__).resolve().parents[1] / "protocols"
     occ = tomllib.loads((root / "occlusion.toml").read_text())

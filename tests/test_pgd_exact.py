@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from robust_attn.attacks import BACKENDS, PGDConfig, draw_targets, targeted_pgd
-from robust_attn.attacks.pgd import power_of_two_blocks
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.attacks.targeted_pgd import power_of_two_blocks
+from robust_attn.models.wrapper import NormalizedModel
 
 CFG = PGDConfig(8, 2, 4)  # SAN Table 10 {eps, rho, n}
 from helpers import tiny_resnet
@@ -144,7 +144,7 @@ def test_exact_mode_keeps_the_callers_memory_layout():
 
 def test_run_pgd_exact_records_agree_across_backends_with_a_ragged_last_chunk(tmp_path, resnet):
     from robust_attn.protocols.pgd import AttackSetting, run_pgd
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     images, labels, _ = _batch(resnet, 20, seed=5)
     dataset = TensorDataset(images, labels)

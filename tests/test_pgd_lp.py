@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from robust_attn.attacks import PGDConfig, draw_targets, targeted_pgd
 from robust_attn.attacks.base import AttackConfig, AttackInputError, list_attacks, make_attack
 from robust_attn.attacks.pgd_lp import PGD, step_sizes
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 from helpers import tiny_resnet
 EPS = {"linf": 8 / 255, "l2": 0.5}

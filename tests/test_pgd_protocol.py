@@ -14,8 +14,8 @@ from torch.utils.data import TensorDataset
 from robust_attn.data import build_dataset
 from robust_attn.protocols.pgd import (CLEAN, PAPER_SETTINGS, AttackSetting, pgd_settings, run_pgd,
                                        summarize_pgd)
-from robust_attn.results import load_records
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.runs.store import load_records
+from robust_attn.models.wrapper import NormalizedModel
 
 
 def test_settings_default_to_the_papers_two():

@@ -13,9 +13,10 @@ import torch.nn as nn
 
 from robust_attn.data import TensorImageDataset, dataset_info
 from robust_attn.protocols.pgd import AttackSetting, run_pgd
-from robust_attn.protocols.rotation import rotation_conditions, run_rotation
+from robust_attn.protocols.rotation import run_rotation
+from robust_attn.shifts.rotation import rotation_conditions
 from robust_attn.reports import make_report
-from robust_attn.results import load_records
+from robust_attn.runs.store import load_records
 from robust_attn.sources import load_model_spec
 
 QUIET = dict(batch_size=4, progress=False)
@@ -113,7 +114,7 @@ def test_runs_recorded_before_provenance_keys_resume(tmp_path, data):
     (out / "run.json").write_text(json.dumps(desc))
     run_rotation(model, data, out, conditions=rotation_conditions(0), run_info={"model": "old"}, **QUIET)
     assert json.loads((out / "run.json").read_text()) == desc   # nothing rewritten
-    from robust_attn.results import RunMismatchError
+    from robust_attn.runs.store import RunMismatchError
 
     other = Tiny().eval()   # drawn after ``model``: other weights
     run_rotation(model, data, tmp_path / "new", conditions=rotation_conditions(0), **QUIET)

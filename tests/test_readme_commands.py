@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from robust_attn.cli import COMMANDS, build_parser
-from robust_attn.zoo import Manifest
+from robust_attn.models.manifest import Manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

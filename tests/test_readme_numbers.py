@@ -195,7 +195,7 @@ ZOO_ROWS = readme_zoo_rows(README.read_text())
 
 
 def test_the_readme_zoo_tables_list_every_checkpoint():
-    from robust_attn.zoo import Manifest
+    from robust_attn.models.manifest import Manifest
 
     shipped = {e.sha256[:12] for e in Manifest().entries.values() if e.source == "checkpoint"}
     listed = {row["sha256 (first 12)"].strip("`") for _, row in ZOO_ROWS}
@@ -206,7 +206,7 @@ def test_the_readme_zoo_tables_list_every_checkpoint():
 def test_each_readme_zoo_row_is_its_manifest_entry(line, row):
     """Model, test top-1 and top-5 and final train loss as the manifest records the checkpoint's
     training (the manifest's own test re-evaluates the checkpoints)."""
-    from robust_attn.zoo import Manifest
+    from robust_attn.models.manifest import Manifest
 
     sha = row["sha256 (first 12)"].strip("`")
     entries = [e for e in Manifest().entries.values() if e.sha256.startswith(sha)]

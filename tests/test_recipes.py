@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from robust_attn.registry import list_models
+from robust_attn.models.registry import list_models
 from robust_attn.train.recipe import RecipeError, load_recipe, parse_overrides, recipe_from_dict
 
 RECIPES = Path(__file__).resolve().parents[1] / "zoo" / "recipes"

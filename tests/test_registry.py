@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import robust_attn
-from robust_attn.registry import _REGISTRY, register_model
+from robust_attn.models.registry import MODELS, register_model
 
 # Every architecture the zoo promises (issue 2).
 EXPECTED = """resnet26 resnet38 resnet50 san10_pairwise san15_pairwise san19_pairwise san10_patchwise
@@ -54,4 +54,4 @@ def test_register_model_rejects_duplicates_and_registers_by_function_name():
         with pytest.raises(ValueError, match="twice"):
             register_model(_tiny_test_model)
     finally:
-        del _REGISTRY["_tiny_test_model"]
+        MODELS.remove("_tiny_test_model")

@@ -7,8 +7,8 @@
   BOTH measures separate it; Kendall's tau has the right sign.
 * ``headline_ci.csv``: a drop's interval is the bootstrap of the PAIRED per-image differences.
 
-Runs are hand-made: records written with the run store (:meth:`robust_attn.results.RunStore.open`,
-:meth:`~robust_attn.results.RunStore.write_chunk`) and read back as a report reads them, so no
+Runs are hand-made: records written with the run store (:meth:`robust_attn.runs.store.RunStore.open`,
+:meth:`~robust_attn.runs.store.RunStore.write_chunk`) and read back as a report reads them, so no
 model is evaluated and every test takes well under a second.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from robust_attn.reports.comparison import compare_models, per_image_losses
 from robust_attn.reports.stats import bootstrap_mean_ci
 from robust_attn.reports.runs import load_runs
 from robust_attn.reports.tables import headline_ci
-from robust_attn.results import RunStore
+from robust_attn.runs.store import RunStore
 
 DATASET = {"name": "synthetic", "split": "test", "limit": None}
 IMAGES = json.dumps(DATASET, sort_keys=True)       # the image-set key of per_image_losses

@@ -13,16 +13,17 @@ import torch.nn as nn
 from robust_attn.cli import main
 from robust_attn.data import build_dataset
 from robust_attn.protocols.pgd import AttackSetting, run_pgd
-from robust_attn.protocols.rotation import rotation_conditions, run_rotation
-from robust_attn.reference import reference_table
+from robust_attn.protocols.rotation import run_rotation
+from robust_attn.shifts.rotation import rotation_conditions
+from robust_attn.models.reference import reference_table
 from robust_attn.reports import make_report
 from robust_attn.reports.stats import bootstrap_mean_ci
-from robust_attn.results import load_records
+from robust_attn.runs.store import load_records
 from robust_attn.reports.formats import to_latex, to_markdown
 from robust_attn.reports.runs import load_runs
 from robust_attn.reports.tables import format_rotation, rotation_table
 from robust_attn.utils.hardware import hardware_label
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 
 def _tiny():
@@ -256,7 +257,7 @@ def test_partial_report_shows_the_finished_radii_of_unfinished_attack_runs(runs,
     ``--partial``."""
     from robust_attn.attacks.base import AttackConfig
     from robust_attn.protocols.attack import run_attack
-    from robust_attn.results import RunStore
+    from robust_attn.runs.store import RunStore
 
     data = build_dataset("synthetic", split="test", limit=8)
     configs = [AttackConfig("pgd", eps=e / 255, steps=2, step=e / 510) for e in (2, 8)]
@@ -351,7 +352,7 @@ def test_two_runs_holding_one_result_are_refused_and_a_folder_given_twice_is_one
     same weights, on the same images) is an error naming both and the fix, before anything is
     written: the report would count the images twice or keep the first. Each run's own clean
     condition is exempt, and one folder given twice (overlapping globs) is one run."""
-    from robust_attn.results import RunStore
+    from robust_attn.runs.store import RunStore
 
     run, other = _attack_runs(tmp_path, [("run", "resnet26", 0, None), ("sasa", "sasa_resnet26", 1, None)])
     copy = RunStore(run).pack(tmp_path / "packed" / "run").root

@@ -3,9 +3,9 @@ import torch
 import torch.nn as nn
 
 from robust_attn import create_model
-from robust_attn.complexity import count_params, model_complexity
+from robust_attn.models.complexity import count_params, model_complexity
 from robust_attn.models.resnet import BlockSpec, build_resnet
-from robust_attn.reference import imagenet_reference
+from robust_attn.models.reference import imagenet_reference
 
 
 @pytest.mark.parametrize("name,expected", [("resnet26", 13_696_552), ("resnet38", 19_626_792),

@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 from robust_attn.distributed import shard_indices
 from robust_attn.protocols.runner import chunk_grid, open_run, run_chunks
 from robust_attn.reports.models import computed_on
-from robust_attn.results import RunMismatchError, RunStore, load_records
+from robust_attn.runs.store import SCHEMA_VERSION, RunMismatchError, RunStore, load_records
 from robust_attn.utils.hardware import cpu_fingerprint
 
 
@@ -185,7 +185,7 @@ def test_runs_recorded_before_the_data_provenance_keys_resume_and_later_ones_are
     old = RunStore(tmp_path / "old")
     old.open(base)
     now = {**base, "data_source": "/embedded/fashion_mnist_test", "data_variant": "fashion_mnist"}
-    assert old.open(now) == base
+    assert old.open(now) == {**base, "schema": SCHEMA_VERSION}   # what was stored, kept
     new = RunStore(tmp_path / "new")
     new.open({**base, "data_source": "/data/cifar-10-batches-py", "data_variant": "cifar10"})
     with pytest.raises(RunMismatchError, match="data_variant"):
@@ -213,7 +213,8 @@ def test_runs_recorded_before_a_later_parameter_resume_with_its_old_value_only(t
             "parameters": {"backend": "native", "seed": 0}}
     store = RunStore(tmp_path / "old")
     store.open(base)
-    assert store.open({**base, "parameters": {**base["parameters"], "exact": False}}) == base
+    resumed = store.open({**base, "parameters": {**base["parameters"], "exact": False}})
+    assert resumed == {**base, "schema": SCHEMA_VERSION}
     with pytest.raises(RunMismatchError, match="parameters"):
         store.open({**base, "parameters": {**base["parameters"], "exact": True}})
     new = RunStore(tmp_path / "new")
@@ -279,3 +280,25 @@ def test_records_follow_the_order_of_the_descriptions_conditions(tmp_path):
     assert list(records["condition"].unique()) == ["c", "a", "b"]
     assert records[records["condition"] == "a"]["index"].tolist() == list(range(11))
 
+
+
+def test_run_json_carries_its_schema_version_and_an_unversioned_one_reads_as_version_1(tmp_path):
+    """A new run.json says its layout's version; one without ``schema`` (written before it existed)
+    resumes without what MIGRATIONS says later versions added, and compares what it has."""
+    import json
+
+    from robust_attn.runs.store import MIGRATIONS, DamagedRecordsError
+
+    assert SCHEMA_VERSION == max(MIGRATIONS)
+    base = {"model": "m", "protocol": "rotation", "num_images": 4, "chunk_size": 2, "conditions": ["none"]}
+    store = RunStore(tmp_path / "run")
+    assert store.open(base)["schema"] == SCHEMA_VERSION
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["schema"] == SCHEMA_VERSION
+    (tmp_path / "run" / "run.json").write_text(json.dumps(base))   # as written before schema versions
+    later = {key: "x" for number in MIGRATIONS for key in MIGRATIONS[number].keys}
+    assert store.open({**base, **later}) == base
+    with pytest.raises(RunMismatchError, match="protocol"):
+        store.open({**base, "protocol": "pgd"})
+    (tmp_path / "run" / "run.json").write_text(json.dumps({**base, "schema": "four"}))
+    with pytest.raises(DamagedRecordsError, match="not a version number"):
+        store.open(base)

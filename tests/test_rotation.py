@@ -10,12 +10,12 @@ import torch
 import torch.nn as nn
 
 from robust_attn.data import build_dataset
-from robust_attn.protocols.rotation import (PAPER_CONDITIONS, apply_condition, flip_left_right, flip_upside_down,
-                                            rotate_angle, rotate_clockwise, rotation_conditions, run_rotation,
-                                            summarize_rotation)
-from robust_attn.registry import create_model
-from robust_attn.results import load_records
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.protocols.rotation import run_rotation, summarize_rotation
+from robust_attn.shifts.rotation import (PAPER_CONDITIONS, apply_condition, flip_left_right, flip_upside_down,
+                                         rotate_angle, rotate_clockwise, rotation_conditions)
+from robust_attn.models.registry import create_model
+from robust_attn.runs.store import load_records
+from robust_attn.models.wrapper import NormalizedModel
 
 
 def _asym(h=3, w=4):

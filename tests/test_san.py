@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from robust_attn import create_model
 from robust_attn.layers import local_aggregation
-from robust_attn.complexity import count_params
+from robust_attn.models.complexity import count_params
 from robust_attn.layers.local_aggregation import (footprint_aggregate, footprint_aggregate_unfold,
                                                   footprint_offsets, reflect_pad, shifted)
 from robust_attn.layers.san import (PAIRWISE_RELATIONS, PATCHWISE_RELATIONS, SelfAttention2d, auto_chunk_size,

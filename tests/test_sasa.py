@@ -10,7 +10,7 @@ from model_checks import check_trains_evaluates_and_round_trips
 from robust_attn import create_model
 from robust_attn.layers.local_attention import local_attention, local_attention_reference
 from robust_attn.layers.sasa import AttentionStem, SASAttention2d, relative_embedding
-from robust_attn.reference import imagenet_reference
+from robust_attn.models.reference import imagenet_reference
 
 SASA_MODELS = ["sasa_resnet26", "sasa_resnet38", "sasa_resnet50"]
 
@@ -279,14 +279,14 @@ def test_attention_stem_architecture_trains_and_round_trips(resolution):
 
 
 def test_registered_in_the_sasa_family():
-    from robust_attn.registry import list_models
+    from robust_attn.models.registry import list_models
     assert list_models(family="sasa") == SASA_MODELS
     assert math.isclose(imagenet_reference()["sasa_resnet50"]["params_M"], 18.0)
 
 
 def test_checkpoint_round_trip_keeps_overrides_and_outputs(tmp_path):
-    from robust_attn.checkpoint import load_checkpoint, save_checkpoint
-    from robust_attn.wrapper import NormalizedModel
+    from robust_attn.models.checkpoint import load_checkpoint, save_checkpoint
+    from robust_attn.models.wrapper import NormalizedModel
     model = create_model("sasa_resnet26", num_classes=10, resolution="cifar", width=0.25, stem="attention",
                          kernel_size=5)
     wrapped = NormalizedModel(model, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)).eval()

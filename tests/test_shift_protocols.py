@@ -16,7 +16,7 @@ from robust_attn.data.base import TensorImageDataset
 from robust_attn.protocols.corruption import corruption_conditions, run_corruption
 from robust_attn.protocols.occlusion import occlusion_conditions, run_occlusion
 from robust_attn.protocols.shuffle import run_shuffle, shuffle_conditions
-from robust_attn.results import load_records
+from robust_attn.runs.store import load_records
 from robust_attn.shifts.cache import CorruptionCache, OnTheFly, to_float, to_uint8
 from robust_attn.shifts.corruptions import corrupt_batch
 from robust_attn.shifts.metrics import corruption_errors, error_table, mce_summary
@@ -278,14 +278,14 @@ def test_bad_input_is_a_clear_error(argv, message, capsys):
 # --- the study ------------------------------------------------------------------------------------------
 @pytest.fixture
 def tiny_zoo(tmp_path):
-    from robust_attn.checkpoint import save_checkpoint
+    from robust_attn.models.checkpoint import save_checkpoint
 
     manifest_path = tmp_path / "zoo" / "manifest.json"
     for seed, name in enumerate(("resnet26", "sasa_resnet26")):
         model = tiny_resnet(seed=seed + 1) if name == "resnet26" else None
         if model is None:
             import robust_attn
-            from robust_attn.wrapper import NormalizedModel
+            from robust_attn.models.wrapper import NormalizedModel
 
             torch.manual_seed(0)
             model = NormalizedModel(robust_attn.create_model(name, 10, "cifar", width=0.25, stem_downsample=4),
@@ -299,7 +299,8 @@ def tiny_zoo(tmp_path):
 
 def test_study_runs_the_shift_protocols_with_one_corrupted_set(tmp_path, tiny_zoo, monkeypatch):
     from robust_attn.shifts import cache as cache_module
-    from robust_attn.study import StudyConfig, run_study
+    from robust_attn.study.config import StudyConfig
+    from robust_attn.study.run import run_study
 
     made = []
     original = cache_module.CorruptionCache._make
@@ -331,7 +332,8 @@ def test_study_makes_no_corrupted_images_for_finished_runs(tmp_path, tiny_zoo, m
 
     from robust_attn.shifts import cache as cache_module
     from robust_attn.shifts.corruptions import weather
-    from robust_attn.study import StudyConfig, run_study
+    from robust_attn.study.config import StudyConfig
+    from robust_attn.study.run import run_study
 
     config = StudyConfig(dataset="synthetic", limit=8, batch_size=4, bootstrap=20, protocols=("corruption",),
                          corruptions="gaussian_noise,contrast", severities=(1,))

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from robust_attn.checkpoint import CheckpointError, load_checkpoint
+from robust_attn.models.checkpoint import CheckpointError, load_checkpoint
 from robust_attn.cli import main
 from robust_attn.data import dataset_info
 from robust_attn.sources import (LoadedModel, Preprocessing, SourceError, load_model_spec, parse_spec, spec_label,
                                  state_dict_sha256)
 from robust_attn.sources.base import load_weights_file
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 SYNTH = dataset_info("synthetic")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -163,7 +163,7 @@ def test_pretrained_torchvision_weights_of_other_classes_are_refused_before_any_
 
 # --- zoo, registry ---------------------------------------------------------------------------
 def test_zoo_spec_loads_the_manifest_entry_by_its_hash():
-    from robust_attn.zoo import Manifest
+    from robust_attn.models.manifest import Manifest
 
     entry = Manifest().get("resnet26", "fashion_mnist")
     loaded = load_model_spec("zoo:resnet26", dataset_info=dataset_info("fashion_mnist"))
@@ -230,7 +230,7 @@ def test_package_module_function_returning_its_own_normalized_model(tmp_path, mo
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "nets.py").write_text(USER_FILE + """
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 def wrapped(num_classes=10):
     return NormalizedModel(make(num_classes), (0.1, 0.2, 0.3), (0.5, 0.5, 0.5))

@@ -11,8 +11,8 @@ import robust_attn.attacks.square as square_module
 from robust_attn.attacks.base import AttackConfig, AttackInputError, make_attack
 from robust_attn.attacks.square import (P_INIT, Square, _margin, _rectangle, eta_pattern, p_schedule, square_run,
                                         square_side)
-from robust_attn.registry import create_model
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.registry import create_model
+from robust_attn.models.wrapper import NormalizedModel
 from helpers import LeadingLinear
 
 EPS = {"linf": 8 / 255, "l2": 0.5}

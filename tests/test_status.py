@@ -8,9 +8,9 @@ from robust_attn.attacks import AttackConfig, make_attack
 from robust_attn.cli import main
 from robust_attn.data import build_dataset
 from robust_attn.protocols.attack import STATE_DIR, run_attack
-from robust_attn.registry import create_model
-from robust_attn.results import RunStore
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.registry import create_model
+from robust_attn.runs.store import RunStore
+from robust_attn.models.wrapper import NormalizedModel
 
 
 class Killed(Exception):

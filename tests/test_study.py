@@ -1,4 +1,4 @@
-"""The one-command study (robust_attn/study.py) and the findings it writes
+"""The one-command study (robust_attn/study/run.py) and the findings it writes
 (robust_attn/reports/comparison.py)."""
 import json
 
@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import robust_attn
-from robust_attn.checkpoint import save_checkpoint
+from robust_attn.models.checkpoint import save_checkpoint
 from robust_attn.cli import main
 from robust_attn.reports.comparison import compare_models, findings_text, per_image_losses
 from robust_attn.reports.runs import Run
-from robust_attn.study import TIMINGS_FILE, StudyConfig, run_study
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.study.config import StudyConfig
+from robust_attn.study.run import TIMINGS_FILE, run_study
+from robust_attn.models.wrapper import NormalizedModel
 
 
 # --- comparison on hand-made records --------------------------------------------------------
@@ -170,8 +171,8 @@ def test_study_runs_every_zoo_model_then_resumes_for_free(tmp_path, tiny_zoo):
 def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
     """AutoAttack, Square, the transfer matrix and the masking checks on two tiny models: the
     report's sections agree with the records, and `report` derives them again from the packed runs."""
-    from robust_attn.protocols.registry import list_study_protocols
-    from robust_attn.results import load_records
+    from robust_attn.protocols.study_step import list_study_protocols
+    from robust_attn.runs.store import load_records
 
     needed = {"apgd", "autoattack", "square", "transfer", "masking"}
     if not {"apgd-ce", "apgd-t", "fab-t", "square", "pgd"} <= set(robust_attn.attacks.list_attacks()):
@@ -246,7 +247,7 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
 def test_masking_checks_gain_with_eps_on_the_apgd_sweep_when_autoattack_ran_at_one_radius(tmp_path, tiny_zoo):
     """On a CPU the study runs AutoAttack at 8/255 only; the gain-with-strength check then reads
     APGD-CE's success at its radii, from the apgd runs."""
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     config = StudyConfig(dataset="synthetic", limit=6, attack_limit=6, autoattack_eps=(8.0,), apgd_eps=(1.0, 4.0),
                          square_queries=10, attack_steps=2, masking_images=3, batch_size=6, attack_batch_size=6,
@@ -265,7 +266,7 @@ def test_masking_checks_gain_with_eps_on_the_apgd_sweep_when_autoattack_ran_at_o
 def test_two_study_workers_share_the_runs_and_equal_one_process(tmp_path, tiny_zoo):
     """Two processes of one thread claim disjoint chunks of every run; the records are those of one
     process, and the report is written once."""
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     config = StudyConfig(dataset="synthetic", limit=12, angle_step=90, sweep_eps=(2.0,), sweep_steps=1,
                          batch_size=2, bootstrap=20, protocols=("rotation", "pgd"))
@@ -298,7 +299,7 @@ def test_study_under_torchrun_gives_the_single_process_records(tmp_path, tiny_zo
     import sys
     from pathlib import Path
 
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
@@ -322,7 +323,8 @@ def test_study_under_torchrun_gives_the_single_process_records(tmp_path, tiny_zo
 def test_the_report_preamble_describes_only_the_protocols_that_ran(tmp_path):
     """A study of the masking checks alone must not say that AutoAttack, Square or a transfer
     matrix were run, nor one of corruptions that occlusion and shuffle were."""
-    from robust_attn.study import StudyConfig, _preamble
+    from robust_attn.study.config import StudyConfig
+    from robust_attn.study.run import _preamble
 
     config = StudyConfig(dataset="cifar10", protocols=("masking",))
     text = "\n".join(_preamble(config, tmp_path, 2000, 1000, []))
@@ -339,8 +341,8 @@ def test_the_report_preamble_describes_only_the_protocols_that_ran(tmp_path):
 
 def test_every_study_protocol_describes_itself_for_the_report():
     """A protocol joins the study in its own file: its registration carries the preamble's sentence."""
-    from robust_attn.protocols.registry import STUDY_PROTOCOLS, list_study_protocols
-    from robust_attn.study import StudyConfig
+    from robust_attn.protocols.study_step import STUDY_PROTOCOLS, list_study_protocols
+    from robust_attn.study.config import StudyConfig
 
     config = StudyConfig(dataset="cifar10")
     for name in list_study_protocols():

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from robust_attn.cli import main
-from robust_attn.study_config import StudyConfigError, StudyModel, load_study_config
+from robust_attn.study.config import StudyConfigError, StudyModel, load_study_config
 from helpers import IMAGENET_CLASSES, tiny_imagenet
 
 REPO = Path(__file__).resolve().parents[1]

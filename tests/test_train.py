@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from robust_attn.checkpoint import load_checkpoint, read_sidecar
+from robust_attn.models.checkpoint import load_checkpoint, read_sidecar
 from robust_attn.cli import main as cli_main
-from robust_attn.registry import list_models, model_info
+from robust_attn.models.registry import list_models, model_info
 from robust_attn.train import build_model, recipe_from_dict, train
 from robust_attn.train.optim import build_optimizer, build_scheduler, lr_factor, param_groups
 from robust_attn.train.trainer import CSV_COLUMNS, ResumeError, _git_commit

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from robust_attn.checkpoint import read_sidecar
+from robust_attn.models.checkpoint import read_sidecar
 from robust_attn.data import SeededAugment
 from robust_attn.data.base import TensorImageDataset
 from robust_attn.data.transforms import RandomCropFlip

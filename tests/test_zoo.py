@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import robust_attn
-from robust_attn.checkpoint import CheckpointError, save_checkpoint
+from robust_attn.models.checkpoint import CheckpointError, save_checkpoint
 from robust_attn.cli import main
-from robust_attn.wrapper import NormalizedModel
-from robust_attn.zoo import Manifest, ZooEntry, load_model, verify_zoo
+from robust_attn.models.wrapper import NormalizedModel
+from robust_attn.models.manifest import Manifest, ZooEntry, load_model, verify_zoo
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_tampered_weights_are_refused_and_verify_reports_them(tmp_path, checkpoi
 def test_manifest_architecture_must_match_the_sidecar(tmp_path, checkpoint):
     path, _ = checkpoint
     manifest = Manifest(tmp_path / "manifest.json")
-    from robust_attn.zoo import entry_from_checkpoint
+    from robust_attn.models.manifest import entry_from_checkpoint
     entry = entry_from_checkpoint("resnet26", "synthetic", path, manifest)
     entry.arch = dict(entry.arch, overrides={"width": 0.5})
     manifest.add(entry)
@@ -189,7 +189,7 @@ def test_eval_loads_a_zoo_entry_by_name(tmp_path, checkpoint, monkeypatch):
 def test_verify_refuses_an_entry_whose_recipe_changed(tmp_path, checkpoint):
     path, _ = checkpoint
     manifest = Manifest(tmp_path / "manifest.json")
-    from robust_attn.zoo import entry_from_checkpoint
+    from robust_attn.models.manifest import entry_from_checkpoint
     entry = entry_from_checkpoint("resnet26", "synthetic", path, manifest,
                                   recipe="zoo/recipes/fashion_mnist_cpu.toml", recipe_sha256="f" * 64)
     manifest.add(entry)
@@ -203,7 +203,7 @@ def test_verify_resolves_the_recipe_with_the_data_root_the_sidecar_records(tmp_p
     not of the recipe file: an entry trained with a root verifies; a changed setting still fails.
     The training log is stored relative to the manifest, like the weights."""
     from robust_attn.train.recipe import load_recipe
-    from robust_attn.zoo import entry_from_checkpoint
+    from robust_attn.models.manifest import entry_from_checkpoint
 
     recipe_file = "zoo/recipes/cifar10_cpu.toml"
     trained = load_recipe(recipe_file, {"model": "resnet26", "data": {"root": "/some/data"}}, check_data=False)

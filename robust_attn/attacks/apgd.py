@@ -1,5 +1,5 @@
 """APGD-CE and APGD-T: Auto-PGD of Croce & Hein, ICML 2020, "Reliable evaluation of adversarial
-robustness with an ensemble of diverse parameter-free attacks", Algorithm 1 (issue #14).
+robustness with an ensemble of diverse parameter-free attacks", Algorithm 1.
 
 Own implementation, checked against a per-image loop written from Algorithm 1 in
 ``tests/test_apgd.py``; torchattacks 3.5.1 (``APGD``, ``APGDT``) and the official fra31/auto-attack

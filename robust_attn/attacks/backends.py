@@ -1,4 +1,4 @@
-"""Adapters running the same targeted PGD (see :mod:`robust_attn.attacks.pgd`) through
+"""Adapters running the same targeted PGD (see :mod:`robust_attn.attacks.targeted_pgd`) through
 torchattacks and foolbox, as independent implementations to check the native one against.
 
 torchattacks 3.5 ``PGD`` in ``set_mode_targeted_by_label`` mode takes the targets in place of
@@ -27,11 +27,15 @@ therefore runs every backend on power-of-two blocks of the batch (see its docstr
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from robust_attn.attacks.pgd import PGDConfig, frozen_parameters
+from robust_attn.attacks.inputs import frozen_parameters
+
+if TYPE_CHECKING:
+    from robust_attn.attacks.targeted_pgd import PGDConfig
 
 __all__ = ["torchattacks_pgd", "foolbox_pgd", "run_backend"]
 

@@ -1,9 +1,9 @@
-"""The common interface of the evaluation attacks (issue #14), and their registry.
+"""The common interface of the evaluation attacks, and their registry.
 
 Every attack is one file in this package holding one :class:`Attack` subclass decorated with
 :func:`register_attack`; nothing else names attacks. An attack is built from an
 :class:`AttackConfig` (validated when made) and run on a model that takes images in [0, 1]
-(a :class:`~robust_attn.wrapper.NormalizedModel`, in eval mode)::
+(a :class:`~robust_attn.models.wrapper.NormalizedModel`, in eval mode)::
 
     >>> from robust_attn.attacks.base import AttackConfig, make_attack
     >>> attack = make_attack(AttackConfig("apgd-ce", norm="linf", eps=8 / 255))
@@ -20,7 +20,6 @@ lists what it supports in ``Attack.targeted_modes``; asking for another mode is 
 """
 from __future__ import annotations
 
-import difflib
 import math
 import numbers
 import warnings
@@ -29,6 +28,8 @@ from typing import ClassVar
 
 import torch
 import torch.nn as nn
+
+from robust_attn.utils.registry import Registry
 
 __all__ = ["AttackConfig", "AttackOutput", "Attack", "ATTACKS", "register_attack", "make_attack",
            "list_attacks", "parse_eps", "NORMS", "SCHEDULES", "AttackInputError"]
@@ -187,7 +188,7 @@ class Attack:
 
     def run(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
             targets: torch.Tensor | None = None) -> AttackOutput:
-        from robust_attn.attacks.pgd import frozen_parameters, validate_attack_inputs
+        from robust_attn.attacks.inputs import frozen_parameters, validate_attack_inputs
 
         labels = labels.to(images.device, torch.long)
         if self.config.targeted:
@@ -222,36 +223,24 @@ class Attack:
                                f"largest perturbation {size.max().item():.6g}")
 
 
-ATTACKS: dict[str, type[Attack]] = {}
+#: every attack, from the modules of :mod:`robust_attn.attacks` (one file each)
+ATTACKS: Registry[type[Attack]] = Registry("attack", package="robust_attn.attacks", error=AttackInputError)
 
 
 def register_attack(cls: type[Attack]) -> type[Attack]:
     """Class decorator: add ``cls`` under ``cls.name``."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} needs a name")
-    if cls.name in ATTACKS:
-        raise ValueError(f"attack {cls.name!r} is registered twice")
-    ATTACKS[cls.name] = cls
-    return cls
-
-
-def _ensure_attacks_imported() -> None:
-    import robust_attn.attacks  # noqa: F401  (imports every attack module)
+    return ATTACKS.register(cls.name, cls)
 
 
 def list_attacks() -> list[str]:
-    _ensure_attacks_imported()
-    return sorted(ATTACKS)
+    return ATTACKS.names()
 
 
 def make_attack(config: AttackConfig) -> Attack:
     """The attack ``config.attack`` set up with ``config``; unknown names get a suggestion."""
-    _ensure_attacks_imported()
-    if config.attack not in ATTACKS:
-        close = difflib.get_close_matches(config.attack, ATTACKS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise AttackInputError(f"unknown attack {config.attack!r}.{hint} Choose one of {', '.join(sorted(ATTACKS))}.")
-    return ATTACKS[config.attack](config)
+    return ATTACKS.get(config.attack)(config)
 
 
 def parse_eps(text: str | float) -> float:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from robust_attn.attacks.pgd import PGDConfig, targeted_pgd
+from robust_attn.attacks.targeted_pgd import PGDConfig, targeted_pgd
 
 __all__ = ["CheckResult", "check_eval_mode", "check_deterministic", "check_perturbation_bound",
            "check_image_range", "check_input_gradient", "check_eps_zero", "check_monotone_success",

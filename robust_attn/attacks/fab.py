@@ -1,6 +1,6 @@
 """FAB-T: the targeted Fast Adaptive Boundary attack of Croce & Hein, ICML 2020, "Minimally
 distorted adversarial examples with a fast adaptive boundary attack", Algorithm 1, as run in
-AutoAttack's standard ensemble (issue #14).
+AutoAttack's standard ensemble.
 
 "fab-t" is an *untargeted* attack made of targeted runs (AutoAttack's FAB-T): for each of the
 ``options["n_target_classes"]`` (default ``min(9, C - 1)``) most likely wrong classes of the clean

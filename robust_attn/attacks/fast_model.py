@@ -11,7 +11,7 @@ so the attack skips one elementwise pass over every activation map in the forwar
 another in the backward pass. The folded model is the same function in real arithmetic; in
 floats it rounds differently (``(W * s) * x`` is not ``(W * x) * s``), which is why the fast
 mode of :func:`~robust_attn.attacks.targeted_pgd` agrees with the exact backends only up to
-floating-point ties (see :func:`robust_attn.attacks.pgd.native_pgd`).
+floating-point ties (see :func:`robust_attn.attacks.targeted_pgd.native_pgd`).
 
 Finding the pairs: the model is traced with :mod:`torch.fx`; a ``Conv2d`` call whose only user
 is an eval-mode ``BatchNorm2d`` call with running statistics is fused. A submodule that cannot

@@ -1,5 +1,5 @@
 """Saving an attack's progress in the middle of its run, so that a run killed after hours resumes
-where it was, with the same result (issue #14).
+where it was, with the same result.
 
 On a CPU one member of AutoAttack on one chunk can take hours (Square's 5000 queries, or APGD-T's
 nine target runs, on the images still robust at a small eps), longer than the process may live.

@@ -1,5 +1,5 @@
 """Square Attack: Andriushchenko, Croce, Flammarion & Hein, ECCV 2020, "Square Attack: a
-query-efficient black-box adversarial attack via random search" (issue #14).
+query-efficient black-box adversarial attack via random search".
 
 Score-based: only the model's outputs are used, never its gradients (the model runs under
 ``torch.no_grad``). Own implementation, because torchattacks 3.5.1's ``Square`` neither returns

@@ -1,4 +1,4 @@
-"""Stopping a long attack on a signal without losing its progress (issue #14).
+"""Stopping a long attack on a signal without losing its progress.
 
 A run that is stopped from outside (``timeout``, a batch scheduler's preemption, Ctrl-C) used to
 die at once, losing whatever its attack had done since the last periodic save

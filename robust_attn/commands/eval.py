@@ -1,6 +1,6 @@
 """``robust-attn eval rotation|pgd|attack|transfer|corruption|occlusion|shuffle``: the SAN paper's
 robustness protocols (section 5.4) on one model, written to a resumable run directory (see
-:mod:`robust_attn.results`); the evaluation and transfer attacks live in
+:mod:`robust_attn.runs.store`); the evaluation and transfer attacks live in
 :mod:`robust_attn.commands.eval_attacks`, the distribution shifts in
 :mod:`robust_attn.commands.eval_shifts`.
 
@@ -10,87 +10,15 @@ images and the run directory merges them.
 from __future__ import annotations
 
 import argparse
-import ast
-import math
-import socket
 import sys
-import time
 import warnings
 from pathlib import Path
 
-import torch
-
+from robust_attn.attacks.targeted_pgd import BACKENDS
 from robust_attn.cli import UserError
-from robust_attn.layers.paths import ATTENTION_PATH_HELP, ATTENTION_PATHS
+from robust_attn.commands.eval_common import add_common_options, parse_list, setup_run, with_cleanup
 
-__all__ = ["add_parser", "parse_model_args", "parse_list", "load_eval_model", "run_rotation_cmd", "run_pgd_cmd"]
-
-
-def parse_model_args(items: list[str] | None) -> dict:
-    """``["width=0.25", "stem_downsample=2"]`` -> ``{"width": 0.25, "stem_downsample": 2}``."""
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--model-args takes key=value pairs (e.g. width=0.25), got {item!r}")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = {"true": True, "false": False}.get(value.lower(), value)
-    return out
-
-
-def parse_list(text: str | None, kind=float, option: str = "") -> list | None:
-    """``"2,4,8"`` -> ``[2.0, 4.0, 8.0]``; a clear error names the option (an empty item, as in
-    ``1,,2``, or a non-finite float is refused, not skipped)."""
-    if text is None:
-        return None
-    items = [v.strip() for v in str(text).split(",")]
-    if items == [""]:
-        raise UserError(f"{option} is empty")
-    if "" in items:
-        raise UserError(f"{option} has an empty item in {text!r}; write e.g. {option} 1,2,4")
-    try:
-        values = [kind(v) for v in items]
-    except ValueError:
-        hint = (" (in 1/255 units: 8 means 8/255)" if "/" in str(text) and kind is float else "")
-        raise UserError(f"{option} takes a comma-separated list of {kind.__name__}s{hint}, got {text!r}") from None
-    if kind is float and not all(math.isfinite(v) for v in values):
-        raise UserError(f"{option} takes finite numbers, got {text!r}")
-    return values
-
-
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="SPEC",
-                   help="model spec: NAME (registry architecture, robust-attn zoo list; with --checkpoint it must "
-                        "match), zoo:NAME, timm:NAME (pip install timm), torchvision:NAME[:WEIGHTS|none], "
-                        "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION (a function "
-                        "returning an nn.Module that takes input normalized with the dataset's mean/std)")
-    p.add_argument("--checkpoint", help="trained weights: a robust-attn .safetensors with its .json sidecar "
-                                        "(registry NAME), or a state dict file (.pth/.safetensors) for timm:, "
-                                        "torchvision:NAME:none and FILE.py:FUNCTION; without one, NAME has RANDOM "
-                                        "weights")
-    p.add_argument("--zoo", action="store_true",
-                   help="load --model's trained checkpoint for --dataset from the zoo manifest (sha256-checked)")
-    p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="keyword arguments of the model's constructor, e.g. width=0.25 (registry, without "
-                        "--checkpoint), pretrained=False (timm) or those of your FUNCTION")
-    p.add_argument("--other-dataset", action="store_true",
-                   help="evaluate a --checkpoint trained on another dataset than --dataset (refused otherwise)")
-    p.add_argument("--dataset", default="imagenet", help="dataset name (default: imagenet)")
-    p.add_argument("--root", help="data folder (default: $ROBUST_ATTN_DATA or ./data)")
-    p.add_argument("--split", default="test", choices=["test", "val", "train"],
-                   help="test = the paper's val-original set for ImageNet (default)")
-    p.add_argument("--limit", type=int, help="evaluate a fixed-seed subset of this many images")
-    p.add_argument("--batch-size", type=int, default=64, help="images per batch and per record chunk")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean", help=ATTENTION_PATH_HELP)
-    p.add_argument("--num-workers", type=int, default=0, help="data loader workers")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights without --checkpoint "
-                                                       "(and of the PGD targets)")
-    p.add_argument("--out", help="run directory (default: runs/<protocol>-<model>-<dataset>-<split>)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--repair", action="store_true", help="delete damaged record chunks (checksum mismatch) so they are computed again")
+__all__ = ["add_parser", "run_rotation_cmd", "run_pgd_cmd", "run_registered_cmd"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -98,19 +26,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "transfer, corruption, occlusion, shuffle")
     ev_sub = ev.add_subparsers(dest="protocol", required=True, metavar="PROTOCOL")
     rot = ev_sub.add_parser("rotation", help="test-time rotations and flips (SAN Table 9) plus an angle sweep")
-    _add_common(rot)
+    add_common_options(rot)
     rot.add_argument("--angle-step", type=float, default=15.0,
                      help="sweep angles every this many degrees, bilinear with zero fill (0: off; default 15)")
     rot.add_argument("--no-hflip", action="store_true", help="leave out the left-right flip")
     rot.set_defaults(func=run_rotation_cmd)
     pgd = ev_sub.add_parser("pgd", help="white-box targeted L-inf PGD (SAN Table 10)")
-    _add_common(pgd)
+    add_common_options(pgd)
     pgd.add_argument("--eps", default="8", help="L-inf radius(es) in 1/255 units, comma list (default 8)")
     pgd.add_argument("--step", default=None, help="step size(s) in 1/255 units, comma list "
                                                   "(default: eps/steps, the paper's rule)")
     pgd.add_argument("--steps", default="2,4", help="iteration count(s), comma list (default 2,4: with "
                                                     "eps 8 the paper's {8,4,2} and {8,2,4})")
-    pgd.add_argument("--backend", default="native", choices=["native", "torchattacks", "foolbox"])
+    pgd.add_argument("--backend", default="native", choices=BACKENDS)
     pgd.add_argument("--targets", help="reuse another run's targets.csv (same images) instead of drawing")
     pgd.add_argument("--no-checks", action="store_true", help="skip the attack sanity checks")
     pgd.add_argument("--exact", action="store_true", help="exact mode: bit-identical images across the native, "
@@ -121,104 +49,64 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     add_attack_parsers(ev_sub)
     add_shift_parsers(ev_sub)
+    _add_registered(ev_sub)
 
 
-def load_eval_model(args, info) -> tuple[torch.nn.Module, dict]:
-    """The NormalizedModel to evaluate and its part of the run description.
+def _add_registered(ev_sub) -> None:
+    """A subcommand for every protocol that registered an eval step
+    (:mod:`robust_attn.protocols.eval_step`), its options from its settings."""
+    import dataclasses
 
-    ``--model`` is a model spec (:mod:`robust_attn.sources`): ``NAME`` (registry, random weights or
-    ``--checkpoint``), ``zoo:NAME`` (``--zoo`` with ``NAME`` means the same), ``timm:NAME``,
-    ``torchvision:NAME[:WEIGHTS]``, ``san-official:PATH.pth``, ``FILE.py:FUNCTION`` or
-    ``package.module:FUNCTION``. The description records ``source``, ``spec``, ``weights_sha256``
-    and the weights' ``preprocessing`` (None: the dataset's images as they are)."""
-    from robust_attn.sources import SPEC_HELP, load_model_spec, parse_spec
+    from robust_attn.protocols.eval_step import EVAL_PROTOCOLS
+    from robust_attn.protocols.settings import add_options
 
-    overrides = parse_model_args(args.model_args)
-    spec = args.model
-    if args.zoo:
-        if not args.model or args.checkpoint:
-            raise UserError("--zoo takes --model NAME (see zoo/manifest.json) and no --checkpoint")
-        source, _ = parse_spec(args.model)
-        if source not in ("registry", "zoo"):
-            raise UserError(f"--zoo takes a zoo model NAME, not the spec {args.model!r}; drop --zoo")
-        spec = args.model if source == "zoo" else f"zoo:{args.model}"
-    if args.checkpoint and overrides and (spec is None or parse_spec(spec)[0] == "registry"):
-        raise UserError("--model-args is for building a model without --checkpoint; a checkpoint carries its "
-                        "architecture")
-    if not spec and not args.checkpoint:
-        raise UserError(f"give --model NAME (robust-attn zoo list) and usually --checkpoint PATH; --model takes "
-                        f"any model spec: {SPEC_HELP}")
-    loaded = load_model_spec(spec, dataset_info=info, checkpoint=args.checkpoint, model_args=overrides,
-                             seed=args.seed, other_dataset=args.other_dataset)
-    return loaded.model, loaded.description
+    for name, protocol in EVAL_PROTOCOLS.items():
+        if name in ev_sub.choices:
+            raise ValueError(f"eval protocol {name!r} is also a built-in eval subcommand; rename it")
+        p = ev_sub.add_parser(name, help=protocol.help)
+        add_common_options(p)
+        add_options(p, dataclasses.fields(protocol.settings))
+        p.set_defaults(func=run_registered_cmd, eval_protocol=name)
 
 
-def check_common(args) -> None:
-    """The numeric options every ``eval`` subcommand has, checked before anything is loaded or written."""
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be positive, got {args.batch_size}")
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit must be positive, got {args.limit}")
-    if args.num_workers < 0:
-        raise UserError(f"--num-workers must be 0 (load in the main process) or more, got {args.num_workers}")
+@with_cleanup
+def run_registered_cmd(args) -> int:
+    """``robust-attn eval NAME`` of a registered eval step: its settings from the options, checked
+    before the model loads; then the step, then a one-line summary of its records."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from robust_attn.protocols.eval_step import EVAL_PROTOCOLS, EvalContext
+    from robust_attn.protocols.settings import given_options
+    from robust_attn.protocols.shift_runner import accuracy_by_condition
+    from robust_attn.runs.store import load_records
+
+    protocol = EVAL_PROTOCOLS.get(args.eval_protocol)
+    given = given_options(dataclasses.fields(protocol.settings), args, parse_list)
+    settings = protocol.settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+    settings.check(SimpleNamespace(dataset=args.dataset))
+    info, rank, world_size, device, model, dataset, out, run_info = setup_run(args, protocol.name)
+    ctx = EvalContext(info, dataset, out, run_info, device, rank=rank, world_size=world_size,
+                      batch_size=args.batch_size, num_workers=args.num_workers, progress=not args.no_progress)
+    store = protocol.step(ctx, model, settings)
+    if rank == 0:
+        records = load_records(store.root)
+        parts = ""
+        if "top1" in records:
+            summary = accuracy_by_condition(records)
+            parts = "top-1 " + ", ".join(f"{c} {t:.1f}" for c, t in zip(summary["condition"], summary["top1"])) + " "
+        print(f"{protocol.name} {run_info['model']} on {args.dataset}/{args.split} ({len(dataset)} images): "
+              f"{parts}-> {store.root}")
+    return 0
 
 
-def _setup(args, protocol: str):
-    from robust_attn.data import dataset_info
-    from robust_attn.distributed import init_distributed
-    from robust_attn.layers.paths import set_attention_path
-    from robust_attn.sources.inputs import model_dataset, record_preprocessing
-
-    check_common(args)
-    info = dataset_info(args.dataset, root=args.root)  # imagefolder: the class count of --root's folders
-    rank, world_size, device = init_distributed(args.device)
-    model, model_desc = load_eval_model(args, info)   # checked to output the dataset's classes (issue #18)
-    set_attention_path(model, args.attention_path)
-    # issue #15: the weights' own preprocessing (resize/crop) where the dataset decodes image files
-    dataset, applied = model_dataset(args.dataset, model_desc.get("preprocessing"), root=args.root,
-                                     split=args.split, limit=args.limit)
-    model_desc = record_preprocessing(model_desc, applied)
-    out = Path(args.out or f"runs/{protocol}-{model_desc['model']}-{args.dataset}-{args.split}")
-    _repair(args, out, rank)
-    run_info = dict(model_desc, dataset={"name": args.dataset, "split": args.split, "limit": args.limit},
-                    data_root=str(args.root) if args.root else None, data_source=getattr(dataset, "source", None),
-                    data_variant=getattr(dataset, "variant", args.dataset), command=list(sys.argv),
-                    device=str(device), attention_path=args.attention_path, world_size=world_size,
-                    host=socket.gethostname(),
-                    created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    return info, rank, world_size, device, model, dataset, out, run_info
-
-
-def _repair(args, out: Path, rank: int) -> None:
-    """``--repair``: rank 0 deletes the damaged chunks of ``out`` before the run resumes (issue #18)."""
-    if getattr(args, "repair", False) and rank == 0:
-        from robust_attn.results import RunStore
-
-        for path in RunStore(out).repair():
-            print(f"--repair: {path} was damaged; computing it again", file=sys.stderr)
-
-
-def _with_cleanup(fn):
-    """Leave the torchrun process group on the way out, also on errors."""
-
-    def run(args) -> int:
-        from robust_attn.distributed import cleanup
-
-        try:
-            return fn(args)
-        finally:
-            cleanup()
-
-    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
-    return run
-
-
-@_with_cleanup
+@with_cleanup
 def run_rotation_cmd(args) -> int:
-    from robust_attn.protocols.rotation import rotation_conditions, run_rotation, summarize_rotation
-    from robust_attn.results import load_records
+    from robust_attn.protocols.rotation import run_rotation, summarize_rotation
+    from robust_attn.shifts.rotation import rotation_conditions
+    from robust_attn.runs.store import load_records
 
-    info, rank, world_size, device, model, dataset, out, run_info = _setup(args, "rotation")
+    info, rank, world_size, device, model, dataset, out, run_info = setup_run(args, "rotation")
     conditions = rotation_conditions(args.angle_step, hflip=not args.no_hflip)
     store = run_rotation(model, dataset, out, conditions=conditions, batch_size=args.batch_size, device=device,
                          run_info=run_info, rank=rank, world_size=world_size, num_workers=args.num_workers,
@@ -232,10 +120,10 @@ def run_rotation_cmd(args) -> int:
     return 0
 
 
-@_with_cleanup
+@with_cleanup
 def run_pgd_cmd(args) -> int:
     from robust_attn.protocols.pgd import load_checks, pgd_settings, run_pgd, summarize_pgd
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     eps = parse_list(args.eps, float, "--eps")
     for e in eps:
@@ -245,7 +133,7 @@ def run_pgd_cmd(args) -> int:
     settings = pgd_settings(eps, parse_list(args.steps, int, "--steps"), parse_list(args.step, float, "--step"))
     if args.targets and not Path(args.targets).is_file():
         raise UserError(f"--targets {args.targets} does not exist; pass another run's targets.csv")
-    info, rank, world_size, device, model, dataset, out, run_info = _setup(args, "pgd")
+    info, rank, world_size, device, model, dataset, out, run_info = setup_run(args, "pgd")
     store = run_pgd(model, dataset, out, num_classes=info.num_classes, settings=settings, seed=args.seed,
                     backend=args.backend, targets_file=args.targets, batch_size=args.batch_size, device=device,
                     run_info=run_info, rank=rank, world_size=world_size, num_workers=args.num_workers,

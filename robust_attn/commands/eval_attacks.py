@@ -1,6 +1,6 @@
 """``robust-attn eval attack|transfer``: the evaluation attacks (PGD, APGD, FAB, Square,
 AutoAttack) with their gradient-masking checks, and transfer attacks from source models to target
-models (issue #14). Same model, data and output options as ``eval pgd``
+models. Same model, data and output options as ``eval pgd``
 (:mod:`robust_attn.commands.eval`)."""
 from __future__ import annotations
 
@@ -13,15 +13,17 @@ from pathlib import Path
 import torch
 
 from robust_attn.cli import UserError
-from robust_attn.commands.eval import _add_common, _repair, _setup, _with_cleanup, check_common
+from robust_attn.commands.eval_common import add_common_options, repair_run, setup_run, with_cleanup, check_common
 
 __all__ = ["add_attack_parsers", "attack_configs", "load_named_model", "run_attack_cmd", "run_transfer_cmd"]
 
 
 def _add_attack_options(p: argparse.ArgumentParser, default_attack: str | None) -> None:
+    from robust_attn.attacks.base import NORMS, list_attacks
+
     p.add_argument("--attack", default=default_attack, required=default_attack is None,
-                   help="attack name (pgd, apgd-ce, apgd-t, fab-t, square, autoattack)")
-    p.add_argument("--norm", default="linf", choices=["linf", "l2"], help="threat model (default linf)")
+                   help=f"attack name ({', '.join(list_attacks())})")
+    p.add_argument("--norm", default="linf", choices=NORMS, help="threat model (default linf)")
     p.add_argument("--eps", default="8/255", help="radius(es) in [0, 1] image units, comma list; "
                                                   "'8/255' allowed (default 8/255)")
     p.add_argument("--targeted", action="store_true", help="attack toward seeded wrong-class targets")
@@ -35,14 +37,14 @@ def _add_attack_options(p: argparse.ArgumentParser, default_attack: str | None) 
 def add_attack_parsers(ev_sub) -> None:
     att = ev_sub.add_parser("attack", help="an evaluation attack (PGD, APGD, FAB, Square, AutoAttack) with "
                                            "per-image records and gradient-masking checks")
-    _add_common(att)
+    add_common_options(att)
     _add_attack_options(att, None)
     att.add_argument("--targets", help="reuse another run's targets.csv (same images) for --targeted")
     att.add_argument("--no-checks", action="store_true", help="skip the gradient-masking checks")
     att.set_defaults(func=run_attack_cmd)
     tra = ev_sub.add_parser("transfer", help="craft adversarial images on --source model(s), evaluate them on "
                                              "every --target model")
-    _add_common(tra)
+    add_common_options(tra)
     tra.add_argument("--source", action="append", required=True,
                      help="zoo entry name (for --dataset), checkpoint .safetensors or any model spec (timm:NAME, "
                           "torchvision:NAME[:WEIGHTS], FILE.py:FUNCTION, ...); repeat for an ensemble (mean of logits)")
@@ -65,15 +67,15 @@ def attack_configs(args) -> list:
             for e in eps]
 
 
-@_with_cleanup
+@with_cleanup
 def run_attack_cmd(args) -> int:
     from robust_attn.protocols.attack import run_attack, summarize_attack
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     configs = attack_configs(args)
     if args.targets and not Path(args.targets).is_file():
         raise UserError(f"--targets {args.targets} does not exist; pass another run's targets.csv")
-    info, rank, world_size, device, model, dataset, out, run_info = _setup(args, f"attack-{args.attack}")
+    info, rank, world_size, device, model, dataset, out, run_info = setup_run(args, f"attack-{args.attack}")
     store = run_attack(model, dataset, out, configs=configs, num_classes=info.num_classes, seed=args.seed,
                        targets_file=args.targets, batch_size=args.batch_size, device=device, run_info=run_info,
                        rank=rank, world_size=world_size, num_workers=args.num_workers,
@@ -104,10 +106,10 @@ def load_named_model(spec: str, info, device, other_dataset: bool = False) -> tu
     """A transfer source or target: a zoo entry name (``NAME`` or ``zoo:NAME``, for the dataset),
     a checkpoint file, or any other model spec (:mod:`robust_attn.sources`; its description
     carries its ``preprocessing``). Returns (name, model, description)."""
-    from robust_attn.checkpoint import check_trained_on, load_checkpoint
+    from robust_attn.models.checkpoint import check_trained_on, load_checkpoint
     from robust_attn.sources import load_model_spec, parse_spec, spec_label
     from robust_attn.utils.io import sha256_file
-    from robust_attn.zoo import Manifest, load_entry
+    from robust_attn.models.manifest import Manifest, load_entry
 
     path = Path(spec)
     if not (spec.endswith(".safetensors") or path.is_file()) and parse_spec(spec)[0] not in ("registry", "zoo"):
@@ -132,20 +134,20 @@ def load_named_model(spec: str, info, device, other_dataset: bool = False) -> tu
         name = entry.name
         desc = {"model": entry.name, "zoo_entry": entry.name,
                 "checkpoint": {"path": entry.weights, "sha256": entry.sha256}}
-    from robust_attn.checkpoint import check_num_classes
+    from robust_attn.models.checkpoint import check_num_classes
 
     model = model.to(device).eval()
     check_num_classes(model, info.num_classes, f"model {spec}", image_size=info.image_size)
     return name.replace(".", "_"), model, desc
 
 
-@_with_cleanup
+@with_cleanup
 def run_transfer_cmd(args) -> int:
     from robust_attn.data import dataset_info
     from robust_attn.distributed import init_distributed
     from robust_attn.protocols.transfer import EnsembleModel, run_transfer, summarize_transfer
     from robust_attn.sources.inputs import model_dataset, same_preprocessing
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     if args.model or args.checkpoint or args.zoo:
         raise UserError("eval transfer takes its models as --source and --target, not --model/--checkpoint/--zoo")
@@ -162,7 +164,7 @@ def run_transfer_cmd(args) -> int:
                                 "transfer between models of one preprocessing")
     dataset = model_dataset(args.dataset, common, root=args.root, split=args.split, limit=args.limit)[0]
     out = Path(args.out or f"runs/transfer-{source_name}-{args.dataset}-{args.split}")
-    _repair(args, out, rank)
+    repair_run(args, out, rank)
     origins = sorted({d.get("weights_origin", "zoo" if d.get("zoo_entry") else "checkpoint") for _, _, d in sources})
     run_info = {"model": source_name, "sources": [d for _, _, d in sources],
                 "checkpoint": [d["checkpoint"] for _, _, d in sources] if all(d.get("checkpoint") for _, _, d in

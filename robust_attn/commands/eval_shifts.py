@@ -7,14 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from robust_attn.cli import UserError
-from robust_attn.commands.eval import _add_common, _setup, _with_cleanup, parse_list
+from robust_attn.commands.eval_common import add_common_options, setup_run, with_cleanup, parse_list
 
 __all__ = ["add_shift_parsers", "run_corruption_cmd", "run_occlusion_cmd", "run_shuffle_cmd"]
 
 
 def add_shift_parsers(ev_sub) -> None:
     cor = ev_sub.add_parser("corruption", help="common corruptions (Hendrycks & Dietterich 2019) at severities 1-5")
-    _add_common(cor)
+    add_common_options(cor)
     cor.add_argument("--corruptions", default="common",
                      help="common (the 15 of ImageNet-C), extra (speckle_noise, gaussian_blur, spatter, saturate), all, "
                           "a family (noise, blur, weather, digital) or names, comma list (default common; frost needs "
@@ -28,7 +28,7 @@ def add_shift_parsers(ev_sub) -> None:
     cor.add_argument("--baseline", help="a finished corruption run of the baseline model: print CE and mCE against it")
     cor.set_defaults(func=run_corruption_cmd)
     occ = ev_sub.add_parser("occlusion", help="random square occlusion and grid PatchDrop (Naseer et al. 2021)")
-    _add_common(occ)
+    add_common_options(occ)
     occ.add_argument("--areas", default="10,25,50,75", help="percent of the image one square covers, comma list "
                                                             "(default 10,25,50,75)")
     occ.add_argument("--fill", default="zeros,mean", help="zeros and/or mean (the dataset's mean colour), comma list")
@@ -38,7 +38,7 @@ def add_shift_parsers(ev_sub) -> None:
     occ.add_argument("--shift-seed", type=int, default=0, help="seed of the per-image positions (default 0)")
     occ.set_defaults(func=run_occlusion_cmd)
     shu = ev_sub.add_parser("shuffle", help="patch shuffling on a g x g grid (Naseer et al. 2021)")
-    _add_common(shu)
+    add_common_options(shu)
     shu.add_argument("--grids", default="1,2,4,8", help="grid sizes g, comma list; each must divide the image size "
                                                         "(default 1,2,4,8)")
     shu.add_argument("--shift-seed", type=int, default=0, help="seed of the per-image permutations (default 0)")
@@ -77,10 +77,10 @@ def _source(args):
     return (lambda dataset: OnTheFly(args.shift_seed)), "generated"
 
 
-@_with_cleanup
+@with_cleanup
 def run_corruption_cmd(args) -> int:
     from robust_attn.protocols.corruption import check_frost, corruption_conditions, run_corruption, summarize_corruption
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     conditions = corruption_conditions(args.corruptions, parse_list(args.severities, int, "--severities"))
     make_source, images = _source(args)
@@ -88,7 +88,7 @@ def run_corruption_cmd(args) -> int:
         check_frost(conditions)
     if args.baseline and not (Path(args.baseline) / "run.json").is_file():
         raise UserError(f"--baseline {args.baseline} is not a run directory (no run.json)")
-    info, rank, world_size, device, model, dataset, out, run_info = _setup(args, "corruption")
+    info, rank, world_size, device, model, dataset, out, run_info = setup_run(args, "corruption")
     source = make_source(dataset)
     if hasattr(source, "ensure"):
         source.ensure([(c["corruption"], c["severity"]) for c in conditions[1:]], repair=args.repair,
@@ -110,7 +110,7 @@ def run_corruption_cmd(args) -> int:
 
 
 def _print_mce(records, conditions, baseline: Path) -> None:
-    from robust_attn.results import load_description, load_records
+    from robust_attn.runs.store import load_description, load_records
     from robust_attn.shifts.metrics import error_table, mce_summary
 
     base_desc = load_description(baseline)
@@ -122,16 +122,16 @@ def _print_mce(records, conditions, baseline: Path) -> None:
           f"{summary['relative_mCE']:.1f} over {summary['corruptions']} corruption(s)")
 
 
-@_with_cleanup
+@with_cleanup
 def run_occlusion_cmd(args) -> int:
     from robust_attn.protocols.occlusion import occlusion_conditions, run_occlusion, summarize_occlusion
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     drop = [] if str(args.drop).strip().lower() in ("none", "0", "") else parse_list(args.drop, float, "--drop")
     fills = [f.strip() for f in args.fill.split(",") if f.strip()]
     conditions = occlusion_conditions(parse_list(args.areas, float, "--areas"), fills, drop, args.drop_grid,
                                       image_size=_image_size(args))
-    info, rank, world_size, device, model, dataset, out, run_info = _setup(args, "occlusion")
+    info, rank, world_size, device, model, dataset, out, run_info = setup_run(args, "occlusion")
     store = run_occlusion(model, dataset, out, conditions=conditions, mean=info.mean, seed=args.shift_seed,
                           batch_size=args.batch_size, device=device, run_info=run_info, rank=rank,
                           world_size=world_size, num_workers=args.num_workers, progress=not args.no_progress)
@@ -141,13 +141,13 @@ def run_occlusion_cmd(args) -> int:
     return 0
 
 
-@_with_cleanup
+@with_cleanup
 def run_shuffle_cmd(args) -> int:
     from robust_attn.protocols.shuffle import run_shuffle, shuffle_conditions, summarize_shuffle
-    from robust_attn.results import load_records
+    from robust_attn.runs.store import load_records
 
     conditions = shuffle_conditions(parse_list(args.grids, int, "--grids"), image_size=_image_size(args))
-    info, rank, world_size, device, model, dataset, out, run_info = _setup(args, "shuffle")
+    info, rank, world_size, device, model, dataset, out, run_info = setup_run(args, "shuffle")
     store = run_shuffle(model, dataset, out, conditions=conditions, seed=args.shift_seed, batch_size=args.batch_size,
                         device=device, run_info=run_info, rank=rank, world_size=world_size,
                         num_workers=args.num_workers, progress=not args.no_progress)

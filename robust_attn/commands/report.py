@@ -57,7 +57,7 @@ def run_report(args) -> int:
 def _packed(runs: list[str], dest: Path) -> list[Path]:
     """Pack each run into ``dest/<its folder name>`` (:meth:`RunStore.pack`, which refuses an
     unfinished run); two runs with one folder name would overwrite each other, so that is an error."""
-    from robust_attn.results import RunStore
+    from robust_attn.runs.store import RunStore
 
     names = [Path(os.path.abspath(r)).name for r in runs]
     clash = sorted({n for n in names if names.count(n) > 1})

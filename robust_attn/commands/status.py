@@ -48,7 +48,7 @@ def run_lines(run: Path) -> list[str]:
 
     from robust_attn.attacks.base import make_attack
     from robust_attn.protocols.attack import STATE_DIR, config_from_condition, saved_states
-    from robust_attn.results import RunStore, condition_definitions, damaged_message
+    from robust_attn.runs.store import RunStore, condition_definitions, damaged_message
 
     store = RunStore(run)
     desc = store.description()
@@ -80,7 +80,7 @@ def run_lines(run: Path) -> list[str]:
 
 def _finished_lines(store, missing) -> list[str]:
     """``top-1 of the finished conditions: NAME X% (N images), ...`` over the conditions with every
-    chunk written (:meth:`~robust_attn.results.RunStore.finished_records`); a line naming the
+    chunk written (:meth:`~robust_attn.runs.store.RunStore.finished_records`); a line naming the
     problem where the records cannot be read (damaged, overlapping)."""
     try:
         records, _ = store.finished_records(missing)

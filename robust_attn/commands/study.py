@@ -1,7 +1,7 @@
 """``robust-attn study``: SAN section 5.4 on every zoo model of a dataset (rotation, Table 10
 PGD and an eps sweep on the same images), then the report with the findings
-(:mod:`robust_attn.study`). ``robust-attn study CONFIG.toml`` runs the models a study config
-names, from any source (:mod:`robust_attn.study_config`); the options below then override the
+(:mod:`robust_attn.study.run`). ``robust-attn study CONFIG.toml`` runs the models a study config
+names, from any source (:mod:`robust_attn.study.config`); the options below then override the
 file's values (e.g. ``--limit 100`` for a first try). Resumable: run it again to finish an
 interrupted study. Runs under ``torchrun --nproc_per_node=N -m robust_attn.cli study ...`` too
 (each rank a shard of the images)."""
@@ -12,19 +12,17 @@ import dataclasses
 from pathlib import Path
 
 from robust_attn.cli import UserError
-from robust_attn.commands.eval import parse_list
+from robust_attn.commands.eval_common import parse_list
 
 __all__ = ["add_parser", "run_study_cmd"]
 
-#: the item types of StudyConfig's tuple fields, which the command line takes as comma lists
-_ITEM_TYPES = {"tuple[float, ...]": float, "tuple[int, ...]": int, "tuple[str, ...]": str}
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from robust_attn.layers.paths import ATTENTION_PATH_HELP, ATTENTION_PATHS
-    from robust_attn.study import BACKENDS, StudyConfig
+    from robust_attn.data import SPLITS
+    from robust_attn.protocols.settings import add_options
+    from robust_attn.study.config import protocol_fields, study_config_class
 
-    d = StudyConfig()
+    d = study_config_class()()
     p = sub.add_parser("study", help="rotation, Table 10 PGD, AutoAttack, Square, transfer and gradient-masking "
                                      "checks on every zoo model of a dataset, or on the models of a study config "
                                      "(any source), then the report")
@@ -36,39 +34,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "the labels of the config's models to run")
     p.add_argument("--root", help="data folder (default: the config's root, $ROBUST_ATTN_DATA, ./data or the "
                                   "system copy)")
-    p.add_argument("--split", choices=["test", "val", "train"], help=f"default {d.split}")
+    p.add_argument("--split", choices=SPLITS, help=f"default {d.split}")
     p.add_argument("--limit", type=int, help="a fixed-seed subset of this many images (default: all)")
-    p.add_argument("--angle-step", type=float,
-                   help=f"rotation sweep every this many degrees, 0 for none (default {d.angle_step:g})")
-    p.add_argument("--sweep-eps", help=f"eps sweep in 1/255, comma list (default {','.join(f'{e:g}' for e in d.sweep_eps)})")
-    p.add_argument("--sweep-steps", type=int, help=f"PGD steps of the sweep (default {d.sweep_steps})")
     p.add_argument("--batch-size", type=int, help=f"images per batch and record chunk (default {d.batch_size})")
     p.add_argument("--protocols", help=f"comma list of the protocols to run, in order (default {','.join(d.protocols)}; "
                                        f"separate processes may share --runs)")
     p.add_argument("--attack-limit", type=int,
                    help=f"seeded subset of images for apgd, autoattack, square and transfer "
                         f"(default {d.attack_limit})")
-    p.add_argument("--autoattack-eps",
-                   help=f"AutoAttack L-inf radii in 1/255, comma list (default {','.join(f'{e:g}' for e in d.autoattack_eps)})")
-    p.add_argument("--apgd-eps", help=f"APGD-CE (protocol apgd) L-inf radii in 1/255, comma list "
-                                      f"(default {','.join(f'{e:g}' for e in d.apgd_eps)})")
-    p.add_argument("--square-queries", type=int, help=f"Square's budget (default {d.square_queries})")
-    p.add_argument("--attack-steps", type=int, help="iterations of AutoAttack's members (default: the standard 100)")
     p.add_argument("--attack-batch-size", type=int,
                    help=f"images per batch and record chunk of the attacks (default {d.attack_batch_size})")
-    p.add_argument("--corruptions", help=f"corruption protocol: common, extra, all, families or names, comma list "
-                                          f"(default {d.corruptions})")
-    p.add_argument("--severities", help=f"corruption severities, comma list (default {','.join(map(str, d.severities))})")
-    p.add_argument("--occlusion-areas", help=f"occlusion: percent of the image one square covers, comma list "
-                                              f"(default {','.join(f'{a:g}' for a in d.occlusion_areas)})")
-    p.add_argument("--shuffle-grids", help=f"patch shuffle: grid sizes g, comma list "
-                                           f"(default {','.join(map(str, d.shuffle_grids))})")
     p.add_argument("--shift-seed", type=int, help=f"seed of the corruptions, occlusions and shuffles "
                                                   f"(default {d.shift_seed})")
-    p.add_argument("--backend", choices=BACKENDS, help=f"default {d.backend}")
     p.add_argument("--seed", type=int, help=f"attack targets and bootstrap seed (default {d.seed})")
     p.add_argument("--bootstrap", type=int, help=f"bootstrap resamples (default {d.bootstrap})")
     p.add_argument("--baseline", help=f"convolutional reference model (default {d.baseline})")
+    add_options(p, protocol_fields())   # each protocol's settings (robust_attn.protocols.settings)
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean", help=ATTENTION_PATH_HELP)
     p.add_argument("--manifest", help="zoo manifest (default zoo/manifest.json)")
@@ -84,24 +65,15 @@ def _given(args) -> dict:
     """The StudyConfig fields the command line sets (options left out are not in it): every field
     with an option of its name (``models`` and ``root`` are handled apart), a tuple field parsed
     from a comma list of its item type."""
-    from robust_attn.study import StudyConfig
+    from robust_attn.protocols.settings import given_options
+    from robust_attn.study.config import study_config_class
 
-    out = {}
-    for field in dataclasses.fields(StudyConfig):
-        if field.name in ("models", "root") or getattr(args, field.name, None) is None:
-            continue
-        value, item = getattr(args, field.name), _ITEM_TYPES.get(str(field.type))
-        if item is str:
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        elif item is not None:
-            value = parse_list(value, item, f"--{field.name.replace('_', '-')}")
-        out[field.name] = value
-    return out
+    fields = [f for f in dataclasses.fields(study_config_class()) if f.name not in ("models", "root")]
+    return given_options(fields, args, parse_list)
 
 
 def _config(args):
-    from robust_attn.study import StudyConfig
-    from robust_attn.study_config import load_study_config
+    from robust_attn.study.config import load_study_config, study_config_class
 
     given = _given(args)
     selected = [m.strip() for m in (args.models or "").split(",") if m.strip()]
@@ -118,7 +90,7 @@ def _config(args):
                                     f"models: {', '.join(names)}")
                 config = dataclasses.replace(config, models=tuple(m for m in config.models if m.name in selected))
             return config, Path(args.config).stem
-        config = StudyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()},
+        config = study_config_class()(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()},
                              models=tuple(selected))
         return config, config.dataset
     except ValueError as err:
@@ -129,7 +101,7 @@ def run_study_cmd(args) -> int:
     import torch
 
     from robust_attn.distributed import cleanup
-    from robust_attn.study import default_workers, run_study
+    from robust_attn.study.run import default_workers, run_study
 
     config, name = _config(args)
     on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 from robust_attn.cli import UserError
-from robust_attn.complexity import model_complexity
-from robust_attn.zoo import Manifest, ZooEntry, entry_from_checkpoint, verify_zoo
-from robust_attn.reference import imagenet_reference
-from robust_attn.registry import list_models, model_info
+from robust_attn.importers import IMPORTERS
+from robust_attn.models.complexity import model_complexity
+from robust_attn.models.manifest import Manifest, ZooEntry, entry_from_checkpoint, verify_zoo
+from robust_attn.models.reference import imagenet_reference
+from robust_attn.models.registry import list_models, model_info
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,9 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add.set_defaults(func=run_add)
 
     imp = zoo_sub.add_parser("import", help="convert another project's checkpoint into a robust-attn checkpoint")
-    imp.add_argument("kind", choices=("san-official", "torchvision-resnet"),
-                     help="san-official: the SAN authors' .pth (hszhao/SAN); torchvision-resnet: a torchvision-"
-                          "layout ResNet state dict")
+    imp.add_argument("kind", choices=IMPORTERS.names(),
+                     help="; ".join(f"{name}: {importer.summary}" for name, importer in IMPORTERS.items()))
     imp.add_argument("path", help="the source checkpoint (torch.save file)")
     imp.add_argument("--arch", required=True, help="our architecture, e.g. san10_pairwise or resnet50")
     imp.add_argument("--out", default=None, help="output .safetensors (default: PATH with suffix .safetensors)")

@@ -1,5 +1,7 @@
 """Datasets: CIFAR-10, CIFAR-100, ImageNet (val-original), Fashion-MNIST, a synthetic test set and
-a user's own image folder (``imagefolder``: one folder per class; needs ``root``).
+a user's own image folder (``imagefolder``: one folder per class; needs ``root``). Each is one
+module of this package (:class:`robust_attn.data.base.DatasetModule`) that registers itself, so a
+new dataset is one new file here.
 
     >>> from robust_attn.data import dataset_info, build_dataset
     >>> info = dataset_info("cifar100")            # num_classes, image_size, resolution, mean, std
@@ -7,7 +9,7 @@ a user's own image folder (``imagefolder``: one folder per class; needs ``root``
     >>> image, label = test[0]                      # float32 (3, 32, 32) in [0, 1], int
 
 Items are ``(image, label)``: a float32 tensor (3, H, W) in [0, 1] and an int. Nothing is
-normalized here: the model wrapper (:class:`robust_attn.wrapper.NormalizedModel`) normalizes with
+normalized here: the model wrapper (:class:`robust_attn.models.wrapper.NormalizedModel`) normalizes with
 ``info.mean`` / ``info.std``, so attacks work in [0, 1] pixel space.
 
 Splits:
@@ -31,36 +33,27 @@ such as ImageFolder stay spread over the classes). A missing dataset raises
 """
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 
 from torch.utils.data import Dataset, Subset
 
-from robust_attn.data.base import DATA_ENV, DatasetInfo, TensorImageDataset, default_data_root
+from robust_attn.data.base import DATA_ENV, DATASETS, DatasetInfo, TensorImageDataset, default_data_root
 from robust_attn.data.splits import holdout_split, subset_indices
 from robust_attn.data.transforms import SeededAugment
 
 __all__ = ["DatasetInfo", "dataset_info", "build_dataset", "locate_dataset", "list_datasets",
            "SeededAugment", "TensorImageDataset", "default_data_root", "DATA_ENV", "takes_transform"]
 
-_MODULES = {"cifar10": "cifar10", "cifar100": "cifar100", "imagenet": "imagenet", "fashion_mnist": "fashion_mnist",
-            "synthetic": "synthetic", "imagefolder": "imagefolder"}
 SPLITS = ("train", "val", "test")
 
 
 def _module(name: str):
-    if name not in _MODULES:
-        import difflib
-
-        close = difflib.get_close_matches(name, _MODULES, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown dataset {name!r}.{hint} Choose one of {sorted(_MODULES)}.")
-    return importlib.import_module(f"{__name__}.{_MODULES[name]}")
+    return DATASETS.get(name)
 
 
 def list_datasets() -> list[str]:
-    return sorted(_MODULES)
+    return DATASETS.names()
 
 
 def dataset_info(name: str, root: str | Path | None = None) -> DatasetInfo:
@@ -113,7 +106,7 @@ def build_dataset(name: str, root: str | Path | None = None, split: str = "test"
     kwargs = {}
     if transform is not None:
         if not takes_transform(name):
-            decoding = sorted(n for n in _MODULES if takes_transform(n))
+            decoding = [n for n in DATASETS.names() if takes_transform(n)]
             raise ValueError(f"dataset {name!r} holds its images as tensors and takes no model transform "
                              f"(only {', '.join(decoding)} do); evaluate without one")
         if augment:

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from robust_attn.data import embedded
-from robust_attn.data.base import DatasetInfo, TensorImageDataset, default_data_root, missing_dataset_error
+from robust_attn.data.base import (DatasetInfo, TensorImageDataset, default_data_root, missing_dataset_error,
+                                   register_dataset)
 from robust_attn.data.pickles import load_pickle
 from robust_attn.data.transforms import RandomCropFlip
 
@@ -176,3 +177,6 @@ def build(root, split: str, augment: bool, download: bool = False, verify: bool 
     dataset = TensorImageDataset(images, labels, RandomCropFlip(4) if augment else None)
     dataset.variant, dataset.source = variant, str(found)
     return dataset
+
+
+register_dataset(__name__)

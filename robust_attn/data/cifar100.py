@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from robust_attn.data.pickles import load_pickle, text_list
-from robust_attn.data.base import DatasetInfo, TensorImageDataset, default_data_root, missing_dataset_error
+from robust_attn.data.base import (DatasetInfo, TensorImageDataset, default_data_root, missing_dataset_error,
+                                   register_dataset)
 from robust_attn.data.transforms import RandomCropFlip
 
 __all__ = ["INFO", "MD5", "read_batch", "read_meta", "locate", "build"]
@@ -90,3 +91,6 @@ def build(root, split: str, augment: bool, download: bool = False, verify: bool 
     dataset = TensorImageDataset(batch["images"], batch["fine_labels"], RandomCropFlip(4) if augment else None)
     dataset.variant, dataset.source = "cifar100", str(folder)
     return dataset
+
+
+register_dataset(__name__)

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from robust_attn.data import embedded
-from robust_attn.data.base import DatasetInfo, TensorImageDataset, default_data_root, missing_dataset_error
+from robust_attn.data.base import (DatasetInfo, TensorImageDataset, default_data_root, missing_dataset_error,
+                                   register_dataset)
 from robust_attn.data.transforms import RandomCropFlip
 
 __all__ = ["INFO", "read_idx", "locate", "build", "KNOWN_LOCATIONS"]
@@ -110,3 +111,6 @@ def build(root, split: str, augment: bool, download: bool = False, verify: bool 
                                  RandomCropFlip(4) if augment else None)
     dataset.variant, dataset.source = "fashion_mnist", str(folder)
     return dataset
+
+
+register_dataset(__name__)

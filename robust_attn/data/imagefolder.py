@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 from torch.utils.data import Dataset
 
-from robust_attn.data.base import DatasetInfo
+from robust_attn.data.base import DatasetInfo, register_dataset
 from robust_attn.data.transforms import imagenet_eval_transform, imagenet_train_transform
 
 __all__ = ["INFO", "IMAGE_EXTENSIONS", "ImageListDataset", "info", "locate", "build", "list_images",
@@ -161,3 +161,6 @@ def build(root, split: str, augment: bool, download: bool = False, verify: bool 
     dataset = ImageListDataset(samples, transform, classes)
     dataset.variant, dataset.source = "imagefolder", str(folder)
     return dataset
+
+
+register_dataset(__name__)

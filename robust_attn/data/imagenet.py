@@ -51,7 +51,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from robust_attn.data.base import DatasetInfo, default_data_root, missing_dataset_error
+from robust_attn.data.base import DatasetInfo, default_data_root, missing_dataset_error, register_dataset
 from robust_attn.data.imagefolder import IMAGE_EXTENSIONS, ImageListDataset, class_folders, list_images
 from robust_attn.data.transforms import imagenet_eval_transform, imagenet_train_transform
 
@@ -249,3 +249,6 @@ def build(root, split: str, augment: bool, download: bool = False, verify: bool 
     dataset.variant, dataset.source = ("imagenet-val-original" if split == "test" else "imagenet"), str(folder)
     dataset.ground_truth = truth
     return dataset
+
+
+register_dataset(__name__)

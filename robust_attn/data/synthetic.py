@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from robust_attn.data.base import DatasetInfo, TensorImageDataset
+from robust_attn.data.base import DatasetInfo, TensorImageDataset, register_dataset
 from robust_attn.data.transforms import RandomCropFlip
 
 NUM_CLASSES = 10
@@ -52,3 +52,6 @@ def build(root, split: str, augment: bool, download: bool = False, verify: bool 
 
 def locate(root, split: str | None = None) -> None:
     return None
+
+
+register_dataset(__name__)

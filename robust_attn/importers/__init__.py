@@ -3,11 +3,15 @@
 Each importer is one module with a ``convert_*(state_dict, arch) -> our state dict`` (pure key
 renaming plus checks, no arithmetic on the tensors) and an ``import_*(path, arch, out)`` that
 reads the source file, builds our model, loads the converted weights and writes a safetensors
-checkpoint with :func:`robust_attn.checkpoint.save_checkpoint`; the sidecar's ``origin`` names
+checkpoint with :func:`robust_attn.models.checkpoint.save_checkpoint`; the sidecar's ``origin`` names
 the importer, the source file and its sha256.
 
 * :mod:`.san_official`: the SAN authors' checkpoints (hszhao/SAN, ``san10_pairwise`` etc.).
 * :mod:`.torchvision_resnet`: torchvision-layout ResNet state dicts (``conv1``/``bn1`` stem).
+
+An importer module registers its ``import_*`` with ``@register_importer(name, summary)``
+(:data:`IMPORTERS` imports every module of this package when first asked), so a new importer is
+one new file here.
 
 The helpers here are shared: :func:`read_state_dict` (``torch.load(weights_only=True)``, never a
 full unpickle; unwraps ``{"state_dict": ...}`` and the DataParallel ``module.`` prefix),
@@ -19,18 +23,20 @@ from __future__ import annotations
 import os
 import pickle
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 
-from robust_attn.checkpoint import save_checkpoint
-from robust_attn.registry import create_model
+from robust_attn.models.checkpoint import save_checkpoint
+from robust_attn.models.registry import create_model
 from robust_attn.utils.io import sha256_file
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.utils.registry import Registry
+from robust_attn.models.wrapper import NormalizedModel
 
 __all__ = ["ConversionError", "IMAGENET_MEAN", "IMAGENET_STD", "read_state_dict", "remap", "fc_classes",
-           "default_output", "IMPORTERS", "import_checkpoint"]
+           "default_output", "Importer", "IMPORTERS", "register_importer", "import_checkpoint"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -146,21 +152,34 @@ def default_output(path: str | os.PathLike) -> Path:
     return path.with_name(name + ".safetensors")
 
 
-def _importers() -> dict[str, Callable]:
-    from robust_attn.importers.san_official import import_san_official
-    from robust_attn.importers.torchvision_resnet import import_torchvision_resnet
-    return {"san-official": import_san_official, "torchvision-resnet": import_torchvision_resnet}
+@dataclass(frozen=True)
+class Importer:
+    """A registered importer: ``run(path, arch, out) -> sha256 of out`` and what it reads."""
+
+    run: Callable[[Path, str, Path], str]
+    summary: str
 
 
-IMPORTERS = ("san-official", "torchvision-resnet")
+#: every importer by name, from the modules of this package
+IMPORTERS: Registry[Importer] = Registry("importer", package="robust_attn.importers", error=ConversionError)
+
+
+def register_importer(name: str, summary: str):
+    """Decorator registering ``import_*(path, arch, out) -> sha256`` as importer ``name``;
+    ``summary`` says what it reads (``robust-attn zoo import --help``)."""
+
+    def wrap(fn: Callable) -> Callable:
+        IMPORTERS.register(name, Importer(fn, summary))
+        return fn
+
+    return wrap
 
 
 def import_checkpoint(kind: str, path: str | os.PathLike, arch: str, out: str | os.PathLike | None = None,
                       overwrite: bool = False) -> tuple[Path, str]:
     """Convert ``path`` with importer ``kind`` into a checkpoint at ``out`` (default: ``path`` with
     suffix ``.safetensors``); return ``(out, sha256 of out)``. Refuses to overwrite unless asked."""
-    if kind not in IMPORTERS:
-        raise ConversionError(f"unknown importer {kind!r}; choose one of {', '.join(IMPORTERS)}")
+    importer = IMPORTERS.get(kind)
     path = Path(path)
     out = Path(out) if out is not None else default_output(path)
     if out.suffix != ".safetensors":
@@ -169,7 +188,7 @@ def import_checkpoint(kind: str, path: str | os.PathLike, arch: str, out: str | 
         raise ConversionError(f"output {out} is the source file itself; pass --out with another name")
     if out.exists() and not overwrite:
         raise ConversionError(f"{out} already exists; pass another --out, or --force to replace it")
-    return out, _importers()[kind](path, arch, out)
+    return out, importer.run(path, arch, out)
 
 
 def source_origin(kind: str, path: Path, description: str) -> dict:

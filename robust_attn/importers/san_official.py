@@ -50,9 +50,9 @@ import re
 
 import torch
 
-from robust_attn.importers import (ConversionError, convert_and_save, fc_classes, remap)
+from robust_attn.importers import ConversionError, convert_and_save, fc_classes, register_importer, remap
 from robust_attn.models.san import SAN_LAYERS
-from robust_attn.registry import create_model, list_models, model_info
+from robust_attn.models.registry import create_model, list_models, model_info
 
 __all__ = ["SAN_ARCHS", "official_key", "convert_san_official", "guess_san_arch", "import_san_official"]
 
@@ -117,6 +117,7 @@ def convert_san_official(state_dict: dict[str, torch.Tensor], arch: str, model: 
     return remap(state_dict, mapping, target, f"not an official {arch} state dict", hint)
 
 
+@register_importer("san-official", "the SAN authors' .pth (hszhao/SAN)")
 def import_san_official(path: str | os.PathLike, arch: str, out: str | os.PathLike) -> str:
     """Convert the authors' checkpoint ``path`` into a robust-attn checkpoint ``out``; its sha256."""
     _check_arch(arch)

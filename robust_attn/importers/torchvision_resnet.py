@@ -23,9 +23,9 @@ import os
 
 import torch
 
-from robust_attn.importers import (ConversionError, convert_and_save, fc_classes, remap)
+from robust_attn.importers import ConversionError, convert_and_save, fc_classes, register_importer, remap
 from robust_attn.models.resnet import RESNET_LAYERS
-from robust_attn.registry import create_model, list_models, model_info
+from robust_attn.models.registry import create_model, list_models, model_info
 
 __all__ = ["RESNET_ARCHS", "convert_torchvision_resnet", "import_torchvision_resnet"]
 
@@ -80,6 +80,7 @@ def convert_torchvision_resnet(state_dict: dict[str, torch.Tensor], arch: str,
     return remap(state_dict, mapping, target, f"not a torchvision-layout {arch} state dict", _hint(state_dict, arch))
 
 
+@register_importer("torchvision-resnet", "a torchvision-layout ResNet state dict")
 def import_torchvision_resnet(path: str | os.PathLike, arch: str, out: str | os.PathLike) -> str:
     """Convert the torchvision-layout state dict at ``path`` into a robust-attn checkpoint ``out``
     (ImageNet mean/std in the wrapper); its sha256."""

@@ -17,7 +17,7 @@ tests check they agree):
 
 The path changes float rounding only (largest logit difference there 1.2e-3 to 3.3e-3), as a
 device does, so a run records it as how it ran, not what it computes (``attention_path`` in
-``run.json``, among :data:`robust_attn.results.VOLATILE_KEYS`): a run started on one path resumes on
+``run.json``, among :data:`robust_attn.runs.store.VOLATILE_KEYS`): a run started on one path resumes on
 the other.
 """
 from __future__ import annotations

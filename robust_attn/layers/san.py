@@ -83,6 +83,7 @@ import torch.nn.functional as F
 
 from robust_attn.layers.lean_ops import _chunks, _mm, conv1x1
 from robust_attn.layers.local_aggregation import footprint_offsets, reflect_pad
+from robust_attn.layers.san_relations import pair_relation, position_grid, positions
 
 __all__ = ["PAIRWISE_RELATIONS", "PATCHWISE_RELATIONS", "SelfAttention2d", "position_grid",
            "san_attention_unfold", "san_attention_lean", "auto_chunk_size", "conv1x1"]
@@ -90,13 +91,6 @@ __all__ = ["PAIRWISE_RELATIONS", "PATCHWISE_RELATIONS", "SelfAttention2d", "posi
 PAIRWISE_RELATIONS = ("summation", "subtraction", "concatenation", "hadamard", "dot")
 PATCHWISE_RELATIONS = ("star", "clique", "concatenation")
 IMPLEMENTATIONS = ("lean", "unfold")
-
-
-def position_grid(height: int, width: int, like: torch.Tensor) -> torch.Tensor:
-    """``(1, 2, H, W)``: x then y coordinate, each ``linspace(-1, 1)`` (section 3.1)."""
-    ys = torch.linspace(-1, 1, height, device=like.device, dtype=like.dtype)
-    xs = torch.linspace(-1, 1, width, device=like.device, dtype=like.dtype)
-    return torch.stack([xs.expand(height, width), ys[:, None].expand(height, width)])[None]
 
 
 class SelfAttention2d(nn.Module):
@@ -182,23 +176,6 @@ class SelfAttention2d(nn.Module):
 # Pieces shared by both implementations
 
 
-def _pair_relation(relation: str, center: torch.Tensor, neighbour: torch.Tensor) -> torch.Tensor:
-    """delta(x_i, x_j) of section 3.1 on ``center (N, c, 1, ...)`` and ``neighbour (N, c, K, ...)``."""
-    if relation == "summation":
-        return center + neighbour
-    if relation == "subtraction":
-        return center - neighbour
-    if relation == "hadamard":
-        return center * neighbour
-    if relation == "dot":
-        return (center * neighbour).sum(1, keepdim=True)
-    return torch.cat([center.expand_as(neighbour), neighbour], 1)  # concatenation
-
-
-def _positions(m: SelfAttention2d, x: torch.Tensor) -> torch.Tensor:
-    return m.pos(position_grid(x.shape[2], x.shape[3], x))
-
-
 # ---------------------------------------------------------------------------------------------
 # Reference: unfold the footprint
 
@@ -223,12 +200,12 @@ def san_attention_unfold(m: SelfAttention2d, x: torch.Tensor, neighbour_order: t
     x2u, vu = _unfold(x2, k), _unfold(v, k)
     pu = None
     if m.position_encoding:
-        p = _positions(m, x)
+        p = positions(m, x)
         pu = p.flatten(2)[:, :, None] - _unfold(p, k)  # p_i - p_j, (1, 2, K, HW)
     if neighbour_order is not None:
         x2u, vu = x2u[:, :, neighbour_order], vu[:, :, neighbour_order]
     if m.attention == "pairwise":
-        delta = _pair_relation(m.relation, x1.flatten(2)[:, :, None], x2u)
+        delta = pair_relation(m.relation, x1.flatten(2)[:, :, None], x2u)
         if pu is not None:
             delta = torch.cat([delta, pu.expand(n, -1, -1, -1).to(delta.dtype)], 1)
         weight = torch.softmax(m.gamma(delta), dim=2)  # (N, G, K, HW)

@@ -7,6 +7,8 @@ hand-written backward. On CPU with a linear relation the compiled kernels of
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -18,8 +20,11 @@ from robust_attn.layers.local_aggregation import (accumulate_aggregate_grads, ag
                                                   footprint_aggregate, footprint_offsets, grouped_padded,
                                                   reflect_pad, reflect_pad_backward, shifted, unpadded_gradient)
 from robust_attn.layers.precision import accumulation_dtype, autocast_off
-from robust_attn.layers.san import SelfAttention2d, _pair_relation, _positions
+from robust_attn.layers.san_relations import pair_relation, positions
 from robust_attn.layers.san_fused import _FusedPairwiseAttention
+
+if TYPE_CHECKING:
+    from robust_attn.layers.san import SelfAttention2d
 
 
 def _window_counts(n: int, k: int, like: torch.Tensor) -> torch.Tensor:
@@ -322,7 +327,7 @@ def _pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) 
     count = n * area * h * w
 
     def delta(chunk, x1_, x2p_):
-        return _pair_relation(m.relation, x1_[:, :, None], shifted(x2p_, chunk, h, w))
+        return pair_relation(m.relation, x1_[:, :, None], shifted(x2p_, chunk, h, w))
 
     linear = m.relation in ("subtraction", "summation")
     sign = -1.0 if m.relation == "subtraction" else 1.0
@@ -339,7 +344,7 @@ def _pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) 
 
     pos = None
     if m.position_encoding:
-        p = _positions(m, x)
+        p = positions(m, x)
         pd = (p[:, :, None] - shifted(reflect_pad(p, k // 2), footprint_offsets(k), h, w)).to(x1.dtype)
         if training:
             mean_p, var_p = _mean_var(_moments(pd, (0, 2, 3, 4)), area * h * w)

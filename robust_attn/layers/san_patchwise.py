@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -17,8 +19,10 @@ from robust_attn.layers.local_aggregation import (accumulate_aggregate_grads, ag
                                                   footprint_aggregate, footprint_offsets, grouped_padded,
                                                   reflect_pad, shifted, unpadded_gradient)
 from robust_attn.layers.precision import autocast_off
-from robust_attn.layers.san import SelfAttention2d
 from robust_attn.layers.san_fused import _FusedPatchwiseConcat
+
+if TYPE_CHECKING:
+    from robust_attn.layers.san import SelfAttention2d
 
 
 class _PatchwiseWeightsAggregate(torch.autograd.Function):

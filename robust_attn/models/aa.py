@@ -39,7 +39,7 @@ both the conv and the attention, and misses Table 6 by 7-47%). Note also that Ta
 AA-ResNet-50 top-1 (77.7) is that of Table 2's 24.3M ``upsilon = 0.25`` model. The tests pin
 our counts exactly for those two and check the others within 2%.
 
-**Multiply-adds** (``robust_attn.complexity.model_complexity``, 1 image; AA's GFlops count a
+**Multiply-adds** (``robust_attn.models.complexity.model_complexity``, 1 image; AA's GFlops count a
 multiply and an add separately, so paper MACs = GFlops / 2):
 
 =============  ===========  ==========================
@@ -70,8 +70,8 @@ import torch.nn as nn
 
 from robust_attn.layers.aa import AugmentedConv2d, aa_dims
 from robust_attn.models.resnet import RESNET_LAYERS, BlockSpec, build_resnet, conv_stem
-from robust_attn.registry import register_model
-from robust_attn.resolution import resolve, scaled_width
+from robust_attn.models.registry import register_model
+from robust_attn.models.resolution import resolve, scaled_width
 
 __all__ = ["aa_spatial_layer", "BasicBlock", "BasicResNet", "WideBlock", "WideResNet", "build_aa_resnet",
            "PAPER_MACS"]

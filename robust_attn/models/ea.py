@@ -12,7 +12,7 @@ Each module adds ``2 C^2 + C`` (two 1x1 convs, the first with bias) ``+ 2 S C`` 
 ``+ 2 C`` (BN) parameters for a stage of ``C`` output channels (C = 256, 512, 1024, 2048 at
 width 1), 11.64M in all, dominated by the last stage's 2048-channel convs (8.4M); and about
 ``2 C^2 + 2 S C`` multiply-adds per pixel, 1.84G at 224 px (0.46G per stage). Measured with
-``robust_attn.complexity.model_complexity``: ea_resnet26 25.34M / 4.18 GMACs (resnet26 13.70M /
+``robust_attn.models.complexity.model_complexity``: ea_resnet26 25.34M / 4.18 GMACs (resnet26 13.70M /
 2.34G), ea_resnet38 31.27M / 5.05G (19.63M / 3.22G), ea_resnet50 37.20M / 5.93G (25.56M / 4.09G).
 These are heavier backbones than their baselines; compare robustness at matched clean
 accuracy or note the budget. No paper figure exists; the tests check the count against the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from robust_attn.layers.external_attention import ExternalAttention
 from robust_attn.models.resnet import RESNET_LAYERS, build_resnet
-from robust_attn.registry import register_model
+from robust_attn.models.registry import register_model
 
 __all__ = ["build_ea_resnet"]
 

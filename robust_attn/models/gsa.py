@@ -9,7 +9,7 @@ for and refuses larger ones with a message naming ``image_size=``.
 Parameters (1000 classes): 14.20M / 18.05M / 30.40M for GSA-ResNet-38/50/101 against
 14.2 / 18.1 / 30.4M in GSA Table 6. GSA-ResNet-26 (no paper figure): 10.35M.
 
-Multiply-adds at 224 px (``robust_attn.complexity.count_macs``): 2.95 / 3.59 / 6.09 G for 38 /
+Multiply-adds at 224 px (``robust_attn.models.complexity.count_macs``): 2.95 / 3.59 / 6.09 G for 38 /
 50 / 101, against 5.9 / 7.2 / 12.2 GFLOPs in Table 6 with multiplies and adds counted separately,
 i.e. 2.95 / 3.6 / 6.1 G multiply-adds (within 1%). Per module that is the qkv 1x1 convolutions,
 the content attention (two ``N d_k d_v`` products per head) and the column and row positional
@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from robust_attn.layers.gsa import GlobalSelfAttention2d
 from robust_attn.models.resnet import RESNET_LAYERS, BlockSpec, build_resnet
-from robust_attn.registry import register_model
+from robust_attn.models.registry import register_model
 
 __all__ = ["build_gsa_resnet"]
 

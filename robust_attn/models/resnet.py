@@ -21,8 +21,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from robust_attn.registry import register_model
-from robust_attn.resolution import resolve, scaled_width
+from robust_attn.models.registry import register_model
+from robust_attn.models.resolution import resolve, scaled_width
 
 __all__ = ["BlockSpec", "Bottleneck", "ResNet", "conv_stem", "build_resnet"]
 

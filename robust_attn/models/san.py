@@ -21,12 +21,12 @@ first two stages (maps 32/32/16/8/4), ``stem_downsample=2`` keeps only the one b
 256-channel stage (32/16/8/4/2). Where a map is smaller than the 7x7 footprint the reflection
 padding mirrors repeatedly (see :mod:`robust_attn.layers.local_aggregation`).
 
-``width`` scales every stage width with :func:`~robust_attn.resolution.scaled_width` (multiples
+``width`` scales every stage width with :func:`~robust_attn.models.resolution.scaled_width` (multiples
 of 16, so C/16 is exact). When ``C/4`` is not a multiple of 8 (e.g. a 16-channel stage at
 ``width=0.25``), ``share_planes`` becomes ``gcd(8, C/4)`` for that stage; at ``width=1`` it is
 always 8.
 
-Complexity at 1000 classes, ImageNet 224 (``robust_attn.complexity.model_complexity``; paper
+Complexity at 1000 classes, ImageNet 224 (``robust_attn.models.complexity.model_complexity``; paper
 Table 3 in brackets): parameters 10.52/14.07/17.60M pairwise (10.5/14.1/17.6M) and
 11.84/16.18/20.52M patchwise (11.8/16.2/20.5M); Table 4's relations also match (pairwise
 concatenation 10.57M, dot 10.50M; patchwise star 10.93M, clique 11.51M). Multiply-adds:
@@ -42,8 +42,8 @@ import torch
 import torch.nn as nn
 
 from robust_attn.layers.san import SelfAttention2d, conv1x1
-from robust_attn.registry import register_model
-from robust_attn.resolution import resolve, scaled_width
+from robust_attn.models.registry import register_model
+from robust_attn.models.resolution import resolve, scaled_width
 
 __all__ = ["SAN_LAYERS", "SAN_FOOTPRINTS", "SAN_WIDTHS", "SANBlock", "SAN", "build_san", "PAPER_MACS_NOTE"]
 

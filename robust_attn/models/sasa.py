@@ -5,7 +5,7 @@ by default ("Conv-stem + Attention" of Table 1) or the spatially-aware attention
 appendix A.1 with ``stem="attention"`` ("Full Attention").
 
 Parameters (1000 classes, conv stem): 10.34M / 14.19M / 18.04M against 10.3 / 14.1 / 18.0M in
-SASA Table 1. Multiply-adds at 224 px (``robust_attn.complexity.count_macs``, which on the meta
+SASA Table 1. Multiply-adds at 224 px (``robust_attn.models.complexity.count_macs``, which on the meta
 device runs the einsum reference of the attention): 2.24 / 2.86 / 3.48 G, against the Table's
 4.5 / 5.7 / 7.0 GFLOPs with multiplies and adds counted separately, i.e. 2.25 / 2.85 / 3.5 G
 multiply-adds (within 1%). With ``stem="attention"``, ResNet-50: 18.03M and 3.54 G against the
@@ -22,8 +22,8 @@ import torch.nn as nn
 
 from robust_attn.layers.sasa import AttentionStem, SASAttention2d
 from robust_attn.models.resnet import RESNET_LAYERS, BlockSpec, build_resnet
-from robust_attn.registry import register_model
-from robust_attn.resolution import resolve, scaled_width
+from robust_attn.models.registry import register_model
+from robust_attn.models.resolution import resolve, scaled_width
 
 __all__ = ["build_sasa_resnet"]
 

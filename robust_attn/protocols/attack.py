@@ -1,9 +1,9 @@
-"""Evaluation attacks on a test set (issue #14): any registered attack, per-image records.
+"""Evaluation attacks on a test set: any registered attack, per-image records.
 
 Where :mod:`robust_attn.protocols.pgd` is SAN's Table 10 (targeted PGD with the paper's weak
 settings), this protocol runs the attacks a careful evaluator adds (PGD with restarts, APGD-CE,
 APGD-T, FAB-T, Square and the AutoAttack ensemble, :mod:`robust_attn.attacks`), each as one
-condition of a resumable, shardable run directory (:mod:`robust_attn.results`), beside the
+condition of a resumable, shardable run directory (:mod:`robust_attn.runs.store`), beside the
 clean condition.
 
 Records, per image and condition:
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import dataclass
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -47,7 +48,8 @@ import torch.nn as nn
 from robust_attn.attacks.base import AttackConfig, make_attack
 from robust_attn.distributed import barrier
 from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
 
 __all__ = ["PROTOCOL", "CLEAN", "attack_records", "computation_order", "logit_margin", "make_evaluator",
@@ -248,7 +250,9 @@ def summarize_attack(records: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _study_attack(ctx, entry, model, protocol: str, configs: list[AttackConfig]):
+def study_attack(ctx, entry, model, protocol: str, configs: list[AttackConfig]):
+    """The study step of an attack: ``configs`` on the study's attack subset, one run
+    ``<protocol>-<model>`` per model, the same seed for every model (``ctx.config.seed``)."""
     out = ctx.run_dir(protocol, entry.name)
     run_attack(model, ctx.attack_dataset, out, configs=configs, num_classes=ctx.info.num_classes,
                seed=ctx.config.seed, batch_size=ctx.config.attack_batch_size, device=ctx.device,
@@ -273,17 +277,63 @@ def _describe_square(config) -> str:
     return f"Square alone at {config.square_eps:g}/255 with {config.square_queries} queries"
 
 
+def _check_eps(name: str, eps) -> None:
+    if any(not 0 < e <= 255 for e in eps):
+        raise ValueError(f"{name} are in 1/255 units, in (0, 255]; got {list(eps)}")
+
+
+@dataclass(frozen=True)
+class AttackStepSettings(ProtocolSettings):
+    attack_steps: int | None = setting(None, "iterations of AutoAttack's members and of APGD-CE (default: their "
+                                             "standard 100)")
+
+    def check(self, study) -> None:
+        if self.attack_steps is not None and self.attack_steps < 1:
+            raise ValueError(f"attack_steps must be at least 1 (or unset for AutoAttack's standard 100), "
+                             f"got {self.attack_steps}")
+
+
+@dataclass(frozen=True)
+class AutoAttackSettings(AttackStepSettings):
+    autoattack_eps: tuple[float, ...] = setting((1.0, 2.0, 4.0, 8.0), "AutoAttack L-inf radii in 1/255, comma list")
+
+    def check(self, study) -> None:
+        super().check(study)
+        _check_eps("autoattack_eps", self.autoattack_eps)
+
+
+@dataclass(frozen=True)
+class APGDSettings(AttackStepSettings):
+    apgd_eps: tuple[float, ...] = setting((1.0, 2.0, 4.0), "APGD-CE (protocol apgd) L-inf radii in 1/255, comma list")
+
+    def check(self, study) -> None:
+        super().check(study)
+        _check_eps("apgd_eps", self.apgd_eps)
+
+
+@dataclass(frozen=True)
+class SquareSettings(ProtocolSettings):
+    square_eps: float = setting(8.0, "Square's L-inf radius in 1/255")
+    square_queries: int = setting(5000, "Square's budget")
+
+    def check(self, study) -> None:
+        _check_eps("square_eps", (self.square_eps,))
+        if self.square_queries < 1:
+            raise ValueError(f"square_queries must be positive, got {self.square_queries}")
+
+
 @study_protocol("autoattack", summary="AutoAttack (standard, untargeted L-inf) at each eps on the attack subset",
-                describe=_describe_autoattack, attack_subset=True)
+                describe=_describe_autoattack, attack_subset=True, default_order=3,
+                settings=AutoAttackSettings)
 def study_autoattack(ctx, entry, model):
     """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps`` (1/255)."""
-    return _study_attack(ctx, entry, model, "autoattack", [
+    return study_attack(ctx, entry, model, "autoattack", [
         AttackConfig("autoattack", eps=e / 255, steps=ctx.config.attack_steps, seed=ctx.config.seed)
         for e in ctx.config.autoattack_eps])
 
 
 @study_protocol("apgd", summary="APGD-CE (untargeted L-inf) at each small eps on the attack subset",
-                describe=_describe_apgd, attack_subset=True)
+                describe=_describe_apgd, attack_subset=True, default_order=2, settings=APGDSettings)
 def study_apgd(ctx, entry, model):
     """APGD-CE alone at ``config.apgd_eps``: AutoAttack's first and cheapest member, where the
     other three cost 6-23 CPU-seconds per surviving image on the CIFAR-10 zoo
@@ -291,15 +341,15 @@ def study_apgd(ctx, entry, model):
     tight the bound is shows in the report's members table (AutoAttack's ``by``: which member
     fooled each image first). It ranks the models at radii where some images survive a strong
     attack, which 8/255 does not on an undefended zoo."""
-    return _study_attack(ctx, entry, model, "apgd", [
+    return study_attack(ctx, entry, model, "apgd", [
         AttackConfig("apgd-ce", eps=e / 255, steps=ctx.config.attack_steps, seed=ctx.config.seed)
         for e in ctx.config.apgd_eps])
 
 
 @study_protocol("square", summary="Square (score-based, no gradients) on the attack subset",
-                describe=_describe_square, attack_subset=True)
+                describe=_describe_square, attack_subset=True, default_order=4, settings=SquareSettings)
 def study_square(ctx, entry, model):
     """The black-box reference: Square alone on every image, ``config.square_queries`` queries."""
-    return _study_attack(ctx, entry, model, "square", [
+    return study_attack(ctx, entry, model, "square", [
         AttackConfig("square", eps=ctx.config.square_eps / 255, queries=ctx.config.square_queries,
                      seed=ctx.config.seed)])

@@ -12,10 +12,13 @@ model: :mod:`robust_attn.shifts.metrics`, in the report (:mod:`robust_attn.repor
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn as nn
 
-from robust_attn.protocols.registry import study_protocol
-from robust_attn.results import RunStore
+from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.settings import ProtocolSettings, setting
+from robust_attn.runs.store import RunStore
 from robust_attn.shifts.cache import CorruptionCache, OnTheFly, to_float
 from robust_attn.shifts.corruptions import SEVERITIES, check_severity, corruption_names
 from robust_attn.protocols.shift_runner import CLEAN, accuracy_by_condition, run_shift
@@ -84,8 +87,18 @@ def _describe(config) -> str:
             f"(seed {config.shift_seed}).")
 
 
+@dataclass(frozen=True)
+class CorruptionSettings(ProtocolSettings):
+    corruptions: str = setting("common", "corruption protocol: common, extra, all, families or names, comma list")
+    severities: tuple[int, ...] = setting((1, 2, 3, 4, 5), "corruption severities, comma list")
+
+    def check(self, study) -> None:
+        corruption_conditions(self.corruptions, self.severities)   # ValueError naming what is wrong
+
+
 @study_protocol("corruption", summary="Hendrycks & Dietterich's common corruptions at severities 1-5 (mCE against "
-                                      "the baseline), from corrupted images made once per study", describe=_describe)
+                                      "the baseline), from corrupted images made once per study", describe=_describe,
+                settings=CorruptionSettings)
 def study_corruption(ctx, entry, model):
     """The study's corruption step: ``config.corruptions`` (default the 15 common ones) at
     ``config.severities`` (default 1-5) with ``config.shift_seed`` (default 0), every image of

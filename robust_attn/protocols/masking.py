@@ -1,4 +1,4 @@
-"""Gradient-masking checks as a protocol (issue #14): per model, from its attack runs and its own probes.
+"""Gradient-masking checks as a protocol: per model, from its attack runs and its own probes.
 
 The checks themselves are :mod:`robust_attn.attacks.masking`; this module gathers their inputs
 from the run directories and saves their verdicts (``checks.json``: name, verdict, detail,
@@ -27,6 +27,7 @@ several eps of one attack ran, and Square against every white-box condition at t
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -34,9 +35,10 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from robust_attn.attacks import masking
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import open_run
-from robust_attn.results import RunStore, load_description, load_records
+from robust_attn.runs.store import RunStore, load_description, load_records
 from robust_attn.utils.io import atomic_write_json
 
 __all__ = ["PROTOCOL", "white_box_records", "attack_run_checks", "write_checks"]
@@ -142,9 +144,18 @@ def _describe(config) -> str:
     return f"gradient-masking checks per model (their probes on the first {config.masking_images} of these images)"
 
 
+@dataclass(frozen=True)
+class MaskingSettings(ProtocolSettings):
+    masking_images: int = setting(100, "images of the gradient-masking probes (unbounded PGD, gradients)")
+
+    def check(self, study) -> None:
+        if self.masking_images < 1:
+            raise ValueError(f"masking_images must be at least 1, got {self.masking_images}")
+
+
 @study_protocol("masking", per_model=False, chunked=False,
                 summary="gradient-masking checks per model, from the attack runs", describe=_describe,
-                attack_subset=True)
+                attack_subset=True, default_order=6, settings=MaskingSettings)
 def study_masking(ctx, entries, models):
     """The checks of the module docstring for every model (after autoattack, square and transfer)."""
     config = ctx.config

@@ -8,9 +8,12 @@ Conditions: ``clean``; ``square<k>_<fill>`` (e.g. ``square25_zeros``) for every 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn as nn
 
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.settings import ProtocolSettings, setting, study_image_size
 from robust_attn.protocols.shift_runner import CLEAN, accuracy_by_condition, run_shift
 from robust_attn.shifts.occlusion import check_area, check_grid, drop_patches, occlude_square, square_side
 
@@ -82,8 +85,17 @@ def _describe(config) -> str:
     return f"Occlusion: a square of {areas}% and PatchDrop, zero and mean fill (seed {config.shift_seed})."
 
 
+@dataclass(frozen=True)
+class OcclusionSettings(ProtocolSettings):
+    occlusion_areas: tuple[float, ...] = setting(DEFAULT_AREAS, "occlusion: percent of the image one square covers, "
+                                                                "comma list")
+
+    def check(self, study) -> None:
+        occlusion_conditions(self.occlusion_areas, image_size=study_image_size(study))
+
+
 @study_protocol("occlusion", summary="Naseer et al.'s random occlusion: a square of k% and grid PatchDrop, zero "
-                                     "and mean fill", describe=_describe)
+                                     "and mean fill", describe=_describe, settings=OcclusionSettings)
 def study_occlusion(ctx, entry, model):
     """The study's occlusion step: ``config.occlusion_areas`` (default 10, 25, 50, 75%), both
     fills, PatchDrop of 25/50/75% of a 4 x 4 grid, seed ``config.shift_seed``."""

@@ -17,7 +17,7 @@ Choices where the paper is silent (stated here and recorded in every run's ``run
 * No random start (the paper's step sizes exactly reach eps in n steps: step = eps / n); a
   sweep without an explicit step uses that rule.
 * The attack runs on the model in eval mode; gradients flow through the normalization inside
-  :class:`robust_attn.wrapper.NormalizedModel`.
+  :class:`robust_attn.models.wrapper.NormalizedModel`.
 * Backend agreement: by default the native attack agrees with torchattacks and foolbox up to
   floating-point ties (a faster float order). ``run_pgd(..., exact=True)`` (``eval pgd --exact``)
   makes the three backends bit-identical at any ``batch_size``, the ragged last chunk included,
@@ -43,8 +43,10 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
+from robust_attn.attacks.targeted_pgd import BACKENDS
 from robust_attn.distributed import barrier
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_file
 
@@ -265,7 +267,7 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
     """Run (or resume) targeted PGD (clean condition plus each setting) into ``out_dir``.
 
     ``model`` is any module taking [0, 1] images (normalization inside, e.g. a
-    :class:`~robust_attn.wrapper.NormalizedModel`). The targets are drawn with ``seed``, or given
+    :class:`~robust_attn.models.wrapper.NormalizedModel`). The targets are drawn with ``seed``, or given
     as ``targets`` (a tensor: one class per image, in dataset order) or ``targets_file`` (another
     run's ``targets.csv``); they are saved (``targets.csv``). ``model_info`` says where the
     model came from, as for :func:`robust_attn.protocols.rotation.run_rotation` (recorded in
@@ -297,7 +299,7 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
         save_targets(out_dir, labels, targets)
     checks_path = Path(out_dir) / CHECKS_FILE
     if checks and rank == 0 and not checks_path.is_file():
-        if progress:  # issue #18: tens of seconds with no output otherwise looks hung
+        if progress:  # tens of seconds with no output otherwise looks hung
             print(f"pgd: sanity checks on the first {min(8, len(dataset))} images (eps 0, gradients, bounds)...",
                   file=sys.stderr, flush=True)
         atomic_write_json(checks_path, _batch_checks(model, dataset, targets, settings, device, backend))
@@ -307,7 +309,7 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
                progress=progress and rank == 0, desc="pgd")
     barrier()
     if checks and rank == 0:
-        from robust_attn.results import load_records
+        from robust_attn.runs.store import load_records
 
         saved = [c for c in load_checks(out_dir) if c.get("setting") != "all"]
         atomic_write_json(checks_path, saved + [_sweep_check(load_records(out_dir), settings)])
@@ -344,12 +346,35 @@ def _describe(config) -> str:
             f"every model attacked towards the same targets (seed {config.seed}).")
 
 
+@dataclass(frozen=True)
+class PGDStudySettings(ProtocolSettings):
+    sweep_eps: tuple[float, ...] = setting((2.0, 4.0, 8.0, 16.0), "eps sweep in 1/255, comma list")
+    sweep_steps: int = setting(4, "PGD steps of the sweep, with step = eps / steps (the rule of both paper "
+                                  "settings)")
+    backend: str = setting("native", "PGD backend", choices=BACKENDS)
+
+    def check(self, study) -> None:
+        if self.sweep_steps < 1 or any(not 0 < e <= 255 for e in self.sweep_eps):
+            raise ValueError(f"sweep_eps are in 1/255 units, in (0, 255], and sweep_steps at least 1; got "
+                             f"{list(self.sweep_eps)} and {self.sweep_steps}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    def attack_settings(self) -> list[AttackSetting]:
+        """Table 10's two settings, then the sweep (without repeating a paper setting)."""
+        settings = list(PAPER_SETTINGS)
+        if self.sweep_eps:
+            settings += [s for s in pgd_settings(self.sweep_eps, [self.sweep_steps]) if s not in settings]
+        return settings
+
+
 @study_protocol("pgd", summary="SAN Table 10's targeted PGD {8, 4, 2} and {8, 2, 4} plus an eps sweep",
-                describe=_describe)
+                describe=_describe, default_order=1, settings=PGDStudySettings)
 def study_pgd(ctx, entry, model):
     """The study's Table 10 step: every image of the study, the same targets for every model."""
     out = ctx.run_dir("pgd", entry.name)
-    run_pgd(model, ctx.dataset, out, num_classes=ctx.info.num_classes, settings=ctx.config.attack_settings(),
+    settings = PGDStudySettings.of(ctx.config).attack_settings()
+    run_pgd(model, ctx.dataset, out, num_classes=ctx.info.num_classes, settings=settings,
             seed=ctx.config.seed, backend=ctx.config.backend, batch_size=ctx.config.batch_size, device=ctx.device,
             run_info=ctx.run_info(entry, model), progress=ctx.progress, **ctx.shard)
     return out

@@ -9,11 +9,11 @@ with every condition written is not even loaded again.
 
 Several processes may share one run directory (the same command started twice, a restart
 beside a still-running process): each (condition, chunk) is *claimed* just before it is
-computed (:meth:`robust_attn.results.RunStore.claim`; stale claims of killed processes are
+computed (:meth:`robust_attn.runs.store.RunStore.claim`; stale claims of killed processes are
 taken over), so no chunk is computed twice, and a process that finds the rest of its shard
 claimed by live processes waits for them (polling) rather than returning an unfinished run.
 The chunks already written are checked against their checksums first: a damaged one is a
-:class:`~robust_attn.results.DamagedRecordsError`, or, with ``repair=True``, deleted and
+:class:`~robust_attn.runs.store.DamagedRecordsError`, or, with ``repair=True``, deleted and
 computed again.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from robust_attn.claims import Claim
+from robust_attn.runs.claims import Claim
 from robust_attn.distributed import shard_indices
-from robust_attn.results import RunStore, library_versions
+from robust_attn.runs.store import RunStore, library_versions
 
 __all__ = ["RunStats", "chunk_grid", "run_chunks", "topk_hits", "open_run"]
 
@@ -93,7 +93,7 @@ def run_chunks(store: RunStore, dataset: Dataset, conditions: list[str], evaluat
     """Evaluate every missing (condition, chunk) of this rank's shard and write its records.
 
     Written chunks of the shard are verified first (``repair``: damaged ones are deleted and
-    recomputed, else :class:`~robust_attn.results.DamagedRecordsError`). Each pair is claimed
+    recomputed, else :class:`~robust_attn.runs.store.DamagedRecordsError`). Each pair is claimed
     before it is computed; pairs claimed by other live processes are awaited, polling every
     ``poll`` seconds. ``claim_timeout``: seconds after which another host's silent claim counts
     as stale (default ``$ROBUST_ATTN_CLAIM_TIMEOUT`` or 6 hours). ``claim_each_condition``: claim
@@ -200,10 +200,10 @@ def open_run(out_dir, run_info: dict, *, protocol: str, parameters: dict, condit
     """Create or resume the run directory ``out_dir``: rank 0 writes (or checks) ``run.json``,
     the other ranks wait for it and check it. ``run_info`` is the caller's part of the
     description (model, checkpoint, dataset, seed, command line, versions). ``repair``: rank 0
-    deletes damaged record chunks (:meth:`~robust_attn.results.RunStore.repair`) so that they
+    deletes damaged record chunks (:meth:`~robust_attn.runs.store.RunStore.repair`) so that they
     are computed again. ``device``: where this process computes, recorded in ``run.json`` (unless
     ``run_info`` names one) and in each chunk it writes
-    (:meth:`~robust_attn.results.RunStore.computed_on`)."""
+    (:meth:`~robust_attn.runs.store.RunStore.computed_on`)."""
     from robust_attn.distributed import barrier
 
     description = dict(run_info)

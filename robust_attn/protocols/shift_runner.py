@@ -46,7 +46,7 @@ def run_shift(protocol: str, model: nn.Module, dataset, out_dir, *, conditions: 
               world_size: int = 1, num_workers: int = 0, progress: bool = True, repair: bool = False):
     """Run (or resume) ``protocol`` on ``model`` over ``dataset`` into ``out_dir``: every
     condition (``conditions``: dicts with a ``name``; ``clean`` is the unshifted image) on
-    every image. Returns the :class:`~robust_attn.results.RunStore`."""
+    every image. Returns the :class:`~robust_attn.runs.store.RunStore`."""
     device = torch.device(device)
     model = model.to(device).eval()
     store = open_run(out_dir, dict(run_info or {}), protocol=protocol, parameters=parameters,

@@ -5,9 +5,12 @@ that it scores the clean accuracy. The shuffling itself: :mod:`robust_attn.shift
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn as nn
 
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.settings import ProtocolSettings, setting, study_image_size
 from robust_attn.protocols.shift_runner import CLEAN, accuracy_by_condition, run_shift
 from robust_attn.shifts.occlusion import check_grid
 from robust_attn.shifts.shuffle import shuffle_patches
@@ -56,8 +59,16 @@ def _describe(config) -> str:
     return f"Patch shuffle: {grids} grids (seed {config.shift_seed})."
 
 
+@dataclass(frozen=True)
+class ShuffleSettings(ProtocolSettings):
+    shuffle_grids: tuple[int, ...] = setting(DEFAULT_GRIDS, "patch shuffle: grid sizes g, comma list")
+
+    def check(self, study) -> None:
+        shuffle_conditions(self.shuffle_grids, image_size=study_image_size(study))
+
+
 @study_protocol("shuffle", summary="Naseer et al.'s patch shuffling on g x g grids (g = 1, 2, 4, 8)",
-                describe=_describe)
+                describe=_describe, settings=ShuffleSettings)
 def study_shuffle(ctx, entry, model):
     """The study's shuffle step: ``config.shuffle_grids`` (default 1, 2, 4, 8), seed
     ``config.shift_seed``."""

@@ -1,4 +1,4 @@
-"""Transfer attacks (issue #14): adversarial images crafted on a source model, evaluated on targets.
+"""Transfer attacks: adversarial images crafted on a source model, evaluated on targets.
 
 A transfer attack is black-box for the target: it needs none of the target's gradients, so a
 target that a transfer attack fools more often than a white-box attack on the target itself has
@@ -21,6 +21,7 @@ crafting attack's random draws are seeded per chunk as in :mod:`robust_attn.prot
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
@@ -31,9 +32,10 @@ import torch.nn as nn
 from robust_attn.attacks.base import AttackConfig, make_attack
 from robust_attn.distributed import barrier
 from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
-from robust_attn.protocols.registry import study_protocol
+from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
-from robust_attn.results import RunStore
+from robust_attn.runs.store import RunStore
 
 __all__ = ["PROTOCOL", "EnsembleModel", "transfer_condition", "split_condition", "run_transfer",
            "summarize_transfer", "check_compatible"]
@@ -217,8 +219,18 @@ def _describe(config) -> str:
             f"{config.transfer_steps}-step PGD at 8/255 for every model)")
 
 
+@dataclass(frozen=True)
+class TransferSettings(ProtocolSettings):
+    transfer_steps: int = setting(10, "iterations of the transfer matrix's untargeted PGD (step 2/255), beside "
+                                      "{8, 2, 4}")
+
+    def check(self, study) -> None:
+        if self.transfer_steps < 1:
+            raise ValueError(f"transfer_steps must be positive, got {self.transfer_steps}")
+
+
 @study_protocol("transfer", per_model=False, summary="every model as source against every model as target",
-                describe=_describe, attack_subset=True)
+                describe=_describe, attack_subset=True, default_order=5, settings=TransferSettings)
 def study_transfer(ctx, entries, models):
     """The transfer matrix on the attack subset: one run per source, every zoo model a target."""
     outs = []

@@ -12,36 +12,22 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import pandas as pd
 
-from robust_attn.reports.attacks import attack_sections
+from robust_attn.protocols.report_section import ReportContext, report_sections, reported_protocols
 from robust_attn.reports.comparison import (DEFAULT_BASELINE, HEADLINE_MEASURES, agreement_findings, compare_models,
                                             findings_text)
-from robust_attn.reports.formats import to_latex, to_markdown
+from robust_attn.reports.formats import to_markdown, write_csv
 from robust_attn.reports.models import MODELS_CAPTION, format_model_table, model_table
-from robust_attn.reports.plots import plot_comparison, plot_pgd, plot_rotation
+from robust_attn.reports.plots import plot_comparison
 from robust_attn.reports.runs import (check_one_result_per_condition, check_one_variant_per_dataset,
                                      load_finished, load_runs)
-from robust_attn.reports.shifts import SHIFT_PROTOCOLS, shift_sections
 from robust_attn.reports.stats import bootstrap_mean_ci
-from robust_attn.reports.tables import (TABLE9_CONDITIONS, format_pgd, format_rotation, headline_ci, pgd_sweep,
-                                        pgd_table, rotation_sweep, rotation_table)
-from robust_attn.utils.io import atomic_path, atomic_write_text
+from robust_attn.reports.tables import headline_ci, pgd_table, rotation_table
+from robust_attn.utils.io import atomic_write_text
 
 __all__ = ["make_report", "bootstrap_mean_ci", "load_runs", "rotation_table", "pgd_table"]
 
 REPORT_SUFFIXES = (".csv", ".md", ".tex", ".png")   # what a report writes at its folder's top level
-REPORTED_PROTOCOLS = ("rotation", "pgd", "attack", "transfer", "masking") + SHIFT_PROTOCOLS
-TABLE9_CAPTION = ("Robustness to rotation and flipping at test time (SAN Table 9 layout): top-1 / top-5 "
-                  "accuracy (%), drop from the unrotated result in brackets (lower is better).")
-TABLE10_CAPTION = ("Targeted white-box L-inf PGD (SAN Table 10 layout): eps = 8/255; n = 2 with step 4/255, "
-                   "n = 4 with step 2/255. s. rate: attack success rate (%), top-1: accuracy under attack (%).")
-
-
-def _write_csv(frame: pd.DataFrame, path: Path) -> Path:
-    with atomic_path(path) as tmp:
-        frame.to_csv(tmp, index=False, float_format="%.4f")
-    return path
 
 
 def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
@@ -74,9 +60,10 @@ def make_report(run_dirs, out_dir, n_boot: int = 1000, seed: int = 0, level: flo
         raise ValueError("nothing finished to report: every run given is unfinished, and none is an attack run "
                          "with a finished condition; finish one by running its command again"
                          if left_out else "give at least one run directory")
-    unknown = sorted({r.protocol for r in runs} - set(REPORTED_PROTOCOLS))
+    known = reported_protocols()
+    unknown = sorted({r.protocol for r in runs} - set(known))
     if unknown:
-        raise ValueError(f"runs of unknown protocol(s) {unknown}; the report knows {', '.join(REPORTED_PROTOCOLS)}")
+        raise ValueError(f"runs of unknown protocol(s) {unknown}; the report knows {', '.join(known)}")
     final = Path(out_dir)
     final.mkdir(parents=True, exist_ok=True)
     earlier = {p.name for p in final.iterdir() if p.is_file() and p.suffix in REPORT_SUFFIXES}
@@ -113,12 +100,12 @@ def _write_report(runs, left_out, out: Path, n_boot, seed, level, plots, baselin
                "about the architectures.**", ""]
     md += list(preamble or [])
     models = model_table(runs)
-    files.append(_write_csv(models, out / "models.csv"))
+    files.append(write_csv(models, out / "models.csv"))
     md += ["## Models", "", MODELS_CAPTION, "", to_markdown(format_model_table(models)), ""]
 
     comparison = compare_models(runs, n_boot=n_boot, seed=seed, level=level, baseline=baseline)
     if not comparison.empty and comparison["model"].nunique() > 1:
-        files.append(_write_csv(comparison, out / "comparison.csv"))
+        files.append(write_csv(comparison, out / "comparison.csv"))
         md += ["## Findings: which model loses least", ""] + findings_text(comparison, baseline) + [
             "Every number above, with its interval: `comparison.csv`.", ""]
         if plots:
@@ -128,56 +115,15 @@ def _write_report(runs, left_out, out: Path, n_boot, seed, level, plots, baselin
 
     md += agreement_findings(runs, n_boot=n_boot, seed=seed, level=level)
 
-    t9 = rotation_table(runs)
-    if not t9.empty:
-        shown = format_rotation(t9)
-        files.append(_write_csv(t9, out / "table9_rotation.csv"))
-        atomic_write_text(out / "table9_rotation.md", to_markdown(shown))
-        groups = [(title, 2) for _, title in TABLE9_CONDITIONS]
-        atomic_write_text(out / "table9_rotation.tex", to_latex(
-            shown, groups=groups, subheaders=["Method"] + ["top-1", "top-5"] * 5, caption=TABLE9_CAPTION,
-            label="tab:rotation"))
-        files += [out / "table9_rotation.md", out / "table9_rotation.tex"]
-        sweep = rotation_sweep(runs)
-        files.append(_write_csv(sweep, out / "rotation_conditions.csv"))
-        md += ["## Table 9: rotation and flipping", "", TABLE9_CAPTION, "", to_markdown(shown),
-               "All conditions (including the left-right flip and the angle sweep): `rotation_conditions.csv`.", ""]
-        if plots:
-            files += plot_rotation(sweep, out)
-            md += ["![accuracy against rotation angle](rotation_angle.png)", ""]
-
-    t10 = pgd_table(runs)
-    if not t10.empty:
-        shown = format_pgd(t10)
-        files.append(_write_csv(t10, out / "table10_pgd.csv"))
-        atomic_write_text(out / "table10_pgd.md", to_markdown(shown))
-        atomic_write_text(out / "table10_pgd.tex", to_latex(
-            shown, groups=[("clean", 1), ("attack n=2", 2), ("attack n=4", 2)],
-            subheaders=["Method", "top-1", "s. rate", "top-1", "s. rate", "top-1"], caption=TABLE10_CAPTION,
-            label="tab:pgd"))
-        files += [out / "table10_pgd.md", out / "table10_pgd.tex"]
-        sweep = pgd_sweep(runs)
-        files.append(_write_csv(sweep, out / "pgd_conditions.csv"))
-        cc = t10[t10["source"] == "ours"][["label", "n", "n2_success_rate_clean_correct",
-                                           "n2_top1_clean_correct", "n4_success_rate_clean_correct",
-                                           "n4_top1_clean_correct"]]
-        md += ["## Table 10: targeted PGD", "", TABLE10_CAPTION, "", to_markdown(shown),
-               "On the clean-correct images only:", "", to_markdown(cc),
-               "Every attack setting (sweeps included): `pgd_conditions.csv`.", ""]
-        if plots:
-            files += plot_pgd(sweep, out)
-            md += ["![PGD against steps](pgd_steps.png) ![PGD against eps](pgd_eps.png)", ""]
-
-    attack_md, attack_files = attack_sections(runs, out, n_boot=n_boot, seed=seed, level=level, plots=plots)
-    md += attack_md
-    files += attack_files
-    shift_md, shift_files = shift_sections(runs, out, baseline=baseline, plots=plots)
-    md += shift_md
-    files += shift_files
+    context = ReportContext(runs, out, n_boot=n_boot, seed=seed, level=level, plots=plots, baseline=baseline)
+    for section in report_sections():
+        section_md, section_files = section.write(context)
+        md += section_md
+        files += section_files
 
     ci = headline_ci(runs, n_boot=n_boot, seed=seed, level=level)
     if not ci.empty:
-        files.append(_write_csv(ci, out / "headline_ci.csv"))
+        files.append(write_csv(ci, out / "headline_ci.csv"))
         shown_ci = ci.assign(interval=[f"{v:.1f} [{lo:.1f}, {hi:.1f}]" for v, lo, hi in
                                        zip(ci["value"], ci["low"], ci["high"])])[["label", "metric", "interval",
                                                                                    "n"]]

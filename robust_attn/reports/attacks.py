@@ -1,4 +1,4 @@
-"""The report's attack sections (issue #14): a RobustBench-style table, the transfer matrix as a
+"""The report's attack sections: a RobustBench-style table, the transfer matrix as a
 heat map, and the gradient-masking verdicts.
 
 * Robust accuracy table: per model, clean top-1 and top-1 under AutoAttack at each eps (and
@@ -12,7 +12,7 @@ heat map, and the gradient-masking verdicts.
 * Masking verdicts: every check of ``checks.json`` in the masking runs, per model: name, verdict
   and the evidence's summary.
 
-Everything is computed from the per-image records (:func:`robust_attn.results.load_records`).
+Everything is computed from the per-image records (:func:`robust_attn.runs.store.load_records`).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from robust_attn.protocols.report_section import ReportContext, report_section
 from robust_attn.reports.runs import model_names
 from robust_attn.reports.stats import bootstrap_mean_ci
 
@@ -259,3 +260,9 @@ def attack_sections(runs, out: Path, n_boot: int = 1000, seed: int = 0, level: f
                + (": " + ", ".join(f"{m} ({c})" for m, c in zip(flagged["model"], flagged["check"])) if len(flagged)
                   else "") + ".", "", to_markdown(verdicts), ""]
     return md, files
+
+
+@report_section("attacks", order=30, protocols=("attack", "transfer", "masking"))
+def attack_report(ctx: ReportContext) -> tuple[list[str], list[Path]]:
+    """The report's attack sections (:func:`attack_sections`) for the attack, transfer and masking runs."""
+    return attack_sections(ctx.runs, ctx.out, n_boot=ctx.n_boot, seed=ctx.seed, level=ctx.level, plots=ctx.plots)

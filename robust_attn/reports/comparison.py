@@ -10,9 +10,9 @@ loss, so two models evaluated on the same images can be compared image by image:
   setting (every setting the runs share: Table 10's two and any eps sweep), in points.
 * ``pgd_success:<setting>``: targeted attack success (prediction equals the target), in %.
 * ``attack_drop:<condition>``: top-1 hit on the clean image minus the hit under an evaluation
-  attack of the ``attack`` protocol (AutoAttack, Square, ...; issue #14), in points.
+  attack of the ``attack`` protocol (AutoAttack, Square, ...), in points.
 * ``shift_drop:<protocol>``: top-1 hit on the clean image minus the mean hit over every
-  shifted condition of a shift protocol (corruption, occlusion, shuffle; issue #17), in points.
+  shifted condition of a shift protocol (corruption, occlusion, shuffle), in points.
 
 Lower is better for all four. For each measure the model with the lowest mean is "best"; the
 difference of every other model to it, and to the convolutional baseline, is bootstrapped over
@@ -31,6 +31,7 @@ import pandas as pd
 from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS
 from robust_attn.reports.attacks import ATTACK_LABELS
 from robust_attn.reports.runs import model_names
+from robust_attn.protocols.report_section import shift_protocols
 from robust_attn.reports.stats import bootstrap_mean_ci
 
 __all__ = ["per_image_losses", "compare_models", "findings_text", "agreement_findings", "ROTATED",
@@ -38,7 +39,6 @@ __all__ = ["per_image_losses", "compare_models", "findings_text", "agreement_fin
 
 ROTATED = ("cw90", "cw180", "cw270", "flip_ud")  # Table 9's four rotated conditions
 DEFAULT_BASELINE = "resnet26"
-SHIFT_PROTOCOLS = ("corruption", "occlusion", "shuffle")   # protocols with a clean and shifted conditions
 _HEADLINE_PGD = PAPER_SETTINGS[1].name           # {8, 2, 4}: the stronger of Table 10's two settings
 HEADLINE_MEASURES = ["rotation_drop", f"pgd_drop:{_HEADLINE_PGD}", f"pgd_success:{_HEADLINE_PGD}"]
 #: which measures each SAN measure is checked against (:func:`agreement_findings`): Table 10's
@@ -87,6 +87,7 @@ def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
         images = json.dumps(run.description["dataset"], sort_keys=True)
         columns.setdefault((images, key), {}).setdefault(names[id(run)], values.astype(float))
 
+    shift_kinds = shift_protocols()
     for run in runs:
         if run.protocol == "rotation":
             top1 = _hits(run.records, "top1")
@@ -96,7 +97,7 @@ def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
             top1 = _hits(run.records, "top1")
             for condition in (c for c in top1.columns if c != CLEAN and CLEAN in top1):
                 put(run, f"attack_drop:{condition}", top1[CLEAN] - top1[condition])
-        elif run.protocol in SHIFT_PROTOCOLS:
+        elif run.protocol in shift_kinds:
             top1 = _hits(run.records, "top1")
             shifted = [c for c in top1.columns if c != CLEAN]
             if CLEAN in top1 and shifted:
@@ -133,7 +134,7 @@ def _attack_label(condition: str) -> str:
 
 
 def _family(model: str) -> str:
-    from robust_attn.registry import model_info
+    from robust_attn.models.registry import model_info
 
     try:
         return model_info(model.split(" (")[0]).family   # a name with its weights: model_names
@@ -240,7 +241,7 @@ def findings_text(comparison: pd.DataFrame, baseline: str = DEFAULT_BASELINE) ->
 
 
 def _attack_drop_tables(drops: pd.DataFrame, baseline: str) -> list[str]:
-    """The evaluation attacks (issue #14: AutoAttack, Square, ...): the top-1 drop per model and
+    """The evaluation attacks (AutoAttack, Square, ...): the top-1 drop per model and
     attack with its interval, then its paired difference from ``baseline``; models in the order
     of the first attack's drop, attacks in the comparison's order."""
     if drops.empty:

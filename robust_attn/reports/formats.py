@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import math
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
-__all__ = ["to_markdown", "to_latex"]
+from robust_attn.utils.io import atomic_path
+
+__all__ = ["to_markdown", "to_latex", "write_csv"]
 
 
 def to_markdown(frame: pd.DataFrame) -> str:
@@ -54,3 +58,10 @@ def to_latex(frame: pd.DataFrame, groups: list[tuple[str, int]] | None = None,
         lines.append(rf"\label{{{label}}}")
     lines.append(r"\end{table}")
     return "\n".join(lines) + "\n"
+
+
+def write_csv(frame: pd.DataFrame, path: Path) -> Path:
+    """A report table as CSV (4 decimals), written atomically."""
+    with atomic_path(path) as tmp:
+        frame.to_csv(tmp, index=False, float_format="%.4f")
+    return path

@@ -1,10 +1,10 @@
-"""The report's model table: where each model came from (issue #15).
+"""The report's model table: where each model came from.
 
 One row per model (the runs of the same weights on the same data share it), labelled as in the
 other tables: its source and spec (:mod:`robust_attn.sources`), where its weights came from with
 their sha256 (shortened), the preprocessing its images went through, and its parameter count,
 all read from the runs' ``run.json`` (:mod:`robust_attn.sources.provenance`), and the hardware
-that computed its records (per chunk, :meth:`robust_attn.results.RunStore.computed_on`: a run
+that computed its records (per chunk, :meth:`robust_attn.runs.store.RunStore.computed_on`: a run
 started on a GPU and finished on a CPU, or resumed on another machine, says so). Runs recorded
 before these keys existed show what they have (a zoo entry, a checkpoint hash) and ``-`` or "not
 recorded" elsewhere.
@@ -16,7 +16,7 @@ from collections import Counter
 import pandas as pd
 
 from robust_attn.reports.runs import Run, run_labels
-from robust_attn.results import RunStore
+from robust_attn.runs.store import RunStore
 
 __all__ = ["model_table", "format_model_table", "computed_on", "MODELS_CAPTION", "describe_preprocessing"]
 
@@ -59,7 +59,7 @@ def _weights(description: dict) -> tuple[str, str]:
 
 
 def computed_on(runs: list[Run]) -> str:
-    """The hardware that computed the runs' records (:meth:`robust_attn.results.RunStore.computed_on`:
+    """The hardware that computed the runs' records (:meth:`robust_attn.runs.store.RunStore.computed_on`:
     ``cpu AVX512 96ccc860eb 1 thread``, or plain ``cpu`` for chunks written before entries named
     the hardware), with the chunks of each where there are several (``cpu ...: 4 chunks, cuda
     NVIDIA H200: 1 chunk``); ``not recorded`` for runs written before chunks named their device.

@@ -2,7 +2,7 @@
 
 The question a reproduction asks: a run computed again (on another machine, with other code, or
 resumed after a stop) against the one a report was made from. Two runs' per-image records
-(:meth:`robust_attn.results.RunStore.records`, checksums verified) are joined on
+(:meth:`robust_attn.runs.store.RunStore.records`, checksums verified) are joined on
 ``(condition, index)``; for every condition the two share, :func:`diff_runs` counts the images
 both hold, those only one holds, and per record field the images where the field differs. Real
 numbers (margins, norms) differ when ``|a - b| > atol`` (both missing counts as equal); integers
@@ -11,8 +11,8 @@ Two runs are *the same* when they share at least one condition, each shared cond
 alike (its attack, eps, seed, ... in ``run.json``), and its records hold the same images with every
 field equal: a run of radii {8} reproduces the 8/255 part of a run of {1, 2, 4, 8}. What else
 differs is put beside the verdict: conditions one run has and the other lacks, the rest of the
-runs' settings (``run.json`` less where and how each ran, :data:`robust_attn.results.VOLATILE_KEYS`),
-and the hardware that computed each (:meth:`~robust_attn.results.RunStore.computed_on`), because
+runs' settings (``run.json`` less where and how each ran, :data:`robust_attn.runs.store.VOLATILE_KEYS`),
+and the hardware that computed each (:meth:`~robust_attn.runs.store.RunStore.computed_on`), because
 float rounding differs between machines: a borderline image can flip where the code is the same.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from robust_attn.results import VOLATILE_KEYS, RunStore, condition_definitions
+from robust_attn.runs.store import VOLATILE_KEYS, RunStore, condition_definitions
 from robust_attn.utils.differences import describe_difference
 
 __all__ = ["ConditionDiff", "RunDiff", "diff_runs", "diff_lines"]
@@ -87,7 +87,7 @@ def _settings(a: dict, b: dict) -> str:
 def diff_runs(a: str | RunStore, b: str | RunStore, atol: float = 0.0) -> RunDiff:
     """Compare two runs' records (module docstring). ``atol``: how far two numbers may be apart
     and count as equal (0: exactly equal, as the records store them). Raises
-    :class:`~robust_attn.results.DamagedRecordsError` where a run's records fail their checksums."""
+    :class:`~robust_attn.runs.store.DamagedRecordsError` where a run's records fail their checksums."""
     if atol < 0:
         raise ValueError(f"atol must be at least 0, got {atol}")
     a, b = (s if isinstance(s, RunStore) else RunStore(s) for s in (a, b))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from robust_attn.results import RunStore, load_description, load_records
+from robust_attn.runs.store import RunStore, load_description, load_records
 
 __all__ = ["Run", "PARTIAL_PROTOCOLS", "load_runs", "load_finished", "check_one_result_per_condition",
            "check_one_variant_per_dataset", "model_key", "run_labels", "distinct_labels", "model_names",

@@ -1,4 +1,4 @@
-"""The report's distribution-shift sections (issue #17), from the per-image records of the
+"""The report's distribution-shift sections, from the per-image records of the
 corruption, occlusion and shuffle runs:
 
 * corruptions: top-1 per model, corruption and severity (``corruption_accuracy.csv``); per
@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from robust_attn.protocols.report_section import ReportContext, report_section
 from robust_attn.shifts.metrics import corruption_errors, error_table, mce_summary
 
-__all__ = ["SHIFT_PROTOCOLS", "condition_table", "corruption_summary", "plot_severity", "plot_heatmap",
-           "plot_against", "shift_sections"]
-
-SHIFT_PROTOCOLS = ("corruption", "occlusion", "shuffle")
+__all__ = ["condition_table", "corruption_summary", "plot_severity", "plot_heatmap", "plot_against",
+           "corruption_section", "occlusion_section", "shuffle_section"]
 
 
 def _labelled(runs, protocol: str) -> list[tuple[str, object]]:
@@ -171,58 +170,79 @@ def plot_against(table: pd.DataFrame, x: str, series: list[str], path: Path, xla
     return _save(plt, fig, path)
 
 
-def shift_sections(runs, out: Path, baseline: str, plots: bool = True) -> tuple[list[str], list[Path]]:
-    """The report's Markdown lines and files for the corruption, occlusion and shuffle runs."""
-    from robust_attn.reports import _write_csv
+def _write_table(ctx: ReportContext, frame: pd.DataFrame, name: str) -> Path:
+    from robust_attn.reports.formats import write_csv
+
+    return write_csv(frame, ctx.out / name)
+
+
+@report_section("corruption", order=40, shift=True)
+def corruption_section(ctx: ReportContext) -> tuple[list[str], list[Path]]:
+    """Common corruptions: top-1, mCE and relative mCE against the baseline, and their plots."""
     from robust_attn.reports.formats import to_markdown
 
     md: list[str] = []
     files: list[Path] = []
-
-    def write_csv(frame: pd.DataFrame, name: str) -> None:
-        files.append(_write_csv(frame, out / name))
-
-    table = condition_table(runs, "corruption")
+    table = condition_table(ctx.runs, "corruption")
     if not table.empty:
-        write_csv(table, "corruption_accuracy.csv")
-        summary = corruption_summary(runs, baseline)
-        write_csv(summary, "corruption_summary.csv")
-        ce = corruption_ce(runs, baseline)
+        files.append(_write_table(ctx, table, "corruption_accuracy.csv"))
+        summary = corruption_summary(ctx.runs, ctx.baseline)
+        files.append(_write_table(ctx, summary, "corruption_summary.csv"))
+        ce = corruption_ce(ctx.runs, ctx.baseline)
         if not ce.empty:
-            write_csv(ce, "corruption_ce.csv")
+            files.append(_write_table(ctx, ce, "corruption_ce.csv"))
         shown = summary.drop(columns=["model", "dataset"]).round(1)
+        baseline = ctx.baseline
         md += ["## Common corruptions", "",
                f"Hendrycks & Dietterich (ICLR 2019): top-1 (%) on the clean images and averaged over every corruption "
                f"and severity; mCE and relative mCE (%) against `{baseline}` (100: as robust as it; lower is better; "
                f"empty without a `{baseline}` run on the same images). Per corruption and severity: "
                f"`corruption_accuracy.csv`; CE per corruption: `corruption_ce.csv`.", "", to_markdown(shown)]
-        if plots:
-            files += [plot_severity(table, out / "corruption_severity.png"),
-                      plot_heatmap(table, out / "corruption_heatmap.png")]
+        if ctx.plots:
+            files += [plot_severity(table, ctx.out / "corruption_severity.png"),
+                      plot_heatmap(table, ctx.out / "corruption_heatmap.png")]
             md += ["![top-1 against severity](corruption_severity.png)",
                    "![top-1 per corruption](corruption_heatmap.png)", ""]
-    occ = condition_table(runs, "occlusion")
-    if not occ.empty:
-        write_csv(occ, "occlusion_conditions.csv")
-        wide = occ.pivot_table(index="label", columns="condition", values="top1", sort=False).round(1).reset_index()
-        md += ["## Occlusion", "", "Naseer et al. (2021): top-1 (%) with one random square covering k% of the image "
-               "(`square<k>_<fill>`) and with a random share of the cells of a grid dropped (`drop<g>x<g>_<percent>_"
-               "<fill>`), filled with zeros or the dataset's mean colour.", "", to_markdown(wide)]
-        if plots:
-            occ_plot = occ[occ["condition"] != "clean"].assign(series=lambda f: f["kind"] + " " + f["fill"])
-            occ_plot = pd.concat([occ_plot, occ[occ["condition"] == "clean"]])
-            files.append(plot_against(occ_plot, "percent", ["series"], out / "occlusion.png",
-                                      "occluded share of the image (%)", "Occlusion (Naseer et al. 2021)"))
-            md += ["![top-1 against occluded share](occlusion.png)", ""]
-    shu = condition_table(runs, "shuffle")
-    if not shu.empty:
-        write_csv(shu, "shuffle_conditions.csv")
-        wide = shu.pivot_table(index="label", columns="condition", values="top1", sort=False).round(1).reset_index()
-        md += ["## Patch shuffle", "", "Naseer et al. (2021): top-1 (%) with the image cut into a g x g grid and the "
-               "patches permuted (one seeded permutation per image; g = 1 is the unshuffled image).", "",
-               to_markdown(wide)]
-        if plots:
-            files.append(plot_against(shu, "grid", [], out / "shuffle.png", "grid g (g x g patches)",
-                                      "Patch shuffle (Naseer et al. 2021)", log2=True))
-            md += ["![top-1 against grid size](shuffle.png)", ""]
+    return md, files
+
+
+def _by_condition(ctx: ReportContext, protocol: str, title: str, text: str):
+    """The table of ``protocol``'s runs (``<protocol>_conditions.csv``) and its section: top-1 per
+    model (rows) and condition (columns) under ``title`` and ``text``; empty without runs."""
+    from robust_attn.reports.formats import to_markdown
+
+    table = condition_table(ctx.runs, protocol)
+    if table.empty:
+        return table, [], []
+    wide = table.pivot_table(index="label", columns="condition", values="top1", sort=False).round(1).reset_index()
+    files = [_write_table(ctx, table, f"{protocol}_conditions.csv")]
+    return table, [f"## {title}", "", text, "", to_markdown(wide)], files
+
+
+@report_section("occlusion", order=41, shift=True)
+def occlusion_section(ctx: ReportContext) -> tuple[list[str], list[Path]]:
+    """Occlusion: top-1 per model and condition, and against the occluded share."""
+    occ, md, files = _by_condition(
+        ctx, "occlusion", "Occlusion", "Naseer et al. (2021): top-1 (%) with one random square covering k% of the "
+        "image (`square<k>_<fill>`) and with a random share of the cells of a grid dropped (`drop<g>x<g>_<percent>_"
+        "<fill>`), filled with zeros or the dataset's mean colour.")
+    if md and ctx.plots:
+        occ_plot = occ[occ["condition"] != "clean"].assign(series=lambda f: f["kind"] + " " + f["fill"])
+        occ_plot = pd.concat([occ_plot, occ[occ["condition"] == "clean"]])
+        files.append(plot_against(occ_plot, "percent", ["series"], ctx.out / "occlusion.png",
+                                  "occluded share of the image (%)", "Occlusion (Naseer et al. 2021)"))
+        md += ["![top-1 against occluded share](occlusion.png)", ""]
+    return md, files
+
+
+@report_section("shuffle", order=42, shift=True)
+def shuffle_section(ctx: ReportContext) -> tuple[list[str], list[Path]]:
+    """Patch shuffle: top-1 per model and grid, and against the grid size."""
+    shu, md, files = _by_condition(
+        ctx, "shuffle", "Patch shuffle", "Naseer et al. (2021): top-1 (%) with the image cut into a g x g grid and "
+        "the patches permuted (one seeded permutation per image; g = 1 is the unshuffled image).")
+    if md and ctx.plots:
+        files.append(plot_against(shu, "grid", [], ctx.out / "shuffle.png", "grid g (g x g patches)",
+                                  "Patch shuffle (Naseer et al. 2021)", log2=True))
+        md += ["![top-1 against grid size](shuffle.png)", ""]
     return md, files

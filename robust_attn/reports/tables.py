@@ -2,7 +2,7 @@
 and as Markdown and LaTeX by :mod:`robust_attn.reports.formats`).
 
 Everything here is computed from the per-image records of the run directories
-(:func:`robust_attn.results.load_records`). Where a run's model and dataset match a row of the
+(:func:`robust_attn.runs.store.load_records`). Where a run's model and dataset match a row of the
 published tables (``reports/reference``; ImageNet only, since the paper evaluates on ImageNet
 val-original), the published numbers are placed in the row below ours, marked ``paper``.
 
@@ -18,9 +18,10 @@ import numpy as np
 import pandas as pd
 
 from robust_attn.protocols.pgd import CLEAN, PAPER_SETTINGS, summarize_pgd
-from robust_attn.protocols.rotation import PAPER_CONDITIONS, summarize_rotation
+from robust_attn.protocols.rotation import summarize_rotation
 from robust_attn.reports.runs import Run, model_key, run_labels
 from robust_attn.reports.stats import bootstrap_mean_ci
+from robust_attn.shifts.rotation import PAPER_CONDITIONS
 
 __all__ = ["TOP5_NA", "rotation_table", "pgd_table", "rotation_sweep", "pgd_sweep", "headline_ci", "format_rotation",
            "format_pgd", "TABLE9_CONDITIONS", "TABLE10_SETTINGS"]
@@ -36,7 +37,7 @@ assert [c.name for c in PAPER_CONDITIONS] == [c for c, _ in TABLE9_CONDITIONS]
 
 
 def _reference(name: str) -> dict[str, dict]:
-    from robust_attn.reference import reference_table
+    from robust_attn.models.reference import reference_table
 
     return {row["model"]: row for row in reference_table(name).to_dict("records")}
 

@@ -1,4 +1,4 @@
-"""One spec string for a model's source (issue #15): the CLI's ``--model``, the Python API and configs.
+"""One spec string for a model's source: the CLI's ``--model``, the Python API and configs.
 
     >>> from robust_attn.data import dataset_info
     >>> from robust_attn.sources import load_model_spec
@@ -32,75 +32,83 @@ attribute; ``None`` for sources whose weights take the dataset's images as they 
 registry, the zoo's checkpoints, a user's function without one). The run description records
 where the model came from: ``source``, ``spec``, ``weights_origin``, ``weights_sha256``,
 ``params`` and ``preprocessing`` (:mod:`robust_attn.sources.provenance`). Every model is checked
-to output the dataset's number of classes (:func:`robust_attn.checkpoint.check_num_classes`).
+to output the dataset's number of classes (:func:`robust_attn.models.checkpoint.check_num_classes`).
 
 A new source is one new module in this package with a function decorated by
 ``@register_source("prefix")`` (optionally ``check=``: what is wrong with a spec before anything
 is built, :func:`check_spec`) taking a :class:`SourceRequest` and returning a
 :class:`LoadedModel` whose description names ``weights_origin`` and ``weights_sha256``; the
-modules are imported when a spec is first resolved.
+modules are imported when a spec is first resolved (:data:`SOURCES`).
 """
 from __future__ import annotations
 
 import difflib
-import importlib
-import pkgutil
 import re
-from pathlib import PurePath
+from dataclasses import dataclass
 from typing import Callable
 
 from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file,
                                       state_dict_sha256)
+from robust_attn.utils.registry import Registry
 
-__all__ = ["Preprocessing", "LoadedModel", "SourceError", "SourceRequest", "register_source", "list_sources",
-           "parse_spec", "check_spec", "spec_label", "load_model_spec", "state_dict_sha256", "load_weights_file", "SPEC_HELP"]
+__all__ = ["Preprocessing", "LoadedModel", "SourceError", "SourceRequest", "Source", "SOURCES", "register_source",
+           "list_sources", "parse_spec", "check_spec", "spec_label", "load_model_spec", "state_dict_sha256",
+           "load_weights_file", "spec_help"]
 
-SPEC_HELP = ("NAME (registry; with --checkpoint), zoo:NAME, timm:NAME, torchvision:NAME[:WEIGHTS|none], "
-             "san-official:PATH.pth[:ARCH], FILE.py:FUNCTION or package.module:FUNCTION")
 
-_SOURCES: dict[str, Callable[[SourceRequest], LoadedModel]] = {}
-_CHECKS: dict[str, Callable[[str, str], None]] = {}
+
+@dataclass(frozen=True)
+class Source:
+    """A registered source: ``load(request)``, and optionally ``check(target, spec)`` (what is wrong
+    with a spec before anything is built), ``label(target)`` (its :func:`spec_label`) and ``form``
+    (how a spec of it is written, for :func:`spec_help`)."""
+
+    load: Callable[[SourceRequest], LoadedModel]
+    check: Callable[[str, str], None] | None = None
+    label: Callable[[str], str] | None = None
+    form: str = ""
+
+
+#: every model source by prefix, from the modules of this package
+SOURCES: Registry[Source] = Registry("model source", package="robust_attn.sources", error=SourceError)
 #: the sources chosen by a spec's form rather than a prefix
 REGISTRY, CALLABLE = "registry", "callable"
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
-def register_source(prefix: str, *, check: Callable[[str, str], None] | None = None):
+def register_source(prefix: str, *, check: Callable[[str, str], None] | None = None,
+                    label: Callable[[str], str] | None = None, form: str = ""):
     """Decorator registering ``fn(request) -> LoadedModel`` as the source of ``prefix:...`` specs;
     ``check(target, spec)`` (optional) raises :class:`SourceError` for what is wrong with a spec
-    before anything is built (:func:`check_spec`)."""
+    before anything is built (:func:`check_spec`); ``label(target)`` (optional) names the model
+    (:func:`spec_label`; default ``prefix-NAME``); ``form``: how a spec is written (default
+    ``prefix:NAME``)."""
 
     def wrap(fn):
-        if prefix in _SOURCES:
-            raise ValueError(f"model source {prefix!r} is registered twice")
-        _SOURCES[prefix] = fn
-        if check is not None:
-            _CHECKS[prefix] = check
+        SOURCES.register(prefix, Source(fn, check, label, form or f"{prefix}:NAME"))
         return fn
 
     return wrap
 
 
-def _ensure_sources_imported() -> None:
-    for info in pkgutil.iter_modules(__path__):
-        if info.name not in ("base", "provenance", "inputs"):
-            importlib.import_module(f"{__name__}.{info.name}")
-
-
 def list_sources() -> list[str]:
-    _ensure_sources_imported()
-    return sorted(_SOURCES)
+    return SOURCES.names()
+
+
+def spec_help() -> str:
+    """How a spec of each source is written, e.g. for ``--model``'s help."""
+    return ", ".join(source.form for _, source in SOURCES.items())
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
     """``(source, target)`` of a spec: a registered prefix first, then ``FILE.py:FUNCTION`` /
     ``package.module:FUNCTION``, then a bare registry ``NAME``."""
-    _ensure_sources_imported()
+    SOURCES.discover()
     if not isinstance(spec, str) or not spec.strip():
-        raise SourceError(f"empty model spec; give one of: {SPEC_HELP}")
+        raise SourceError(f"empty model spec; give one of: {spec_help()}")
     spec = spec.strip()
     prefix, sep, rest = spec.partition(":")
-    if sep and prefix in _SOURCES:
+    if sep and prefix in SOURCES:
         if not rest:
             raise SourceError(f"model spec {spec!r} names no model after {prefix + ':'!r}; e.g. {prefix}:NAME")
         return prefix, rest
@@ -109,7 +117,7 @@ def parse_spec(spec: str) -> tuple[str, str]:
         if re.fullmatch(_IDENT, function) and (left.endswith(".py") or re.fullmatch(rf"{_IDENT}(\.{_IDENT})*", left)):
             return CALLABLE, spec
         raise SourceError(f"unknown model source {prefix!r} in {spec!r}.{_suggest(prefix)} A spec is one of: "
-                          f"{SPEC_HELP}")
+                          f"{spec_help()}")
     if spec.endswith(".py"):
         raise SourceError(f"{spec!r} is a Python file: name the function that builds the model, {spec}:FUNCTION")
     if spec.endswith((".safetensors", ".pth", ".pt")):
@@ -123,13 +131,14 @@ def check_spec(spec: str) -> tuple[str, str]:
     ``check``: e.g. a user's ``FILE.py`` or a ``san-official:`` file exists, a module's package can
     be found, so ``tim:x`` is an unknown source with the hint ``timm:``)."""
     source, target = parse_spec(spec)
-    if source in _CHECKS:
-        _CHECKS[source](target, spec)
+    check = SOURCES.get(source).check
+    if check is not None:
+        check(target, spec)
     return source, target
 
 
 def _suggest(prefix: str) -> str:
-    close = difflib.get_close_matches(prefix, [p for p in _SOURCES if p not in (REGISTRY, CALLABLE)], n=1)
+    close = difflib.get_close_matches(prefix, [p for p in SOURCES.names() if p not in (REGISTRY, CALLABLE)], n=1)
     return f" Did you mean {close[0] + ':'!r}?" if close else ""
 
 
@@ -145,18 +154,8 @@ def spec_label(spec: str) -> str:
     ``MODULE-FUNCTION`` for a user's function. Only letters, digits, ``_``, ``+`` and ``-``
     (other characters become ``_``), so it can name a folder and a transfer condition."""
     source, target = parse_spec(spec)
-    if source in (REGISTRY, "zoo"):
-        name = target
-    elif source == CALLABLE:
-        left, _, function = target.rpartition(":")
-        name = f"{PurePath(left).stem if left.endswith('.py') else left.rsplit('.', 1)[-1]}-{function}"
-    elif source == "san-official":
-        from robust_attn.sources.san_official import split_target
-
-        path, arch = split_target(target)
-        name = arch or path.stem
-    else:
-        name = f"{source}-{target.split(':')[0]}"
+    label = SOURCES.get(source).label
+    name = label(target) if label is not None else f"{source}-{target.split(':')[0]}"
     return re.sub(r"[^A-Za-z0-9_+-]+", "_", name).strip("_") or source
 
 
@@ -174,24 +173,27 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
     ``spec`` may be None with a ``checkpoint``: the architecture its sidecar names.
     ``other_dataset``: allow a robust-attn checkpoint whose sidecar names another dataset than
     ``dataset_info`` (its normalization and classes belong to that one; refused by default).
+    A dataset whose classes are some of the model's (``dataset_info.logit_subset``, e.g.
+    ImageNet-R) gets the model built and checked for all of them, then restricted to its own
+    (:class:`robust_attn.models.wrapper.ClassSubset`; ``logit_subset`` in the description).
 
     The description records where the model came from (:mod:`robust_attn.sources.provenance`):
     ``source``, ``spec``, ``weights_origin``, ``weights_sha256``, ``params`` and ``preprocessing``."""
-    from robust_attn.checkpoint import check_num_classes
+    from robust_attn.models.checkpoint import check_num_classes
     from robust_attn.sources.provenance import count_parameters
 
     if spec is None:
         if not checkpoint:
-            raise SourceError(f"give a model spec ({SPEC_HELP}) or a checkpoint")
-        _ensure_sources_imported()
+            raise SourceError(f"give a model spec ({spec_help()}) or a checkpoint")
         source, target = REGISTRY, ""
     else:
         source, target = parse_spec(spec)
-    request = SourceRequest(spec=spec if spec is not None else "", target=target, dataset_info=dataset_info,
+    model_info = dataset_info.for_models()   # a test set of some of the model's classes: the model's
+    request = SourceRequest(spec=spec if spec is not None else "", target=target, dataset_info=model_info,
                             checkpoint=str(checkpoint) if checkpoint else None, model_args=dict(model_args or {}),
                             seed=seed, device=str(device), manifest=str(manifest) if manifest else None,
                             other_dataset=other_dataset)
-    loaded = _SOURCES[source](request)
+    loaded = SOURCES.get(source).load(request)
     loaded.model = loaded.model.to(device).eval()
     desc = loaded.description
     desc.setdefault("source", source)
@@ -202,5 +204,10 @@ def load_model_spec(spec: str | None, *, dataset_info, checkpoint: str | None = 
     desc["preprocessing"] = loaded.preprocessing.as_dict() if loaded.preprocessing is not None else None
     if check:
         size = loaded.preprocessing.input_size if loaded.preprocessing is not None else dataset_info.image_size
-        check_num_classes(loaded.model, dataset_info.num_classes, f"model {desc['spec']}", image_size=size)
+        check_num_classes(loaded.model, model_info.num_classes, f"model {desc['spec']}", image_size=size)
+    if dataset_info.logit_subset:
+        from robust_attn.models.wrapper import ClassSubset
+
+        loaded.model = ClassSubset(loaded.model, dataset_info.logit_subset).to(device).eval()
+        desc["logit_subset"] = {"classes": len(dataset_info.logit_subset), "of": dataset_info.model_classes}
     return loaded

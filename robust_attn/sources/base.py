@@ -1,7 +1,7 @@
 """What every model source returns: the model, its preprocessing and where it came from.
 
 A source turns the part of a spec after its prefix (``timm:`` ``resnet50``) into a
-:class:`LoadedModel`: a :class:`~robust_attn.wrapper.NormalizedModel` in eval mode (images in
+:class:`LoadedModel`: a :class:`~robust_attn.models.wrapper.NormalizedModel` in eval mode (images in
 [0, 1]; the source's mean/std live inside the wrapper, so attacks never see normalized
 pixels), the :class:`Preprocessing` the weights expect (``None``: the dataset's own images as
 they are), and a description for the run directory that always names the source, the spec and
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 __all__ = ["SourceError", "Preprocessing", "LoadedModel", "SourceRequest", "state_dict_sha256",
            "load_weights_file", "INTERPOLATIONS"]

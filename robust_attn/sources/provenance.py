@@ -1,4 +1,4 @@
-"""Where a run's model came from, as recorded in every run's ``run.json`` (issue #15).
+"""Where a run's model came from, as recorded in every run's ``run.json``.
 
 Every model description (the CLI's, the study's, and the Python API's) carries:
 
@@ -95,7 +95,7 @@ def wrap_library_model(net: nn.Module, preprocessing: Preprocessing, desc: dict,
     (a local state dict) loaded if given, wrapped with its preprocessing's mean/std, and its
     weights' origin and hash recorded in ``desc``: the file's sha256, else the state dict's with
     ``pretrained`` or ``random`` (and the seed) as the origin."""
-    from robust_attn.wrapper import NormalizedModel
+    from robust_attn.models.wrapper import NormalizedModel
 
     if request.checkpoint:
         sha = load_weights_file(net, request.checkpoint, request.spec)

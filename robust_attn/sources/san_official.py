@@ -31,13 +31,20 @@ def check_san_official(target: str, spec: str) -> None:
                           f"(san-official:PATH.pth[:ARCH])")
 
 
-@register_source("san-official", check=check_san_official)
+def label_san_official(target: str) -> str:
+    """The architecture of ``PATH[:ARCH]``, else the file's stem."""
+    path, arch = split_target(target)
+    return arch or path.stem
+
+
+@register_source("san-official", check=check_san_official, label=label_san_official,
+                 form="san-official:PATH.pth[:ARCH]")
 def load_san_official(request: SourceRequest) -> LoadedModel:
     from robust_attn.importers import IMAGENET_MEAN, IMAGENET_STD, ConversionError, fc_classes, read_state_dict
     from robust_attn.importers.san_official import SAN_ARCHS, convert_san_official, guess_san_arch
-    from robust_attn.registry import create_model
+    from robust_attn.models.registry import create_model
     from robust_attn.utils.io import sha256_file
-    from robust_attn.wrapper import NormalizedModel
+    from robust_attn.models.wrapper import NormalizedModel
 
     if request.checkpoint or request.model_args:
         raise SourceError(f"{request.spec!r} names its weights file: drop --checkpoint and --model-args")

@@ -57,7 +57,7 @@ def preprocessing_of(weights) -> Preprocessing:
                          interpolation=interpolation)
 
 
-@register_source("torchvision")
+@register_source("torchvision", form="torchvision:NAME[:WEIGHTS|none]")
 def load_torchvision(request: SourceRequest) -> LoadedModel:
     models = _torchvision_models()
     name, _, weights_name = request.target.partition(":")

@@ -28,7 +28,7 @@ import importlib.util
 import inspect
 import sys
 import traceback
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 import torch.nn as nn
@@ -37,7 +37,7 @@ from robust_attn.sources import CALLABLE, register_source, unknown_module_hint
 from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file,
                                       state_dict_sha256)
 from robust_attn.sources.provenance import USER
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 PREPROCESSING_FIELDS = tuple(f.name for f in dataclasses.fields(Preprocessing))
 
@@ -101,7 +101,14 @@ def _call(fn, kwargs: dict, num_classes: int, where: str):
                           f"the whole traceback") from err
 
 
-@register_source(CALLABLE, check=check_user_function)
+def label_user_function(target: str) -> str:
+    """``STEM-FUNCTION`` for ``FILE.py:FUNCTION``, ``MODULE-FUNCTION`` for ``package.module:FUNCTION``."""
+    left, _, function = target.rpartition(":")
+    return f"{PurePath(left).stem if left.endswith('.py') else left.rsplit('.', 1)[-1]}-{function}"
+
+
+@register_source(CALLABLE, check=check_user_function, label=label_user_function,
+                 form="FILE.py:FUNCTION or package.module:FUNCTION")
 def load_user_function(request: SourceRequest) -> LoadedModel:
     check_user_function(request.target, request.spec)
     left, _, function = request.target.rpartition(":")

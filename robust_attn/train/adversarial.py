@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from robust_attn.attacks.base import AttackConfig
-from robust_attn.attacks.pgd import frozen_parameters
+from robust_attn.attacks.inputs import frozen_parameters
 from robust_attn.attacks.pgd_lp import PGD
 from robust_attn.train.recipe import AdversarialConfig
 

@@ -307,7 +307,7 @@ def _validate_adversarial(a: AdversarialConfig, epochs: int) -> None:
 
 def _validate(recipe: Recipe, check_data: bool) -> None:
     from robust_attn.data import dataset_info, locate_dataset
-    from robust_attn.registry import list_models
+    from robust_attn.models.registry import list_models
 
     models = list_models()
     if recipe.model not in models:

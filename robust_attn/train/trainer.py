@@ -11,7 +11,7 @@ Output directory::
     OUT/checkpoints/epoch_NNNN/           model.safetensors + model.json + state.pt
     OUT/checkpoints/LAST                  name of the newest complete epoch folder
     OUT/checkpoints/best/                 adversarial training with a guard: the best epoch's model
-    OUT/model.safetensors, OUT/model.json the final model (robust_attn.checkpoint format)
+    OUT/model.safetensors, OUT/model.json the final model (robust_attn.models.checkpoint format)
     OUT/tensorboard/                      if the tensorboard package is installed
 
 A checkpoint folder is complete before ``LAST`` is switched to it (an atomic rename), so a kill
@@ -43,17 +43,17 @@ import torch.nn as nn
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from robust_attn.checkpoint import save_checkpoint
+from robust_attn.models.checkpoint import save_checkpoint
 from robust_attn.data import SeededAugment, build_dataset, dataset_info
 from robust_attn.data.transforms import RandomCropFlip
 from robust_attn.distributed import barrier, init_distributed, is_distributed, shard_indices
-from robust_attn.registry import create_model
+from robust_attn.models.registry import create_model
 from robust_attn.train import adversarial as adv
 from robust_attn.train.ema import WeightAverage
 from robust_attn.train.optim import build_optimizer, build_scheduler
 from robust_attn.train.recipe import Recipe, RecipeError
 from robust_attn.utils.io import atomic_path, atomic_write_json, atomic_write_text, sha256_file
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 __all__ = ["train", "evaluate", "build_model", "CSV_COLUMNS", "ResumeError"]
 

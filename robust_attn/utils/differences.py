@@ -1,5 +1,5 @@
 """What differs between two stored values, said in a line: for the errors that refuse to resume
-a run under another description (:class:`robust_attn.results.RunMismatchError`), whose
+a run under another description (:class:`robust_attn.runs.store.RunMismatchError`), whose
 conditions and parameters can be hundreds of lines long."""
 from __future__ import annotations
 

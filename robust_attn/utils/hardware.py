@@ -7,7 +7,7 @@ borderline image can go another way (measured: the Fashion-MNIST study's AutoAtt
 sasa_resnet26 at 8/255, computed on another machine two days earlier, differs from a run here in
 the margins of 88 of 1,000 images and the prediction of 3, while the study's own commit run
 again here reproduces today's run on every field). Each record chunk therefore names its
-hardware (:meth:`robust_attn.results.RunStore.write_chunk`): the CPU's kernel level as PyTorch
+hardware (:meth:`robust_attn.runs.store.RunStore.write_chunk`): the CPU's kernel level as PyTorch
 dispatches it, a short hash of the CPU's model and flags, and the threads; or the GPU's name.
 """
 from __future__ import annotations

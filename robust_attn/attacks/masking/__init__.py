@@ -1,4 +1,4 @@
-"""Gradient-masking checks (issue #14), run with every attack and reported per model.
+"""Gradient-masking checks, run with every attack and reported per model.
 
 Not an attack (no ``@register_attack`` here): the five checks of the issue, one per module of this
 package (:mod:`.blackbox`, :mod:`.unbounded`, :mod:`.strength`, :mod:`.gradients`,

@@ -22,7 +22,7 @@ def _per_image_loss(model: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> 
 
 def _input_gradient(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """d CE(x_i, y_i) / d x_i for every image (the gradient of the summed loss: images are independent)."""
-    from robust_attn.attacks.pgd import frozen_parameters, validate_attack_inputs
+    from robust_attn.attacks.inputs import frozen_parameters, validate_attack_inputs
 
     labels = labels.to(images.device, torch.long)
     validate_attack_inputs(model, images, labels)

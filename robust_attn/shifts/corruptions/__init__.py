@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from robust_attn.shifts.seeds import image_rngs
+from robust_attn.utils.registry import Registry
 
 __all__ = ["CORRUPTIONS", "COMMON", "EXTRA", "FAMILIES", "SEVERITIES", "register", "corrupt", "corrupt_batch",
            "corruption_names", "check_corruption", "check_severity", "image_rngs"]
@@ -61,18 +62,13 @@ COMMON = tuple(name for names in FAMILIES.values() for name in names)
 EXTRA = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
 
 #: name -> ``fn(x, severity, rngs)``: x float64 (N, H, W, 3) in [0, 1], one generator per image;
-#: returns the corrupted images as floats in [0, 1] (clipped by :func:`corrupt_batch`).
-CORRUPTIONS: dict[str, Callable] = {}
+#: returns the corrupted images as floats in [0, 1] (clipped by :func:`corrupt_batch`). The family
+#: modules of this package register theirs with ``@register(name)``.
+CORRUPTIONS: Registry[Callable] = Registry("corruption", package="robust_attn.shifts.corruptions", error=ValueError)
 
 
 def register(name: str):
-    def add(fn: Callable) -> Callable:
-        if name in CORRUPTIONS:
-            raise ValueError(f"corruption {name!r} is registered twice")
-        CORRUPTIONS[name] = fn
-        return fn
-
-    return add
+    return CORRUPTIONS.add(name)
 
 
 def corruption_names(subset: str = "common") -> list[str]:
@@ -96,11 +92,13 @@ def corruption_names(subset: str = "common") -> list[str]:
 
 
 def check_corruption(name: str) -> str:
-    """``name`` if it is a corruption, else ValueError with the closest name."""
-    if name not in COMMON + EXTRA:
-        close = difflib.get_close_matches(name, COMMON + EXTRA, n=1, cutoff=0.5)
+    """``name`` if it is a corruption (the paper's 19 or one registered besides), else ValueError
+    with the closest name."""
+    if name not in CORRUPTIONS:
+        known = list(COMMON + EXTRA) + [n for n in CORRUPTIONS.names() if n not in COMMON + EXTRA]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown corruption {name!r}.{hint} Choose from {', '.join(COMMON + EXTRA)} "
+        raise ValueError(f"unknown corruption {name!r}.{hint} Choose from {', '.join(known)} "
                          f"(or common, extra, all, noise, blur, weather, digital).")
     return name
 
@@ -140,7 +138,7 @@ def corrupt_batch(images: np.ndarray, name: str, severity: int, indices: Sequenc
     if len(batch) == 0:
         return batch.copy()
     x = batch.astype(np.float64) / 255.0
-    out = CORRUPTIONS[name](x, severity, list(rngs))
+    out = CORRUPTIONS.get(name)(x, severity, list(rngs))
     return (np.clip(out, 0, 1) * 255).astype(np.uint8)
 
 
@@ -152,5 +150,3 @@ def corrupt(image: np.ndarray, name: str, severity: int, seed: int = 0, index: i
         raise ValueError(f"corrupt takes one (H, W, 3) or (H, W) image, got shape {image.shape}")
     return corrupt_batch(image[None], name, severity, indices=[index], seed=seed)[0]
 
-
-from robust_attn.shifts.corruptions import blur, digital, noise, spatter, weather  # noqa: E402,F401  (fill the registry)

@@ -1,4 +1,4 @@
-"""The models of a study (:mod:`robust_attn.study`): which, loaded from their specs, and the
+"""The models of a study (:mod:`robust_attn.study.run`): which, loaded from their specs, and the
 images each is evaluated on.
 
 Every model is loaded through its spec (:mod:`robust_attn.sources`; a zoo entry as
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from robust_attn.study_config import StudyModel
+from robust_attn.study.config import StudyModel
 
 __all__ = ["StudyEntry", "study_models", "load_models", "model_inputs"]
 

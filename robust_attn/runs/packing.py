@@ -1,10 +1,10 @@
-"""Packed runs (:mod:`robust_attn.results`): a finished run's records merged into one gzip CSV
+"""Packed runs (:mod:`robust_attn.runs.store`): a finished run's records merged into one gzip CSV
 (``records.csv.gz``) beside its ``run.json`` and other files, and ``checksums.json``, written
 last and atomically: the sha256 of every file, the row count of the records and the record
 chunks each device computed. Small enough to commit beside a report, so that the report can be
 derived again, verified end to end, from what was saved.
 
-:meth:`RunStore.pack <robust_attn.results.RunStore.pack>` writes one (:func:`write_packed`); a
+:meth:`RunStore.pack <robust_attn.runs.store.RunStore.pack>` writes one (:func:`write_packed`); a
 packed run reads like the original (:func:`verify_packed` checks it first) and cannot be written to.
 """
 from __future__ import annotations

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from robust_attn.checkpoint import CheckpointError, load_checkpoint, read_sidecar
+from robust_attn.models.checkpoint import CheckpointError, load_checkpoint, read_sidecar
 from robust_attn.utils.io import atomic_write_json, sha256_file
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 __all__ = ["ZooEntry", "Manifest", "ZOO_DIR", "default_manifest_path", "load_model", "verify_zoo"]
 
-ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo"
+ZOO_DIR = Path(__file__).resolve().parents[2] / "zoo"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SOURCES = ("checkpoint", "torchvision")
 

@@ -9,7 +9,7 @@ import pandas as pd
 
 __all__ = ["REFERENCE_DIR", "reference_table", "imagenet_reference"]
 
-REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reports" / "reference"
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "reports" / "reference"
 
 
 def reference_table(name: str) -> pd.DataFrame:

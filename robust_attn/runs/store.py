@@ -13,7 +13,7 @@ Layout of a run directory::
     targets.csv                       (PGD) the attack target of every image
     ...                               anything else a protocol saves (e.g. sanity checks)
 
-A finished run can be *packed* (:meth:`RunStore.pack`, :mod:`robust_attn.packing`): the same
+A finished run can be *packed* (:meth:`RunStore.pack`, :mod:`robust_attn.runs.packing`): the same
 directory with all records merged into one ``records.csv.gz`` instead of ``records/``, and a
 ``checksums.json``, small enough to commit beside a report so that the report can be derived
 again, verified end to end, from what was saved. A packed run reads like the original and cannot
@@ -25,7 +25,7 @@ command again computes exactly the missing ones. The chunk grid (``start``, ``st
 only on the batch size, never on the number of processes, so records written by ``torchrun``
 ranks, by a single process, or by a mix across restarts are the same files.
 
-Integrity (issue #18). The manifest of a chunked run is one small sidecar per chunk
+Integrity. The manifest of a chunked run is one small sidecar per chunk
 (``manifest/<condition>/<chunk>.sha256``), not one shared file: several processes write chunks of one run at once
 (``torchrun`` ranks, or the same command started twice on purpose), and a shared manifest would
 need a read-modify-write under a lock, where a writer killed while holding it, or two writers
@@ -38,8 +38,8 @@ records (:meth:`RunStore.records`, :func:`load_records`) checks every chunk agai
 files and the fix: ``--repair`` (:meth:`RunStore.repair` deletes the damaged chunks so that the
 command computes them again) or restoring the files. A deleted chunk is a missing chunk (the
 run is unfinished; running the command again computes it). A report therefore never computes
-from damaged records. Runs written before checksums existed are adopted with :meth:`RunStore.seal`
-(``python -m robust_attn.results seal DIR...``; :mod:`robust_attn.sealing`), which checks that the
+from damaged records. Runs written before checksums existed are adopted with :func:`robust_attn.runs.sealing.seal`
+(``python -m robust_attn.runs.sealing seal DIR...``; :mod:`robust_attn.runs.sealing`), which checks that the
 records parse and are complete before it trusts them.
 
 Where each chunk was computed. ``run.json`` keeps the description of the run's first start, so
@@ -53,7 +53,7 @@ differs between machines, :mod:`robust_attn.utils.hardware`), and a packed run's
 shown in the report's model table. Chunks written before this existed count as ``"not recorded"``.
 
 Claims (concurrency): several processes share one run's chunks by claiming each before
-computing it (:mod:`robust_attn.claims`).
+computing it (:mod:`robust_attn.runs.claims`).
 
 Aggregates (accuracies, success rates, drops) are always computed from the records
 (:func:`load_records`), never stored on their own.
@@ -66,18 +66,19 @@ import platform
 import re
 import sys
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from robust_attn.claims import Claim, claim_chunk
-from robust_attn.packing import PACKED, csv_rows, is_packed, packed_computed_on, verify_packed, write_packed
+from robust_attn.runs.claims import Claim, claim_chunk
+from robust_attn.runs.packing import PACKED, csv_rows, is_packed, packed_computed_on, verify_packed, write_packed
 from robust_attn.utils.differences import describe_difference
 from robust_attn.utils.hardware import hardware_label
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes
 
 __all__ = ["RunStore", "RunMismatchError", "DamagedRecordsError", "Claim", "load_records", "load_description",
-           "library_versions", "VOLATILE_KEYS"]
+           "library_versions", "VOLATILE_KEYS", "SCHEMA_VERSION", "MIGRATIONS", "Migration"]
 
 DESCRIPTION = "run.json"
 RECORDS = "records"
@@ -95,18 +96,45 @@ VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_w
 # the PGD targets may be drawn from a seed or read from another run's targets.csv; the targets
 # themselves are compared by content (the run's targets.csv) when a run is resumed.
 PROVENANCE_PARAMETERS = frozenset({"targets"})
-# Keys run.json gained with issue #15 (where the model came from: robust_attn.sources.provenance;
-# the dataset of a Python-API run that named none): a run written before them lacks them and
-# still resumes; once stored they are compared.
-# The same for the data's variant (issue #16: e.g. the canonical CIFAR-10 pickles against the JPEG
-# copy): before it, every dataset had one variant, so an old run resumes (e.g. the Fashion-MNIST
-# study's packed runs); a run that stored it is compared.
-LATER_KEYS = frozenset({"source", "spec", "weights_origin", "weights_sha256", "params", "preprocessing",
-                        "weights_preprocessing", "dataset", "data_variant"})
-# Parameters a protocol gained later, with the value every run had before: PGD's ``exact`` (issue
-# #14; before it the native backend always ran its fast mode). A run stored without one resumes
-# when the value asked for is that one; any other value is a different run.
-LATER_PARAMETERS = {"exact": False}
+#: The version of run.json's layout this code writes (key ``schema``; a run.json without it is
+#: version 1). :data:`MIGRATIONS` says what each version added.
+SCHEMA_VERSION = 4
+SCHEMA_KEY = "schema"
+
+
+@dataclass(frozen=True)
+class Migration:
+    """What one schema version added to run.json: top-level ``keys``, and protocol ``parameters``
+    with the value every run of an earlier version had."""
+
+    keys: frozenset = frozenset()
+    parameters: dict = field(default_factory=dict)
+    what: str = ""
+
+
+#: A stored run of an earlier version resumes without what later versions added: a key it lacks
+#: is not compared, and a parameter it lacks is not compared while the value asked for is the one
+#: every earlier run had (any other value is a different run). Once stored, both are compared.
+MIGRATIONS: dict[int, Migration] = {
+    2: Migration(frozenset({"source", "spec", "weights_origin", "weights_sha256", "params", "preprocessing",
+                            "weights_preprocessing", "dataset"}),
+                 what="where the model came from (robust_attn.sources.provenance) and the dataset of a "
+                      "Python-API run that named none"),
+    3: Migration(frozenset({"data_variant"}),
+                 what="the data's variant (e.g. the canonical CIFAR-10 pickles against the JPEG copy); "
+                      "before it every dataset had one variant"),
+    4: Migration(parameters={"exact": False},
+                 what="PGD's exact mode; before it the native backend always ran its fast mode"),
+}
+
+
+def _added_after(version: int) -> Migration:
+    """Everything the versions after ``version`` added, as one migration."""
+    later = [m for v, m in sorted(MIGRATIONS.items()) if v > version]
+    return Migration(frozenset().union(*(m.keys for m in later)),
+                     {k: d for m in later for k, d in m.parameters.items()})
+
+
 _CONDITION_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _CHUNK_RE = re.compile(r"^(\d+)-(\d+)\.csv$")
 _SHOWN = 5  # damaged files named in one error message
@@ -196,7 +224,8 @@ class RunStore:
         """Start or resume the run described by ``description``.
 
         A new directory gets ``run.json``; an existing one must describe the same run (all keys
-        but :data:`VOLATILE_KEYS` equal, and :data:`LATER_KEYS` where it has them), otherwise
+        but :data:`VOLATILE_KEYS` and ``schema`` equal; of an earlier schema version, what
+        :data:`MIGRATIONS` added only where it has them), otherwise
         :class:`RunMismatchError` names the keys that differ. ``write=False`` (non-main ranks) only checks. Returns the stored description.
         """
         description = _jsonable(description)
@@ -204,8 +233,9 @@ class RunStore:
             self.device = str(description["device"]).split(":")[0]
         if self.exists():
             stored = self.description()
-            keys = (set(stored) | set(description)) - VOLATILE_KEYS - (LATER_KEYS - set(stored))
-            now = _with_later_defaults(stored, description)
+            later = _added_after(_schema_version(stored))
+            keys = (set(stored) | set(description)) - VOLATILE_KEYS - {SCHEMA_KEY} - (later.keys - set(stored))
+            now = _with_later_defaults(stored, description, later.parameters)
             differ = sorted(k for k in keys if _comparable(k, stored.get(k)) != _comparable(k, now.get(k)))
             if differ:
                 detail = "; ".join(
@@ -215,6 +245,7 @@ class RunStore:
                     f"{self.root} holds a different run ({detail}). Resume it with the same model, "
                     f"data and protocol settings, or pass a new --out directory.")
             return stored
+        description = {SCHEMA_KEY: SCHEMA_VERSION, **description}
         if write:
             atomic_write_json(self.description_path, description)
         return description
@@ -291,7 +322,7 @@ class RunStore:
             entry = json.loads(self.checksum_path(path).read_text())
         except FileNotFoundError:
             return data, (f"no checksum ({self.checksum_path(path).name} missing: written before checksums "
-                          f"existed, or deleted; `python -m robust_attn.results seal {self.root}` adopts "
+                          f"existed, or deleted; `python -m robust_attn.runs.sealing seal {self.root}` adopts "
                           f"intact old chunks)")
         except ValueError:
             return data, f"unreadable checksum file {self.checksum_path(path).name}"
@@ -404,10 +435,10 @@ class RunStore:
         return [(c, a, min(a + size, n)) for c in self._condition_names() for a in range(0, n, size)
                 if (c, a, min(a + size, n)) not in done]
 
-    # --- packed runs (robust_attn.packing) ------------------------------------------------------
+    # --- packed runs (robust_attn.runs.packing) ------------------------------------------------------
     def _verify_packed(self) -> tuple[list[tuple[Path, str]], bytes | None]:
         """Problems of a packed run against its ``checksums.json``, and the verified records bytes."""
-        return verify_packed(self.root, f"python -m robust_attn.results seal {self.root}")
+        return verify_packed(self.root, f"python -m robust_attn.runs.sealing seal {self.root}")
 
     def computed_on(self) -> dict[str, int]:
         """How many record chunks each device computed (module docstring), by the hardware the
@@ -428,7 +459,7 @@ class RunStore:
         return dict(sorted(counts.items()))
 
     def pack(self, dest: str | Path) -> "RunStore":
-        """Write this finished run to ``dest`` packed (:func:`robust_attn.packing.write_packed`:
+        """Write this finished run to ``dest`` packed (:func:`robust_attn.runs.packing.write_packed`:
         its other files copied, the records merged into one gzip CSV, then ``checksums.json``).
         Returns the packed store."""
         missing = self.missing()
@@ -440,12 +471,6 @@ class RunStore:
         write_packed(self.root, dest, self.records(), self.computed_on())   # records(): verified
         return RunStore(dest)
 
-    def seal(self) -> list[Path]:
-        """Adopt a run written before checksums existed (:func:`robust_attn.sealing.seal`);
-        returns the checksum files written."""
-        from robust_attn.sealing import seal
-
-        return seal(self)
 
 
 def condition_names(description: dict) -> list[str]:
@@ -458,13 +483,29 @@ def condition_definitions(description: dict) -> dict[str, dict]:
     return {c["name"]: c for c in description.get("conditions", []) if isinstance(c, dict) and "name" in c}
 
 
-def _with_later_defaults(stored: dict, description: dict) -> dict:
-    """``description`` without the parameters of :data:`LATER_PARAMETERS` that ``stored`` lacks and
+def _schema_version(description: dict) -> int:
+    """The version of a stored run.json's layout: its ``schema`` (1 without one), or the version
+    before the first migration whose keys or parameters it lacks (a run.json edited by hand, or
+    written by a copy of the code between two versions, is read as what it holds)."""
+    version = description.get(SCHEMA_KEY, 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise DamagedRecordsError(f"run.json's {SCHEMA_KEY!r} is {version!r}, not a version number; restore run.json "
+                                  f"from a copy", [])
+    parameters = description.get("parameters")
+    parameters = parameters if isinstance(parameters, dict) else {}
+    for number, migration in sorted(MIGRATIONS.items()):
+        if number <= version and (migration.keys - set(description) or set(migration.parameters) - set(parameters)):
+            return number - 1
+    return version
+
+
+def _with_later_defaults(stored: dict, description: dict, later_parameters: dict) -> dict:
+    """``description`` without the parameters of ``later_parameters`` that ``stored`` lacks and
     that take the value every run had before they existed."""
     params, old = description.get("parameters"), stored.get("parameters")
     if not isinstance(params, dict) or not isinstance(old, dict):
         return description
-    drop = {k for k, default in LATER_PARAMETERS.items() if k not in old and params.get(k, default) == default}
+    drop = {k for k, default in later_parameters.items() if k not in old and params.get(k, default) == default}
     return {**description, "parameters": {k: v for k, v in params.items() if k not in drop}} if drop else description
 
 
@@ -493,37 +534,3 @@ def load_records(run_dir: str | Path, require_complete: bool = True) -> pd.DataF
                              f"only the missing chunks) or restore the files: "
                              f"{' '.join(store.description().get('command', []))}")
     return store.records()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m robust_attn.results verify|seal|repair RUN_DIR...``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m robust_attn.results",
-                                     description="check, adopt (seal) or repair stored runs")
-    parser.add_argument("action", choices=["verify", "seal", "repair"])
-    parser.add_argument("runs", nargs="+")
-    args = parser.parse_args(argv)
-    status = 0
-    for run in args.runs:
-        store = RunStore(run)
-        try:
-            if args.action == "seal":
-                done = store.seal()
-                print(f"{run}: sealed ({len(done)} checksum file(s) written)")
-            elif args.action == "repair":
-                done = store.repair()
-                print(f"{run}: {len(done)} damaged chunk(s) deleted; run its command again to recompute them")
-            else:
-                problems = store.verify()
-                if problems:
-                    raise DamagedRecordsError(damaged_message(store.root, problems, store.packed), problems)
-                print(f"{run}: intact")
-        except (ValueError, FileNotFoundError) as err:
-            print(f"{run}: error: {err}", file=sys.stderr)
-            status = 2
-    return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Checkpoints: weights as safetensors plus a JSON sidecar that says how to rebuild the model.
 
-``model.safetensors`` holds the state dict of a :class:`~robust_attn.wrapper.NormalizedModel`
+``model.safetensors`` holds the state dict of a :class:`~robust_attn.models.wrapper.NormalizedModel`
 (so mean and std travel with the weights); ``model.json`` beside it holds at least
 ``arch`` (the ``arch_args`` of :func:`robust_attn.create_model`), ``mean`` and ``std``, and
 whatever the writer adds (recipe, epoch, metrics, versions). Loading never unpickles.
@@ -16,9 +16,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from robust_attn.registry import create_model
+from robust_attn.models.registry import create_model
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_file
-from robust_attn.wrapper import NormalizedModel
+from robust_attn.models.wrapper import NormalizedModel
 
 __all__ = ["sidecar_path", "save_checkpoint", "read_sidecar", "load_checkpoint", "check_safetensors_file",
            "check_num_classes", "CheckpointError"]
@@ -83,10 +83,10 @@ def read_sidecar(weights: str | os.PathLike) -> dict:
 _FOREIGN = [
     (b"PK\x03\x04", "a zip archive, which is what torch.save writes (a .pt/.pth checkpoint)",
      "convert it: `sd = torch.load(path, weights_only=True)`, load it into the model and write it with "
-     "robust_attn.checkpoint.save_checkpoint (or safetensors.torch.save_file)"),
+     "robust_attn.models.checkpoint.save_checkpoint (or safetensors.torch.save_file)"),
     (b"\x80", "a Python pickle (a legacy torch.save .pt/.pth file)",
      "convert it: `sd = torch.load(path, weights_only=True)`, load it into the model and write it with "
-     "robust_attn.checkpoint.save_checkpoint (or safetensors.torch.save_file)"),
+     "robust_attn.models.checkpoint.save_checkpoint (or safetensors.torch.save_file)"),
     (b"version https://git-lfs", "a Git LFS pointer, not the weights themselves",
      "fetch the weights with `git lfs pull`"),
     (b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip) and check that what comes out is a .safetensors file"),

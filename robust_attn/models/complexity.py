@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from robust_attn.registry import create_model
-from robust_attn.resolution import resolve
+from robust_attn.models.registry import create_model
+from robust_attn.models.resolution import resolve
 
 __all__ = ["count_params", "count_macs", "model_complexity"]
 

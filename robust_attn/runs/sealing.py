@@ -1,5 +1,5 @@
-"""Adopting runs written before checksums existed (issue #18; :mod:`robust_attn.results`):
-``python -m robust_attn.results seal DIR...`` checks that a run's records parse and are complete
+"""Adopting runs written before checksums existed (:mod:`robust_attn.runs.store`):
+``python -m robust_attn.runs.sealing seal DIR...`` checks that a run's records parse and are complete
 and consistent before it trusts them, then writes the checksums it lacks (a packed run's
 ``checksums.json``, a chunk's manifest entry). Existing checksums are verified, never rewritten.
 """
@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import gzip
 import io
+import sys
 from pathlib import Path
 
 import pandas as pd
 
-from robust_attn.packing import PACKED, PACKED_MANIFEST, csv_rows, write_packed_manifest
-from robust_attn.results import DamagedRecordsError, RunStore, condition_names
+from robust_attn.runs.packing import PACKED, PACKED_MANIFEST, csv_rows, write_packed_manifest
+from robust_attn.runs.store import DamagedRecordsError, RunStore, condition_names, damaged_message
 from robust_attn.utils.io import atomic_write_json, sha256_bytes
 
 __all__ = ["seal"]
@@ -80,3 +81,37 @@ def _check_complete(frame: pd.DataFrame, desc: dict, path: Path) -> None:
         raise DamagedRecordsError(f"cannot seal {path}: it does not hold each of the {len(names)} conditions x "
                                   f"{n} images once ({len(have)} records); restore it or pack it again",
                                   [(path, "incomplete")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m robust_attn.runs.sealing verify|seal|repair RUN_DIR...``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m robust_attn.runs.sealing",
+                                     description="check, adopt (seal) or repair stored runs")
+    parser.add_argument("action", choices=["verify", "seal", "repair"])
+    parser.add_argument("runs", nargs="+")
+    args = parser.parse_args(argv)
+    status = 0
+    for run in args.runs:
+        store = RunStore(run)
+        try:
+            if args.action == "seal":
+                done = seal(store)
+                print(f"{run}: sealed ({len(done)} checksum file(s) written)")
+            elif args.action == "repair":
+                done = store.repair()
+                print(f"{run}: {len(done)} damaged chunk(s) deleted; run its command again to recompute them")
+            else:
+                problems = store.verify()
+                if problems:
+                    raise DamagedRecordsError(damaged_message(store.root, problems, store.packed), problems)
+                print(f"{run}: intact")
+        except (ValueError, FileNotFoundError) as err:
+            print(f"{run}: error: {err}", file=sys.stderr)
+            status = 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

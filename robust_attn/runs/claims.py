@@ -1,4 +1,4 @@
-"""Claims: how several processes share the chunks of one run directory (:mod:`robust_attn.results`).
+"""Claims: how several processes share the chunks of one run directory (:mod:`robust_attn.runs.store`).
 
 Before computing a (condition, chunk), a process claims it by creating
 ``claims/<condition>/<chunk>.claim.<n>`` exclusively (``os.link`` of a finished temporary file:

@@ -6,7 +6,6 @@ this module knows any model by name.
 """
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import inspect
 from dataclasses import dataclass
@@ -14,9 +13,10 @@ from typing import Callable
 
 import torch.nn as nn
 
-from robust_attn.resolution import RESOLUTIONS
+from robust_attn.models.resolution import RESOLUTIONS
+from robust_attn.utils.registry import Registry
 
-__all__ = ["ModelInfo", "register_model", "create_model", "list_models", "model_info"]
+__all__ = ["ModelInfo", "MODELS", "register_model", "create_model", "list_models", "model_info"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,9 @@ class ModelInfo:
     entrypoint: Callable[..., nn.Module]
 
 
-_REGISTRY: dict[str, ModelInfo] = {}
+#: every architecture, from the family modules of :mod:`robust_attn.models`
+MODELS: Registry[ModelInfo] = Registry("model", package="robust_attn.models",
+                                       hint="`robust-attn zoo list` shows every architecture.")
 
 
 def register_model(fn: Callable[..., nn.Module] | None = None, *, family: str = "", paper: str = ""):
@@ -41,37 +43,25 @@ def register_model(fn: Callable[..., nn.Module] | None = None, *, family: str = 
 
     def wrap(f: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         name = f.__name__
-        if name in _REGISTRY:
-            raise ValueError(f"model {name!r} is registered twice")
         doc_first_line = (inspect.getdoc(f) or "").split("\n")[0]
-        _REGISTRY[name] = ModelInfo(name=name, family=family or name.split("_")[0],
-                                    paper=paper or doc_first_line, entrypoint=f)
+        MODELS.register(name, ModelInfo(name=name, family=family or name.split("_")[0],
+                                        paper=paper or doc_first_line, entrypoint=f))
         return f
 
     return wrap(fn) if fn is not None else wrap
 
 
-def _ensure_models_imported() -> None:
-    # Importing the package runs every family module's @register_model decorators.
-    import robust_attn.models  # noqa: F401
-
-
 def list_models(pattern: str = "*", family: str | None = None) -> list[str]:
     """Sorted names of registered models matching a shell-style ``pattern`` (and ``family``)."""
-    _ensure_models_imported()
-    return sorted(name for name, info in _REGISTRY.items()
+    return sorted(name for name, info in MODELS.items()
                   if fnmatch.fnmatchcase(name, pattern) and (family is None or info.family == family))
 
 
 def model_info(name: str) -> ModelInfo:
     """Registry entry of ``name``; an unknown name raises ``KeyError`` listing close matches."""
-    _ensure_models_imported()
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, _REGISTRY, n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise KeyError(f"unknown model {name!r}.{hint} `robust-attn zoo list` shows all "
-                       f"{len(_REGISTRY)} architectures.")
-    return _REGISTRY[name]
+    if name not in MODELS:
+        raise MODELS.unknown(name, n=3)
+    return MODELS.get(name)
 
 
 def create_model(name: str, num_classes: int = 1000, resolution: str = "imagenet",

@@ -1,8 +1,8 @@
-"""Study configs: ``robust-attn study CONFIG.toml`` (issue #15).
+"""Study configs: ``robust-attn study CONFIG.toml``.
 
 A study config is a TOML file naming the models (any model spec of :mod:`robust_attn.sources`),
 the dataset and the protocols; every other key is a field of
-:class:`robust_attn.study.StudyConfig` with the same name and meaning::
+:class:`robust_attn.study.config.StudyConfig` with the same name and meaning::
 
     dataset = "imagenet"                 # required
     root = "data"                        # data root (default: --root, $ROBUST_ATTN_DATA or ./data)
@@ -22,7 +22,7 @@ the dataset and the protocols; every other key is a field of
 (``models = [...]`` and ``[[models]]`` tables are two ways to write the same list; use one.)
 Paths are read as on the command line: relative to the folder the command runs in. Loading
 validates everything it can without building a model: unknown keys (with the closest valid
-key), types, values (:class:`~robust_attn.study.StudyConfig`'s checks), spec syntax and
+key), types, values (:class:`~robust_attn.study.config.StudyConfig`'s checks), spec syntax and
 sources, distinct labels, and a ``baseline`` that names one of the models. Each error names
 the file and the key to fix.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 try:  # Python >= 3.11
@@ -39,8 +39,10 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (a dependency there)
     import tomli as tomllib
 
-__all__ = ["StudyModel", "StudyConfigError", "load_study_config", "read_study_toml", "study_config_from_dict",
-           "LABEL_PATTERN"]
+from robust_attn.protocols.study_step import STUDY_PROTOCOLS, default_study_protocols, list_study_protocols
+
+__all__ = ["StudyConfig", "StudySettings", "study_config_class", "protocol_settings", "protocol_fields", "StudyModel",
+           "StudyConfigError", "load_study_config", "read_study_toml", "study_config_from_dict", "LABEL_PATTERN"]
 
 #: what a label may hold: it names run folders and the transfer conditions (``attack.label``)
 LABEL_PATTERN = re.compile(r"[A-Za-z0-9_+-]+")
@@ -84,6 +86,106 @@ class StudyModel:
         return self.label or spec_label(self.spec)
 
 
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    """The study's own settings, shared by its protocols; :class:`StudyConfig` adds every field of
+    every registered protocol's settings (:mod:`robust_attn.protocols.settings`)."""
+
+    dataset: str = "fashion_mnist"
+    split: str = "test"
+    limit: int | None = None           # None: the whole split
+    models: tuple[str | StudyModel, ...] = ()   # zoo entry names or StudyModels; empty: every zoo entry for ``dataset``
+    root: str | None = None            # data root (None: run_study's root, $ROBUST_ATTN_DATA or ./data)
+    batch_size: int = 250
+    seed: int = 0                      # attack targets
+    bootstrap: int = 1000
+    baseline: str = "resnet26"         # the convolutional reference of the findings
+    protocols: tuple[str, ...] = field(default_factory=default_study_protocols)   # the report covers what ran
+    attack_limit: int | None = 1000    # the seeded subset of the attack protocols (apgd, autoattack, square, transfer)
+    attack_batch_size: int = 100
+    shift_seed: int = 0                # per-image corruptions, occlusions and permutations
+
+    def __post_init__(self):
+        if self.split not in ("train", "val", "test"):
+            raise ValueError(f"split must be train, val or test, got {self.split!r}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be positive (or None for the whole split), got {self.limit}")
+        if self.batch_size < 1 or self.bootstrap < 1:
+            raise ValueError("batch_size and bootstrap must be positive")
+        known = list_study_protocols()
+        if not self.protocols or set(self.protocols) - set(known):
+            raise ValueError(f"protocols must be a non-empty subset of {', '.join(known)}, got "
+                             f"{', '.join(self.protocols) or 'none'}")
+        if self.attack_limit is not None and self.attack_limit < 1:
+            raise ValueError(f"attack_limit must be positive (or None for every image), got {self.attack_limit}")
+        if self.attack_batch_size < 1:
+            raise ValueError(f"attack_batch_size must be positive, got {self.attack_batch_size}")
+        if any(not isinstance(m, (str, StudyModel)) for m in self.models):
+            raise ValueError("models must be zoo entry names or StudyModel(spec, ...) entries")
+        names = [m if isinstance(m, str) else m.name for m in self.models]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"two models are named {', '.join(twice)}: give each a distinct label")
+        from robust_attn.data import dataset_info, list_datasets
+
+        if self.dataset not in list_datasets():
+            dataset_info(self.dataset)   # the unknown-dataset error, with the names it could have meant
+        for settings in protocol_settings():
+            if all(hasattr(self, f.name) for f in dataclasses.fields(settings)):   # (registered after this class)
+                settings.of(self).check(self)
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def protocol_settings() -> list[type]:
+    """The settings class of every registered protocol that has one, in registration order."""
+    return [step.settings for _, step in STUDY_PROTOCOLS.items() if step.settings is not None]
+
+
+def protocol_fields() -> list[dataclasses.Field]:
+    """The fields the protocols add to the study config: each name once (a field two protocols
+    share, from a common settings class, is one field); a name the study itself has is an error."""
+    own = {f.name for f in dataclasses.fields(StudySettings)}
+    out: dict[str, dataclasses.Field] = {}
+    for settings in protocol_settings():
+        for f in dataclasses.fields(settings):
+            if f.name in own:
+                raise ValueError(f"{settings.__name__}.{f.name} is a setting of the study itself; rename it")
+            if f.name in out and (out[f.name].default, out[f.name].type) != (f.default, f.type):
+                raise ValueError(f"two protocols declare the setting {f.name!r} differently")
+            out.setdefault(f.name, f)
+    return list(out.values())
+
+
+def _study_config() -> type:
+    extra = [(f.name, f.type, field(default=f.default, metadata=f.metadata)) for f in protocol_fields()]
+    cls = dataclasses.make_dataclass("StudyConfig", extra, bases=(StudySettings,), frozen=True)
+    cls.__module__ = __name__
+    cls.__doc__ = ("What the study runs: :class:`StudySettings` and every registered protocol's settings "
+                   "(eps and steps in 1/255 units, as Table 10).")
+    return cls
+
+
+_CLASSES: dict[tuple[str, ...], type] = {}
+
+
+def study_config_class() -> type:
+    """The study config class for the protocols registered now: :data:`StudyConfig`, or, once a
+    protocol with settings was registered from outside :mod:`robust_attn.protocols` after it was
+    made, a class with that protocol's fields too."""
+    key = tuple(f.name for f in protocol_fields())
+    if key not in _CLASSES:
+        _CLASSES[key] = _study_config()
+    return _CLASSES[key]
+
+
+#: what a study runs; its fields: :class:`StudySettings` and the registered protocols' settings
+StudyConfig = study_config_class()
+
+
 def read_study_toml(path: str | Path) -> dict:
     """The raw table of a study config file; errors name the file."""
     path = Path(path)
@@ -97,7 +199,7 @@ def read_study_toml(path: str | Path) -> dict:
 
 
 def load_study_config(path: str | Path, overrides: dict | None = None):
-    """:class:`~robust_attn.study.StudyConfig` from the TOML file ``path`` (module docstring);
+    """:class:`~robust_attn.study.config.StudyConfig` from the TOML file ``path`` (module docstring);
     ``overrides`` (config keys, e.g. the command line's ``--limit``) replace the file's values."""
     return study_config_from_dict({**read_study_toml(path), **(overrides or {})}, where=str(path))
 
@@ -152,9 +254,9 @@ def _model(item, index: int, where: str) -> StudyModel:
 
 def study_config_from_dict(raw: dict, where: str = "study config"):
     """Validate a study config given as a dict (what the TOML file holds)."""
-    from robust_attn.study import StudyConfig
 
-    fields = {f.name: f for f in dataclasses.fields(StudyConfig)}
+    config_class = study_config_class()
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
     kwargs = {}
     for key, value in raw.items():
         if key not in fields:
@@ -173,7 +275,7 @@ def study_config_from_dict(raw: dict, where: str = "study config"):
             raise StudyConfigError(f"{where} lacks {required!r}: name the dataset (e.g. dataset = \"imagenet\") and "
                                    f"the models (models = [\"timm:resnet26t\", ...])")
     try:
-        config = StudyConfig(**kwargs)
+        config = config_class(**kwargs)
     except ValueError as err:
         raise StudyConfigError(f"{where}: {err}") from None
     names = [m.name for m in config.models]

@@ -1,6 +1,6 @@
 """``zoo:NAME``: the zoo's trained ``NAME`` for the dataset (``zoo/manifest.json``,
 ``$ROBUST_ATTN_ZOO_MANIFEST`` or the request's ``manifest``), sha256-checked by
-:func:`robust_attn.zoo.load_entry`.
+:func:`robust_attn.models.manifest.load_entry`.
 
 A checkpoint entry takes the dataset's images as they are (preprocessing ``None``). A torchvision
 entry (``robust-attn zoo add NAME --torchvision MODEL --weights WEIGHTS``) has no weights file:
@@ -15,9 +15,9 @@ from robust_attn.sources import register_source
 from robust_attn.sources.base import LoadedModel, SourceError, SourceRequest
 
 
-@register_source("zoo")
+@register_source("zoo", label=str)
 def load_zoo(request: SourceRequest) -> LoadedModel:
-    from robust_attn.zoo import Manifest, load_entry
+    from robust_attn.models.manifest import Manifest, load_entry
 
     if request.checkpoint or request.model_args:
         raise SourceError(f"{request.spec!r} names its weights in the zoo manifest: drop --checkpoint and "

@@ -19,12 +19,12 @@ from robust_attn.sources.base import LoadedModel, SourceError, SourceRequest, st
 from robust_attn.sources.provenance import RANDOM
 
 
-@register_source(REGISTRY)
+@register_source(REGISTRY, label=str, form="NAME (registry; with --checkpoint)")
 def load_registry(request: SourceRequest) -> LoadedModel:
-    from robust_attn.checkpoint import check_trained_on, load_checkpoint
-    from robust_attn.registry import create_model
+    from robust_attn.models.checkpoint import check_trained_on, load_checkpoint
+    from robust_attn.models.registry import create_model
     from robust_attn.utils.io import sha256_file
-    from robust_attn.wrapper import NormalizedModel
+    from robust_attn.models.wrapper import NormalizedModel
 
     info, name = request.dataset_info, request.target
     if request.checkpoint:

@@ -1,7 +1,8 @@
 """How a protocol joins ``robust-attn study``: one registered step per protocol, in its own file.
 
-A protocol module decorates a function with :func:`study_protocol`; the study
-(:mod:`robust_attn.study`) runs the steps that ``StudyConfig.protocols`` names, in that order,
+A protocol module (or an attack's, :func:`robust_attn.protocols.attack.study_attack`) decorates a
+function with :func:`study_protocol`; the study
+(:mod:`robust_attn.study.run`) runs the steps that ``StudyConfig.protocols`` names, in that order,
 and nothing else in the study names protocols. Two kinds of step:
 
 * per model (``per_model=True``): ``step(ctx, entry, model) -> Path`` runs the protocol on one
@@ -25,12 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["StudyContext", "StudyProtocol", "STUDY_PROTOCOLS", "study_protocol", "list_study_protocols"]
+from robust_attn.utils.registry import Registry
+
+__all__ = ["StudyContext", "StudyProtocol", "STUDY_PROTOCOLS", "study_protocol", "list_study_protocols",
+           "default_study_protocols"]
 
 
 @dataclass
 class StudyContext:
-    """What every study step gets: the config (:class:`robust_attn.study.StudyConfig`), the
+    """What every study step gets: the config (:class:`robust_attn.study.config.StudyConfig`), the
     dataset's info, the evaluation images (``dataset``: the whole split or ``config.limit``;
     ``attack_dataset``: the seeded subset the expensive attacks use), where runs go, the device
     and this process's shard, and :meth:`run_info` for a model's part of run.json."""
@@ -72,32 +76,46 @@ class StudyProtocol:
     chunked: bool = True     # writes through claimed record chunks, so several study workers can share it
     describe: Callable[[Any], str] | None = None   # the report preamble's sentence, from the study config
     attack_subset: bool = False   # runs on the attack subset, not on every image of the study
+    default_order: int | None = None   # its place in the study's default protocols; None: run when asked
+    settings: type | None = None   # its ProtocolSettings: fields of the study config, options of `study`
 
 
-STUDY_PROTOCOLS: dict[str, StudyProtocol] = {}
+#: every protocol's study step, from the modules of :mod:`robust_attn.protocols` (and of
+#: :mod:`robust_attn.attacks`, where an attack may register its own study step)
+STUDY_PROTOCOLS: Registry[StudyProtocol] = Registry("study protocol",
+                                                    package=("robust_attn.protocols", "robust_attn.attacks"),
+                                                    error=ValueError)
 
 
 def study_protocol(name: str, *, per_model: bool = True, summary: str = "", chunked: bool = True,
-                   describe: Callable[[Any], str] | None = None, attack_subset: bool = False):
+                   describe: Callable[[Any], str] | None = None, attack_subset: bool = False,
+                   default_order: int | None = None, settings: type | None = None):
     """Decorator: register ``fn`` as the study step of protocol ``name``. ``chunked=False``: the
     step writes files of its own rather than claimed record chunks, so only the study's main
     process runs it. ``describe`` and ``attack_subset``: what the report's preamble says of it
-    (module docstring)."""
+    (module docstring). ``default_order``: where it runs in a study that names no protocols (in
+    increasing order; ``None``: only when named). ``settings``: its
+    :class:`~robust_attn.protocols.settings.ProtocolSettings` (the study config's fields and the
+    command line's options it adds, checked by its ``check``)."""
 
     def add(fn: Callable) -> Callable:
-        if name in STUDY_PROTOCOLS:
-            raise ValueError(f"study protocol {name!r} is registered twice")
-        STUDY_PROTOCOLS[name] = StudyProtocol(name, fn, per_model, summary or (fn.__doc__ or "").split("\n")[0],
-                                              chunked, describe, attack_subset)
+        STUDY_PROTOCOLS.register(name, StudyProtocol(name, fn, per_model,
+                                                     summary or (fn.__doc__ or "").split("\n")[0],
+                                                     chunked, describe, attack_subset, default_order,
+                                                     settings))
         return fn
 
     return add
 
 
 def list_study_protocols() -> list[str]:
-    import robust_attn.protocols  # noqa: F401  (imports every protocol module)
+    return STUDY_PROTOCOLS.names()
 
-    return list(STUDY_PROTOCOLS)
+
+def default_study_protocols() -> tuple[str, ...]:
+    """The protocols a study runs when its config names none, in the order they run."""
+    chosen = [(p.default_order, name) for name, p in STUDY_PROTOCOLS.items() if p.default_order is not None]
+    return tuple(name for _, name in sorted(chosen))
 
 
 def replace(ctx: StudyContext, **changes) -> StudyContext:

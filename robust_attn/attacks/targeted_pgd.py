@@ -27,21 +27,19 @@ The paper is vague on: the loss (we use cross-entropy, as both libraries), the r
 """
 from __future__ import annotations
 
-import contextlib
 import numbers
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["PGDConfig", "BACKENDS", "targeted_pgd", "validate_attack_inputs", "power_of_two_blocks"]
+from robust_attn.attacks.inputs import frozen_parameters, training_modules, validate_attack_inputs
+
+__all__ = ["PGDConfig", "BACKENDS", "targeted_pgd", "power_of_two_blocks"]
 
 BACKENDS = ("native", "torchattacks", "foolbox")
 
-# Slack for the float checks on images that callers produced themselves (e.g. after a resize).
-_RANGE_TOL = 1e-6
 
 
 @dataclass(frozen=True)
@@ -93,91 +91,6 @@ class PGDConfig:
         return f"eps={self.eps}/255, step={self.step}/255, steps={self.steps}{rs}"
 
 
-def _training_modules(model: nn.Module) -> list[str]:
-    return [name or type(model).__name__ for name, m in model.named_modules() if m.training]
-
-
-def _model_device(model: nn.Module) -> torch.device | None:
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        return tensor.device
-    return None
-
-
-def validate_attack_inputs(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
-                           labels: torch.Tensor | None = None) -> int:
-    """Raise a ``ValueError``/``TypeError`` that names the fix for bad attack input.
-
-    Checks: the model (and every submodule) is in eval mode; images are a floating (N, C, H, W)
-    tensor in [0, 1] on the model's device; targets are N integer class indices of the model's
-    output; targets differ from ``labels`` where labels are given. Returns the number of
-    classes (from one forward pass of a single image).
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (a NormalizedModel), got {type(model).__name__}")
-    training = _training_modules(model)
-    if training:
-        shown = ", ".join(training[:3]) + (" ..." if len(training) > 3 else "")
-        raise ValueError(f"the model is in train mode ({shown}); attacks need a deterministic model: "
-                         f"call model.eval() first")
-    if not isinstance(images, torch.Tensor) or not images.is_floating_point() or images.dim() != 4:
-        raise TypeError("images must be a floating-point tensor of shape (N, C, H, W) in [0, 1], got "
-                        + (f"{images.dtype} of shape {tuple(images.shape)}" if isinstance(images, torch.Tensor)
-                           else type(images).__name__))
-    if images.numel() == 0:
-        raise ValueError("images is empty")
-    if not torch.isfinite(images).all():
-        raise ValueError("images contain NaN or inf")
-    low, high = images.min().item(), images.max().item()
-    if low < -_RANGE_TOL or high > 1 + _RANGE_TOL:
-        raise ValueError(f"images must be in [0, 1] (the model normalizes inside, see NormalizedModel), "
-                         f"got values in [{low:.4g}, {high:.4g}]; pass un-normalized images")
-    device = _model_device(model)
-    if device is not None and device != images.device:
-        raise ValueError(f"images are on {images.device} but the model is on {device}; move one of them")
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), images.dtype)
-    if dtype != images.dtype:
-        raise TypeError(f"images are {images.dtype} but the model's parameters are {dtype}; "
-                        f"use images.to({dtype})")
-    if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32, torch.int16,
-                                                                       torch.int8, torch.uint8):
-        raise TypeError(f"targets must be an integer tensor of class indices (see draw_targets), got "
-                        f"{targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__}")
-    if targets.shape != (images.shape[0],):
-        raise ValueError(f"targets must have shape ({images.shape[0]},), one per image, got {tuple(targets.shape)}")
-    if labels is not None:
-        if labels.shape != targets.shape:
-            raise ValueError(f"labels must have shape {tuple(targets.shape)}, got {tuple(labels.shape)}")
-        same = (targets.cpu().long() == labels.cpu().long()).nonzero().flatten()
-        if same.numel():
-            raise ValueError(f"{same.numel()} target(s) equal the true label (first at index {same[0].item()}); "
-                             f"a targeted attack needs a wrong class: use draw_targets(labels, num_classes, seed)")
-    with torch.no_grad():
-        logits = model(images[:1])
-    if logits.dim() != 2:
-        raise ValueError(f"the model must return logits of shape (N, num_classes), got {tuple(logits.shape)}")
-    if not torch.isfinite(logits).all():
-        raise ValueError("the model returns NaN or inf logits on these images: an attack on it measures nothing; "
-                         "check its weights (a damaged or untrained checkpoint) and that images are in [0, 1]")
-    num_classes = logits.shape[1]
-    if targets.min().item() < 0 or targets.max().item() >= num_classes:
-        raise ValueError(f"targets must be class indices in [0, {num_classes}), got values in "
-                         f"[{targets.min().item()}, {targets.max().item()}]")
-    return num_classes
-
-
-@contextlib.contextmanager
-def frozen_parameters(model: nn.Module) -> Iterator[None]:
-    """Temporarily ``requires_grad_(False)`` on every parameter; restored on exit, also on error."""
-    had_grad = [p for p in model.parameters() if p.requires_grad]
-    for p in had_grad:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p in had_grad:
-            p.requires_grad_(True)
-
-
 def native_pgd(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, config: PGDConfig, *,
                fold_bn: bool = True, channels_last: bool = True) -> torch.Tensor:
     """Batched targeted PGD (module docstring): one forward and one backward per step for the batch.
@@ -194,9 +107,8 @@ def native_pgd(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, co
     * ``channels_last``: keep the iterate in channels-last layout, so that oneDNN's convolutions
       run without layout reorders.
 
-    Together 1.9-2.1x the images/s of torchattacks (by CPU time) at width 0.25 and 1.46x at
-    width 1.0 for resnet26 on CPU (benchmarks/results/pgd.json; at width 1.0 about 90% of the
-    time is in the convolutions themselves). Both change the rounding of the gradient
+    Their speed against torchattacks: ``benchmarks/bench_pgd.py`` (results in
+    ``benchmarks/results/pgd.json``). Both change the rounding of the gradient
     (``(W * s) * x`` is not ``(W * x) * s``; other convolution kernels sum in another order):
     a gradient component within rounding error of zero can flip sign, which moves that pixel
     by 2 * step; over several steps the difference can grow, and an image that sits near a
@@ -252,7 +164,7 @@ def targeted_pgd(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, 
                  exact: bool = False) -> torch.Tensor:
     """Adversarial images from targeted L-inf PGD (SAN Table 10) with one of :data:`BACKENDS`.
 
-    ``model`` takes [0, 1] images (a :class:`~robust_attn.wrapper.NormalizedModel`) and must be in
+    ``model`` takes [0, 1] images (a :class:`~robust_attn.models.wrapper.NormalizedModel`) and must be in
     eval mode; it is left as it was (mode, dtype, device, ``requires_grad`` of parameters).
     ``images`` (N, C, H, W) in [0, 1]; ``targets`` (N,) class indices, e.g. from
     :func:`~robust_attn.attacks.draw_targets`; ``labels`` (optional) are checked to differ from
@@ -307,6 +219,6 @@ def targeted_pgd(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, 
                 parts.append(backends.run_backend(backend, model, x, t, config))
         adv = parts[0] if len(parts) == 1 else torch.cat(parts)
     after = [(p.dtype, p.device) for p in model.parameters()]
-    if _training_modules(model) or before != after:
+    if training_modules(model) or before != after:
         raise RuntimeError(f"the {backend} backend changed the model's mode, dtype or device")
     return adv.detach()

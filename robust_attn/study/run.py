@@ -2,24 +2,25 @@
 
 For every zoo model trained on ``config.dataset`` (or the models ``config.models`` names: zoo
 entries, or any model spec of :mod:`robust_attn.sources` as :class:`StudyModel`, e.g. from a
-study config file, :mod:`robust_attn.study_config`) this runs the rotation protocol (Table 9 plus
+study config file, :mod:`robust_attn.study.config`) this runs the rotation protocol (Table 9 plus
 the left-right flip and an angle sweep) and targeted PGD (Table 10's two settings plus an eps
 sweep) on the same images with the same attack targets (drawn from the labels with one seed,
 so every model and every resumed or parallel call gets the same ones), then writes the report: Tables 9 and
 10, the plots, bootstrap intervals and the findings (which model loses least, paired bootstrap;
 :mod:`robust_attn.reports.comparison`).
 
-    >>> from robust_attn.study import StudyConfig, StudyModel, run_study
+    >>> from robust_attn.study.config import StudyConfig, StudyModel
+    >>> from robust_attn.study.run import run_study
     >>> run_study(StudyConfig(dataset="fashion_mnist"), runs_dir="runs/study", report_dir="reports/study")
     >>> run_study(StudyConfig(dataset="imagenet", limit=1000, baseline="torchvision-resnet50",
     ...                       models=(StudyModel("timm:resnet26t"), StudyModel("torchvision:resnet50:IMAGENET1K_V1"))),
     ...           runs_dir="runs/study-imagenet", report_dir="reports/study-imagenet", root="data")
 
 Every model is loaded through its spec and evaluated on the same images through its own
-preprocessing (:mod:`robust_attn.study_models`); the steps that compare models on the same
+preprocessing (:mod:`robust_attn.study.models`); the steps that compare models on the same
 tensors (transfer, masking) are refused for models of different preprocessing.
 
-Every run directory is resumable (:mod:`robust_attn.results`): calling again after an
+Every run directory is resumable (:mod:`robust_attn.runs.store`): calling again after an
 interruption computes only what is missing, and a finished model costs nothing. The report
 folder gets a packed copy of every run (``<report_dir>/runs``: per-image records in one gzip CSV
 each), so ``robust-attn report <report_dir>/runs/* --out DIR`` derives the report again from
@@ -36,7 +37,6 @@ import multiprocessing
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -44,115 +44,15 @@ import torch
 
 from robust_attn.distributed import init_distributed, world_size as process_count
 from robust_attn.layers.paths import check_attention_path, set_attention_path
-from robust_attn.protocols.pgd import PAPER_SETTINGS, AttackSetting, pgd_settings
-from robust_attn.protocols.registry import STUDY_PROTOCOLS, StudyContext, list_study_protocols
-from robust_attn.results import RunStore, library_versions
-from robust_attn.study_config import StudyModel
-from robust_attn.study_models import StudyEntry, load_models, model_inputs, study_models
+from robust_attn.protocols.study_step import STUDY_PROTOCOLS, StudyContext
+from robust_attn.runs.store import RunStore, library_versions
+from robust_attn.study.config import StudyConfig, StudyModel
+from robust_attn.study.models import StudyEntry, load_models, model_inputs, study_models
 from robust_attn.utils.io import atomic_path
 
-__all__ = ["StudyConfig", "StudyModel", "StudyEntry", "run_study", "study_models", "TIMINGS_FILE"]
+__all__ = ["run_study", "default_workers", "TIMINGS_FILE"]
 
 TIMINGS_FILE = "timings.csv"
-BACKENDS = ("native", "torchattacks", "foolbox")
-PROTOCOLS = ("rotation", "pgd", "apgd", "autoattack", "square", "transfer", "masking")
-
-
-@dataclass(frozen=True)
-class StudyConfig:
-    """What the study runs. eps and steps in 1/255 units, as Table 10."""
-
-    dataset: str = "fashion_mnist"
-    split: str = "test"
-    limit: int | None = None           # None: the whole split
-    models: tuple[str | StudyModel, ...] = ()   # zoo entry names or StudyModels; empty: every zoo entry for ``dataset``
-    root: str | None = None            # data root (None: run_study's root, $ROBUST_ATTN_DATA or ./data)
-    angle_step: float = 30.0           # angle sweep (bilinear, zero fill) besides the exact 90s
-    sweep_eps: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)
-    sweep_steps: int = 4               # with step = eps / steps, the rule of both paper settings
-    batch_size: int = 250
-    seed: int = 0                      # attack targets
-    backend: str = "native"
-    bootstrap: int = 1000
-    baseline: str = "resnet26"         # the convolutional reference of the findings
-    protocols: tuple[str, ...] = PROTOCOLS   # a subset runs only those (the report covers what exists)
-    attack_limit: int | None = 1000    # the seeded subset of the attack protocols (apgd, autoattack, square, transfer)
-    autoattack_eps: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)   # 1/255 units, L-inf, untargeted
-    apgd_eps: tuple[float, ...] = (1.0, 2.0, 4.0)   # APGD-CE alone (step ``apgd``), 1/255 units
-    square_eps: float = 8.0            # 1/255 units
-    square_queries: int = 5000
-    transfer_steps: int = 10           # the untargeted PGD of the transfer matrix (step 2/255), beside {8, 2, 4}
-    attack_batch_size: int = 100
-    attack_steps: int | None = None    # iterations of AutoAttack's members (None: their standard 100)
-    masking_images: int = 100          # images of the gradient-masking probes (unbounded PGD, gradients)
-    corruptions: str = "common"        # corruption step: common, extra, all, families or names (comma list)
-    severities: tuple[int, ...] = (1, 2, 3, 4, 5)
-    occlusion_areas: tuple[float, ...] = (10.0, 25.0, 50.0, 75.0)   # percent of the image one square covers
-    shuffle_grids: tuple[int, ...] = (1, 2, 4, 8)
-    shift_seed: int = 0                # per-image corruptions, occlusions and permutations
-
-    def __post_init__(self):
-        if self.split not in ("train", "val", "test"):
-            raise ValueError(f"split must be train, val or test, got {self.split!r}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be positive (or None for the whole split), got {self.limit}")
-        if not 0 <= self.angle_step < 360:
-            raise ValueError(f"angle_step must be in [0, 360) degrees (0: no sweep), got {self.angle_step}")
-        if self.sweep_steps < 1 or any(not 0 < e <= 255 for e in self.sweep_eps):
-            raise ValueError(f"sweep_eps are in 1/255 units, in (0, 255], and sweep_steps at least 1; got "
-                             f"{list(self.sweep_eps)} and {self.sweep_steps}")
-        if self.batch_size < 1 or self.bootstrap < 1:
-            raise ValueError("batch_size and bootstrap must be positive")
-        known = list_study_protocols()
-        if not self.protocols or set(self.protocols) - set(known):
-            raise ValueError(f"protocols must be a non-empty subset of {', '.join(known)}, got "
-                             f"{', '.join(self.protocols) or 'none'}")
-        if self.attack_limit is not None and self.attack_limit < 1:
-            raise ValueError(f"attack_limit must be positive (or None for every image), got {self.attack_limit}")
-        if any(not 0 < e <= 255 for e in (*self.autoattack_eps, *self.apgd_eps, self.square_eps)):
-            raise ValueError("autoattack_eps, apgd_eps and square_eps are in 1/255 units, in (0, 255]")
-        if self.square_queries < 1 or self.transfer_steps < 1 or self.attack_batch_size < 1:
-            raise ValueError("square_queries, transfer_steps and attack_batch_size must be positive")
-        if self.attack_steps is not None and self.attack_steps < 1:
-            raise ValueError(f"attack_steps must be at least 1 (or unset for AutoAttack's standard 100), "
-                             f"got {self.attack_steps}")
-        if self.masking_images < 1:
-            raise ValueError(f"masking_images must be at least 1, got {self.masking_images}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if any(not isinstance(m, (str, StudyModel)) for m in self.models):
-            raise ValueError("models must be zoo entry names or StudyModel(spec, ...) entries")
-        names = [m if isinstance(m, str) else m.name for m in self.models]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"two models are named {', '.join(twice)}: give each a distinct label")
-        from robust_attn.protocols.corruption import corruption_conditions
-        from robust_attn.protocols.occlusion import occlusion_conditions
-        from robust_attn.protocols.shuffle import shuffle_conditions
-
-        from robust_attn.data import dataset_info, list_datasets
-
-        if self.dataset not in list_datasets():
-            dataset_info(self.dataset)   # the unknown-dataset error, with the names it could have meant
-        try:    # imagefolder's size comes from its root, known only when the study runs
-            size = (dataset_info(self.dataset).image_size,) * 2
-        except (KeyError, ValueError, FileNotFoundError):
-            size = None
-        corruption_conditions(self.corruptions, self.severities)   # ValueError naming what is wrong
-        occlusion_conditions(self.occlusion_areas, image_size=size)
-        shuffle_conditions(self.shuffle_grids, image_size=size)
-
-    def attack_settings(self) -> list[AttackSetting]:
-        """Table 10's two settings, then the sweep (without repeating a paper setting)."""
-        settings = list(PAPER_SETTINGS)
-        if self.sweep_eps:
-            settings += [s for s in pgd_settings(self.sweep_eps, [self.sweep_steps]) if s not in settings]
-        return settings
-
-    def describe(self) -> dict:
-        return asdict(self)
-
-
 def _append_timing(runs_dir: Path, row: dict) -> None:
     """Add ``row`` to ``timings.csv``; under a file lock, so studies of different models may
     share ``runs_dir`` from parallel processes."""
@@ -218,11 +118,11 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     """Run (or resume) the study and write the report; returns the report's files.
 
     The protocols run in the order of ``config.protocols``: every per-model step
-    (:mod:`robust_attn.protocols.registry`) for each model, then the steps across models.
+    (:mod:`robust_attn.protocols.study_step`) for each model, then the steps across models.
 
     ``workers`` > 1 (CPU, not under torchrun) starts that many processes in all, one thread each,
     working through the same runs: every record chunk is claimed before it is computed
-    (:mod:`robust_attn.results`), so they share each run's chunks and finish it together before
+    (:mod:`robust_attn.runs.store`), so they share each run's chunks and finish it together before
     the next. Only this process runs the steps that are not chunked (the masking checks), logs
     the timings and writes the report.
 
@@ -230,10 +130,10 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     (:mod:`robust_attn.layers.paths`: ``"reference"`` is the faster on a GPU), recorded in each
     run's ``run.json`` as how it ran."""
     from robust_attn.data import dataset_info, locate_dataset
-    from robust_attn.protocols.registry import replace
+    from robust_attn.protocols.study_step import replace
     from robust_attn.reports import make_report
     from robust_attn.sources.inputs import record_preprocessing
-    from robust_attn.zoo import Manifest
+    from robust_attn.models.manifest import Manifest
 
     check_attention_path(attention_path)   # before any model is loaded
     manifest = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
@@ -325,7 +225,7 @@ def _described(step, config: StudyConfig) -> str:
 def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_images: int,
               models: list[StudyModel]) -> list[str]:
     """The report's opening: the models and images, then each protocol that ran, in the words
-    of its registration (:mod:`robust_attn.protocols.registry`), and the wall time spent."""
+    of its registration (:mod:`robust_attn.protocols.study_step`), and the wall time spent."""
     who = f"every zoo model trained on `{config.dataset}`" if not config.models else \
         f"{len(models)} models on `{config.dataset}` ({', '.join(m.name for m in models)}; where each came from: " \
         f"Models, below)"
