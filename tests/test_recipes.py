@@ -33,7 +33,7 @@ def test_inheriting_recipes_repeat_nothing_of_their_base(name):
     base = load(raw.pop("inherit")).to_dict()
     for key, value in raw.items():
         if isinstance(value, dict) and key != "model_args":
-            same = [f"{key}.{k}" for k, v in value.items() if base[key].get(k) == v]
+            same = [f"{key}.{k}" for k, v in value.items() if base.get(key, {}).get(k) == v]
         else:
             same = [key] if base.get(key) == value else []
         assert not same, f"{name} repeats {same} of its base; delete them"
@@ -83,7 +83,13 @@ def good() -> dict:
     ({"model": "resnet27"}, "not in the registry. Did you mean resnet26"),
     ({"dataset": "cifar"}, "Did you mean 'cifar10'"),
     ({"epochs": "ten"}, "epochs must be int"),
-    ({"optim": {"schedule": "linear"}}, "choose one of"),
+    ({"optim": {"schedule": "linearly"}}, "choose one of"),
+    ({"optim": {"ema_decay": 1.0}}, "optim.ema_decay must be in"),
+    ({"optim": {"ema_every": 0}}, "optim.ema_every at least 1"),
+    ({"optim": {"bias_lr_scale": 0}}, "bias_lr_scale must be positive"),
+    ({"data": {"flip": "sometimes"}}, "choose one of"),
+    ({"data": {"translate": -1}}, "data.translate must be 0 or more"),
+    ({"data": {"translate": 2, "augment": False}}, "need data.augment = true"),
     ({"optim": {"schedule": "step"}}, "needs optim.milestones"),
     ({"data": {"eval_split": "val"}}, "set data.holdout = true"),
     ({"runtime": {"amp": "fp8"}}, "choose one of"),

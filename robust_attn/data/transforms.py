@@ -61,12 +61,22 @@ class SeededAugment(Dataset):
     Each item is drawn under a private copy of torch's CPU generator seeded from the triple, so the
     augmentation is the same whatever the number of DataLoader workers, the process (DDP rank)
     or a resume in the middle of training. Call :meth:`set_epoch` at the start of every epoch.
+
+    ``alternate_flip``: the alternating flip of airbench (Jordan 2024, section 3.6): image ``i`` is
+    mirrored in even epochs if a coin drawn once from ``(seed, i)`` says so, and in odd epochs
+    exactly when it was not, so every pair of consecutive epochs sees both orientations (the
+    wrapped dataset should then not flip by itself).
     """
 
-    def __init__(self, dataset: Dataset, seed: int = 0):
+    def __init__(self, dataset: Dataset, seed: int = 0, alternate_flip: bool = False):
         self.dataset = dataset
         self.seed = int(seed)
         self.epoch = 0
+        self.alternate_flip = alternate_flip
+        self._coins = None
+        if alternate_flip:
+            gen = torch.Generator().manual_seed(self.seed)
+            self._coins = torch.rand(len(dataset), generator=gen) < 0.5
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -79,6 +89,9 @@ class SeededAugment(Dataset):
         state = torch.get_rng_state()
         try:  # seeding only the CPU generator: torch.manual_seed also seeds every accelerator (slow)
             torch.default_generator.manual_seed(item_seed)
-            return self.dataset[index]
+            image, label = self.dataset[index]
         finally:
             torch.set_rng_state(state)
+        if self._coins is not None and bool(self._coins[index]) != (self.epoch % 2 == 1):
+            image = image.flip(-1)
+        return image, label

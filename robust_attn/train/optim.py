@@ -6,6 +6,11 @@
   warm-up, ``min + (1 - min) * (1 + cos(pi * t)) / 2`` with ``t`` going 0 -> 1 over the remaining
   steps (``min`` = ``min_lr`` as a fraction of the peak).
 * ``step`` (AA appendix, ImageNet): multiply by ``gamma`` at each milestone epoch.
+* ``linear``: after warm-up, a straight line from the peak down to ``min`` at the last step (the
+  warm-up-then-linear-decay shape of airbench, Jordan 2024, "94% on CIFAR-10 in 3.29 seconds").
+* ``bias_lr_scale`` multiplies the learning rate of the biases (1-d parameters named ``bias``,
+  which are those of the normalization layers, the classifier and any conv with a bias):
+  airbench trains BatchNorm biases at 64 times the rate of the weights.
 * Weight decay optionally skips biases and normalization weights: every parameter with fewer
   than two dimensions (our choice of rule: it also covers learned scalars and 1-d embeddings
   of the attention layers; relative-position tables, being 2-d or more, are decayed).
@@ -21,21 +26,33 @@ import torch.nn as nn
 __all__ = ["param_groups", "build_optimizer", "lr_factor", "build_scheduler"]
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool,
+                 bias_lr_scale: float = 1.0) -> list[dict]:
     """One group with ``weight_decay``; with ``no_decay_norm_bias`` a second one of all <2-d
-    parameters without it. Order is the model's parameter order (deterministic)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    parameters without it. With ``bias_lr_scale != 1`` the biases form a group of their own whose
+    ``lr_scale`` the optimizer applies (:func:`build_optimizer`). Order within a group is the
+    model's parameter order (deterministic)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    is_bias = [bias_lr_scale != 1.0 and p.ndim == 1 and n.rsplit(".", 1)[-1] == "bias" for n, p in named]
+    plain = [p for (_, p), b in zip(named, is_bias) if not b]
+    biases = [p for (_, p), b in zip(named, is_bias) if b]
     if not no_decay_norm_bias:
-        return [{"params": params, "weight_decay": weight_decay}]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": plain, "weight_decay": weight_decay}]
+    else:
+        groups = [{"params": [p for p in plain if p.ndim >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in plain if p.ndim < 2], "weight_decay": 0.0}]
+    if biases:
+        groups.append({"params": biases, "weight_decay": 0.0 if no_decay_norm_bias else weight_decay,
+                       "lr_scale": bias_lr_scale})
+    return groups
 
 
 def build_optimizer(model: nn.Module, lr: float, momentum: float, nesterov: bool, weight_decay: float,
-                    no_decay_norm_bias: bool = False) -> torch.optim.SGD:
-    return torch.optim.SGD(param_groups(model, weight_decay, no_decay_norm_bias), lr=lr, momentum=momentum,
-                           nesterov=nesterov)
+                    no_decay_norm_bias: bool = False, bias_lr_scale: float = 1.0) -> torch.optim.SGD:
+    groups = param_groups(model, weight_decay, no_decay_norm_bias, bias_lr_scale)
+    for group in groups:  # LambdaLR scales each group's initial lr, so a scaled group stays scaled
+        group["lr"] = lr * group.pop("lr_scale", 1.0)
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "cosine",
@@ -45,10 +62,12 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, schedule: str 
         return (step + 1) / warmup_steps
     if schedule == "step":
         return gamma ** sum(step >= m for m in milestone_steps)
-    if schedule != "cosine":
-        raise ValueError(f"unknown schedule {schedule!r}; choose 'cosine' or 'step'")
+    if schedule not in ("cosine", "linear"):
+        raise ValueError(f"unknown schedule {schedule!r}; choose 'cosine', 'linear' or 'step'")
     span = max(1, total_steps - warmup_steps)
     t = min(1.0, (step - warmup_steps) / span)
+    if schedule == "linear":
+        return min_factor + (1.0 - min_factor) * (1.0 - t)
     return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 

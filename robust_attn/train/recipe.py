@@ -11,6 +11,8 @@ A recipe is flat settings plus three tables::
     [data]     root, batch_size (global), eval_batch_size, workers, holdout, eval_split, limits
     [optim]    lr (at base_batch), base_batch, momentum, nesterov, weight_decay, ...
     [runtime]  device, amp, channels_last, compile
+    [adversarial]  method, eps, steps, step, eps_warmup_epochs, trades_beta, guard settings
+                   (adversarial training, robust_attn.train.adversarial; absent: standard training)
 
 ``inherit`` chains are merged table by table (the child wins), so a family's recipe states only
 what differs from the base it names. Command-line overrides use dotted keys
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["Recipe", "DataConfig", "OptimConfig", "RuntimeConfig", "RecipeError", "load_recipe",
+__all__ = ["Recipe", "DataConfig", "OptimConfig", "RuntimeConfig", "AdversarialConfig", "RecipeError", "load_recipe",
            "recipe_from_dict", "parse_overrides"]
 
 
@@ -52,6 +54,8 @@ class DataConfig:
     eval_split: str = "test"          # evaluated after every epoch: "test" or "val"
     limit_train: int | None = None    # train on a fixed random subset (smoke runs)
     limit_eval: int | None = None
+    translate: int | None = None      # random translation in pixels (zero padding); None: the dataset's
+    flip: str = "random"              # "random", "alternating" (airbench) or "none"; with augment only
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ class OptimConfig:
     milestones: tuple[float, ...] = ()  # "step": epochs at which the rate is multiplied by gamma
     gamma: float = 0.1
     clip_grad_norm: float = 0.0       # 0: no clipping
+    bias_lr_scale: float = 1.0        # learning-rate multiplier of the biases (airbench: 64)
+    ema_decay: float = 0.0            # per-step decay of the weight average evaluated and saved; 0: none
+    ema_every: int = 1                # update the average every this many steps
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,24 @@ class RuntimeConfig:
     channels_last: bool = False
     compile: bool = False             # torch.compile the model
     deterministic: bool = False       # torch.use_deterministic_algorithms (slower on GPU)
+
+
+ADVERSARIAL_METHODS = ("none", "fgsm", "pgd", "trades")
+
+
+@dataclass(frozen=True)
+class AdversarialConfig:
+    """Adversarial training (robust_attn.train.adversarial). ``eps`` and ``step`` are L-inf radii
+    in [0, 1] image units; in TOML a number or a fraction string such as "8/255"."""
+    method: str = "none"              # "fgsm" (with random start), "pgd", "trades"; "none": standard training
+    eps: float = 8 / 255
+    steps: int | None = None          # attack iterations; None: 1 for fgsm, 10 for pgd and trades
+    step: float | None = None         # step size; None: 1.25 eps for fgsm (Wong et al.), eps / 4 otherwise
+    eps_warmup_epochs: float = 0.0    # eps (and step) ramp linearly from 0 over these epochs, per step
+    trades_beta: float = 6.0          # TRADES's 1/lambda (Zhang et al. 2019, eq. 5)
+    guard_images: int = 1000          # training images held out for the overfitting guard (0: no guard)
+    guard_steps: int = 10             # PGD steps of the guard
+    guard_collapse: float = 0.5       # stop when guard accuracy falls below this fraction of its best
 
 
 @dataclass(frozen=True)
@@ -91,12 +116,18 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    adversarial: AdversarialConfig = field(default_factory=AdversarialConfig)
     source: str = ""                  # the file it was loaded from (not part of the hash)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out.pop("source")
         out["optim"]["milestones"] = list(out["optim"]["milestones"])
+        for section, key in _LATER_KEYS:  # at their defaults they change nothing: keep older hashes
+            if out[section][key] == _LATER_KEYS[(section, key)]:
+                del out[section][key]
+        if self.adversarial == AdversarialConfig():
+            del out["adversarial"]
         return out
 
     def sha256(self) -> str:
@@ -108,8 +139,13 @@ class Recipe:
         return self.optim.lr * (global_batch or self.data.batch_size) / self.optim.base_batch
 
 
-_SECTIONS = {"data": DataConfig, "optim": OptimConfig, "runtime": RuntimeConfig}
-_CHOICES = {("optim", "schedule"): ("cosine", "step"), ("runtime", "amp"): ("none", "bf16", "fp16"),
+_SECTIONS = {"data": DataConfig, "optim": OptimConfig, "runtime": RuntimeConfig, "adversarial": AdversarialConfig}
+# Keys added after recipes were first hashed, with the default at which they are left out of
+# to_dict(), so that a run started before they existed still resumes (its hash is unchanged).
+_LATER_KEYS = {("data", "translate"): None, ("data", "flip"): "random", ("optim", "bias_lr_scale"): 1.0,
+               ("optim", "ema_decay"): 0.0, ("optim", "ema_every"): 1}
+_CHOICES = {("adversarial", "method"): ADVERSARIAL_METHODS, ("optim", "schedule"): ("cosine", "step", "linear"),
+            ("data", "flip"): ("random", "alternating", "none"), ("runtime", "amp"): ("none", "bf16", "fp16"),
             ("runtime", "device"): ("auto", "cpu", "cuda"), ("data", "eval_split"): ("test", "val")}
 
 
@@ -171,6 +207,16 @@ def _unknown(key: str, valid: Sequence[str], where: str) -> RecipeError:
     return RecipeError(f"unknown recipe key {where}{key!r}.{hint} Valid keys: {', '.join(sorted(valid))}.")
 
 
+def _fraction(text: str, where: str) -> float:
+    """``"8/255"`` -> 8/255 (a radius written as in the papers)."""
+    num, sep, den = text.partition("/")
+    try:
+        return float(num) / float(den) if sep else float(num)
+    except (ValueError, ZeroDivisionError):
+        raise RecipeError(f"recipe key {where} must be a number or a fraction such as \"8/255\", "
+                          f"got {text!r}") from None
+
+
 def _check_type(value: Any, annotation: str, where: str) -> Any:
     kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,)}
     optional = "None" in annotation
@@ -201,6 +247,8 @@ def _build(cls, raw: dict, where: str):
                 raise RecipeError(f"recipe key {key!r} must be a table ([{key}])")
             kwargs[key] = _build(_SECTIONS[key], value, f"{key}.")
             continue
+        if where == "adversarial." and key in ("eps", "step") and isinstance(value, str):
+            value = _fraction(value, where + key)
         kwargs[key] = _check_type(value, str(fields[key].type), where + key)
         if (where.rstrip("."), key) in _CHOICES and kwargs[key] not in _CHOICES[(where.rstrip("."), key)]:
             raise RecipeError(f"recipe key {where}{key} = {value!r}; choose one of "
@@ -228,6 +276,33 @@ def load_recipe(path: str | Path, overrides: Sequence[str] | dict = (), check_da
     extra = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
     raw = _merge(raw, extra)
     return recipe_from_dict(raw, source=str(path), check_data=check_data)
+
+
+def _validate_adversarial(a: AdversarialConfig, epochs: int) -> None:
+    where = "[adversarial]"
+    if a.method == "none":
+        if a != AdversarialConfig():
+            raise RecipeError(f"{where} has settings but method = \"none\" (standard training); set method to one "
+                              f"of {', '.join(ADVERSARIAL_METHODS[1:])} or remove the table")
+        return
+    if not 0 < a.eps <= 1:
+        raise RecipeError(f"{where} eps must be in (0, 1] image units (e.g. \"8/255\"), got {a.eps}; "
+                          f"{a.eps:g} in 1/255 units is \"{a.eps:g}/255\"")
+    if a.steps is not None and a.steps < 1:
+        raise RecipeError(f"{where} steps must be at least 1 (or unset for the method's default), got {a.steps}")
+    if a.method == "fgsm" and a.steps not in (None, 1):
+        raise RecipeError(f"{where} method \"fgsm\" takes one step (steps = 1 or unset); for more use "
+                          f"method = \"pgd\"")
+    if a.step is not None and not 0 < a.step <= 2 * a.eps:
+        raise RecipeError(f"{where} step must be in (0, 2 eps] (default: 1.25 eps for fgsm, eps / 4 otherwise), "
+                          f"got {a.step}")
+    if not 0 <= a.eps_warmup_epochs <= epochs:
+        raise RecipeError(f"{where} eps_warmup_epochs must be in [0, epochs = {epochs}], got {a.eps_warmup_epochs}")
+    if a.trades_beta <= 0:
+        raise RecipeError(f"{where} trades_beta must be positive (Zhang et al. use 6), got {a.trades_beta}")
+    if a.guard_images < 0 or a.guard_steps < 1 or not 0 <= a.guard_collapse < 1:
+        raise RecipeError(f"{where} guard_images >= 0 (0: no guard), guard_steps >= 1 and 0 <= guard_collapse < 1 "
+                          f"(0: never stop); got {a.guard_images}, {a.guard_steps}, {a.guard_collapse}")
 
 
 def _validate(recipe: Recipe, check_data: bool) -> None:
@@ -263,6 +338,17 @@ def _validate(recipe: Recipe, check_data: bool) -> None:
         raise RecipeError("optim.nesterov needs optim.momentum > 0")
     if o.warmup_epochs < 0 or o.min_lr < 0 or o.clip_grad_norm < 0:
         raise RecipeError("optim.warmup_epochs, optim.min_lr and optim.clip_grad_norm must not be negative")
+    if o.bias_lr_scale <= 0:
+        raise RecipeError(f"optim.bias_lr_scale must be positive (1: the biases train at the common rate), "
+                          f"got {o.bias_lr_scale}")
+    if not 0 <= o.ema_decay < 1 or o.ema_every < 1:
+        raise RecipeError(f"optim.ema_decay must be in [0, 1) (0: no weight average; e.g. 0.999) and "
+                          f"optim.ema_every at least 1; got {o.ema_decay} and {o.ema_every}")
+    if d.translate is not None and d.translate < 0:
+        raise RecipeError(f"data.translate must be 0 or more pixels, or unset for the dataset's; got {d.translate}")
+    if (d.translate is not None or d.flip != "random") and not d.augment:
+        raise RecipeError("data.translate and data.flip set the training augmentation; they need data.augment = true")
+    _validate_adversarial(recipe.adversarial, recipe.epochs)
     if o.schedule == "step" and not o.milestones:
         raise RecipeError('optim.schedule = "step" needs optim.milestones (epochs), e.g. [30, 60, 90]')
     if d.eval_split == "val" and not d.holdout:

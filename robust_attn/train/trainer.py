@@ -10,6 +10,7 @@ Output directory::
     OUT/metrics.csv                       one row per epoch (rank 0)
     OUT/checkpoints/epoch_NNNN/           model.safetensors + model.json + state.pt
     OUT/checkpoints/LAST                  name of the newest complete epoch folder
+    OUT/checkpoints/best/                 adversarial training with a guard: the best epoch's model
     OUT/model.safetensors, OUT/model.json the final model (robust_attn.models.checkpoint format)
     OUT/tensorboard/                      if the tensorboard package is installed
 
@@ -44,8 +45,11 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from robust_attn.models.checkpoint import save_checkpoint
 from robust_attn.data import SeededAugment, build_dataset, dataset_info
+from robust_attn.data.transforms import RandomCropFlip
 from robust_attn.distributed import barrier, init_distributed, is_distributed, shard_indices
 from robust_attn.models.registry import create_model
+from robust_attn.train import adversarial as adv
+from robust_attn.train.ema import WeightAverage
 from robust_attn.train.optim import build_optimizer, build_scheduler
 from robust_attn.train.recipe import Recipe, RecipeError
 from robust_attn.utils.io import atomic_path, atomic_write_json, atomic_write_text, sha256_file
@@ -54,6 +58,7 @@ from robust_attn.models.wrapper import NormalizedModel
 __all__ = ["train", "evaluate", "build_model", "CSV_COLUMNS", "ResumeError"]
 
 CSV_COLUMNS = ["epoch", "train_loss", "lr", "images_per_s", "eval_top1", "eval_top5", "epoch_seconds"]
+GUARD_COLUMNS = ["eps", "guard_pgd_top1"]  # adversarial training: the radius at the epoch's end, the guard
 
 
 class ResumeError(RecipeError):
@@ -136,12 +141,29 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, autocas
 
 
 def _write_csv(path: Path, history: list[dict]) -> None:
+    columns = CSV_COLUMNS + [k for k in GUARD_COLUMNS if history and k in history[0]]
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS)
+    writer = csv.DictWriter(buf, fieldnames=columns)
     writer.writeheader()
     for row in history:
-        writer.writerow({k: row[k] for k in CSV_COLUMNS})
+        writer.writerow({k: row[k] for k in columns})
     atomic_write_text(path, buf.getvalue())
+
+
+def _set_translate_flip(dataset, translate: int | None, flip: str) -> None:
+    """Replace the crop-and-flip augmentation of ``dataset`` (or of the dataset it wraps) by one with
+    ``translate`` pixels of padding (None: keep the dataset's) and a random flip only when
+    ``flip == "random"`` (the alternating flip is :class:`SeededAugment`'s)."""
+    if translate is None and flip == "random":
+        return
+    inner = dataset
+    while inner is not None and not isinstance(getattr(inner, "transform", None), RandomCropFlip):
+        inner = getattr(inner, "dataset", None)
+    if inner is None:
+        raise RecipeError("data.translate and data.flip apply to the CIFAR-resolution datasets' crop-and-flip "
+                          "augmentation; this dataset has another one: remove them from the recipe")
+    padding = inner.transform.padding if translate is None else translate
+    inner.transform = RandomCropFlip(padding, flip=flip == "random")
 
 
 def _tensorboard(out: Path):
@@ -190,8 +212,19 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
         net = net.to(memory_format=torch.channels_last)
 
     # data
-    train_set = SeededAugment(build_dataset(recipe.dataset, dcfg.root, "train", augment=dcfg.augment,
-                                            holdout=dcfg.holdout, limit=dcfg.limit_train), seed=recipe.seed)
+    base_train = build_dataset(recipe.dataset, dcfg.root, "train", augment=dcfg.augment, holdout=dcfg.holdout,
+                               limit=dcfg.limit_train)
+    if dcfg.augment:
+        _set_translate_flip(base_train, dcfg.translate, dcfg.flip)
+    acfg = recipe.adversarial
+    adversarial = acfg.method != "none"
+    guard_set = None
+    if adversarial and acfg.guard_images > 0:  # a held-out slice of the training images, not augmented
+        kept, held = adv.guard_split(len(base_train), acfg.guard_images, recipe.seed)
+        guard_set = Subset(build_dataset(recipe.dataset, dcfg.root, "train", augment=False, holdout=dcfg.holdout,
+                                         limit=dcfg.limit_train), held)
+        base_train = Subset(base_train, kept)
+    train_set = SeededAugment(base_train, seed=recipe.seed, alternate_flip=dcfg.augment and dcfg.flip == "alternating")
     eval_set = build_dataset(recipe.dataset, dcfg.root, dcfg.eval_split, limit=dcfg.limit_eval,
                              holdout=dcfg.holdout)
     per_rank = dcfg.batch_size // world
@@ -202,6 +235,11 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     train_loader = DataLoader(train_set, batch_size=per_rank, sampler=sampler, drop_last=True, **loader_args)
     eval_loader = DataLoader(Subset(eval_set, shard_indices(len(eval_set), rank, world)),
                              batch_size=dcfg.eval_batch_size, shuffle=False, **loader_args)
+    guard_loader = None if guard_set is None else DataLoader(
+        Subset(guard_set, shard_indices(len(guard_set), rank, world)), batch_size=dcfg.eval_batch_size,
+        shuffle=False, **loader_args)
+    guard = adv.GuardState(acfg.guard_collapse, floor=100.0 / dataset_info(recipe.dataset).num_classes)
+    stopped = False
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
         raise RecipeError(f"data.batch_size {dcfg.batch_size} exceeds the {len(train_set)} training images; "
@@ -210,7 +248,9 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     # optimization
     peak_lr = recipe.lr_at(dcfg.batch_size)
     optimizer = build_optimizer(net, peak_lr, ocfg.momentum, ocfg.nesterov, ocfg.weight_decay,
-                                ocfg.no_decay_norm_bias)
+                                ocfg.no_decay_norm_bias, ocfg.bias_lr_scale)
+    average = WeightAverage(net, ocfg.ema_decay, ocfg.ema_every) if ocfg.ema_decay > 0 else None
+    shown = net if average is None else average.module  # what is evaluated and saved
     scheduler = build_scheduler(optimizer, steps_per_epoch, recipe.epochs, ocfg.warmup_epochs, ocfg.schedule,
                                 ocfg.min_lr, ocfg.milestones, ocfg.gamma)
     scaler = torch.amp.GradScaler(device.type, enabled=rt.amp == "fp16")
@@ -235,7 +275,12 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
                               f"or use a new --out")
         if sha256_file(folder / "model.safetensors") != state["weights_sha256"]:
             raise ResumeError(f"--resume: {folder} is inconsistent (weights do not match state.pt)")
-        net.load_state_dict(load_file(str(folder / "model.safetensors"), device=str(device)), strict=True)
+        saved = load_file(str(folder / "model.safetensors"), device=str(device))
+        if average is None:
+            net.load_state_dict(saved, strict=True)
+        else:  # model.safetensors holds the average; state.pt the live weights
+            net.load_state_dict(state["live_weights"], strict=True)
+            average.load_state_dict({"weights": saved, "updates": state["ema_updates"]})
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
@@ -244,6 +289,9 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
             torch.cuda.set_rng_state(state["rng_cuda"], device)
         history = list(state["history"])
         start_epoch = int(state["epoch"])
+        if "guard" in state:
+            guard.load_state_dict(state["guard"])
+            stopped = bool(state["stopped"])
         if state.get("world_size", world) != world:
             say(f"warning: resuming a run of {state['world_size']} processes with {world}; "
                 f"the data order differs from an uninterrupted run")
@@ -255,6 +303,8 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
                  "dataset": recipe.dataset, "data_variant": _data_variant(train_set.dataset),
                  "versions": _versions(), "git_commit": _git_commit(),
                  "world_size": world}
+    if adversarial:  # recorded in every checkpoint: never to be taken for a standard one
+        meta_base["adversarial"] = adv.describe(acfg)
     writer = None
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -267,6 +317,8 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
 
     step_images = per_rank * world
     end_epoch = recipe.epochs if stop_after is None else min(recipe.epochs, start_epoch + stop_after)
+    if stopped:
+        end_epoch = start_epoch
     for epoch in range(start_epoch, end_epoch):
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)
@@ -283,8 +335,14 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             if rt.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
-            with autocast():
-                loss = criterion(model(images), labels)
+            global_step = epoch * steps_per_epoch + step
+            if adversarial:
+                eps = adv.eps_at(acfg, global_step, steps_per_epoch)
+                loss = adv.adversarial_loss(acfg, model, net, criterion, images, labels, eps,
+                                            adv.step_seed(recipe.seed, global_step), autocast)
+            else:
+                with autocast():
+                    loss = criterion(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             if ocfg.clip_grad_norm > 0:
@@ -293,6 +351,8 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
+            if average is not None:
+                average.maybe_update(net, global_step)
             loss_sum += loss.detach().double()
             if bar is not None:
                 bar.update(1)
@@ -309,30 +369,57 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
         if not torch.isfinite(torch.tensor(train_loss)):
             raise FloatingPointError(f"epoch {epoch + 1}: training loss is {train_loss}; lower optim.lr or set "
                                      f"optim.clip_grad_norm")
-        top1, top5, _ = evaluate(net, eval_loader, device, autocast, rt.channels_last)
+        top1, top5, _ = evaluate(shown, eval_loader, device, autocast, rt.channels_last)
         row = {"epoch": epoch + 1, "train_loss": train_loss, "lr": optimizer.param_groups[0]["lr"],
                "images_per_s": steps_per_epoch * step_images / seconds, "eval_top1": top1, "eval_top5": top5,
                "epoch_seconds": seconds}
+        improved = False
+        if adversarial:
+            row["eps"] = adv.eps_at(acfg, (epoch + 1) * steps_per_epoch - 1, steps_per_epoch)
+            row["guard_pgd_top1"] = float("nan")
+            if guard_loader is not None:
+                counts = adv.guard_counts(shown, guard_loader, acfg.eps, acfg.guard_steps, recipe.seed, device,
+                                          autocast)
+                if is_distributed():
+                    dist.all_reduce(counts)
+                row["guard_pgd_top1"] = 100.0 * counts[0].item() / max(counts[1].item(), 1)
+                improved, stopped = guard.record(row["guard_pgd_top1"])
         history.append(row)
         if main:
-            _save_epoch(out, net, optimizer, scheduler, scaler, device, history, recipe, world, meta_base)
+            if improved:  # before the epoch's state, which names the best epoch
+                _save_best(out, shown, dict(meta_base, epoch=epoch + 1, metrics=row))
+            _save_epoch(out, net, optimizer, scheduler, scaler, device, history, recipe, world, meta_base, average,
+                        extra={"guard": guard.state_dict(), "stopped": stopped} if adversarial else None)
             _write_csv(out / "metrics.csv", history)
             if writer is not None:
                 for key in CSV_COLUMNS[1:]:
                     writer.add_scalar(key, row[key], epoch + 1)
                 writer.flush()
             say(f"epoch {epoch + 1}/{recipe.epochs}: loss {train_loss:.4f}, lr {row['lr']:.5g}, "
-                f"{row['images_per_s']:.1f} img/s, {dcfg.eval_split} top-1 {top1:.2f}% top-5 {top5:.2f}%")
+                f"{row['images_per_s']:.1f} img/s, {dcfg.eval_split} top-1 {top1:.2f}% top-5 {top5:.2f}%"
+                + (f", guard PGD-{acfg.guard_steps} top-1 {row['guard_pgd_top1']:.2f}% (best epoch "
+                   f"{guard.best_epoch})" if guard_loader is not None else ""))
         barrier()
+        if stopped:
+            say(f"guard: PGD-{acfg.guard_steps} accuracy {guard.history[-1]:.2f}% fell below {acfg.guard_collapse:g} "
+                f"of its best ({guard.best:.2f}%, epoch {guard.best_epoch}): catastrophic overfitting; stopping "
+                f"and keeping epoch {guard.best_epoch}")
+            break
 
-    if end_epoch < recipe.epochs:
+    if end_epoch < recipe.epochs and not stopped:
         say(f"stopped after epoch {end_epoch}/{recipe.epochs}; continue with --resume")
         return {"history": history, "weights": None, "sha256": None}
     weights = out / "model.safetensors"
     sha = None
     if main:
         meta = dict(meta_base, epoch=len(history), metrics=history[-1] if history else {}, history=history)
-        sha = save_checkpoint(weights, net, meta)
+        if guard_loader is not None and guard.best_epoch:  # model selection by the guard, never the test set
+            shown.load_state_dict(load_file(str(out / "checkpoints" / "best" / "model.safetensors"),
+                                            device=str(device)))
+            meta.update(epoch=guard.best_epoch, metrics=history[guard.best_epoch - 1],
+                        selected_by=f"guard: best PGD-{acfg.guard_steps} accuracy on {acfg.guard_images} held-out "
+                                    f"training images", stopped_early=stopped)
+        sha = save_checkpoint(weights, shown, meta)
         say(f"wrote {weights} (sha256 {sha})")
         if writer is not None:
             writer.close()
@@ -340,9 +427,18 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     return {"history": history, "weights": str(weights), "sha256": sha}
 
 
+def _save_best(out: Path, model: nn.Module, meta: dict) -> None:
+    """checkpoints/best/model.safetensors: the model of the guard's best epoch so far."""
+    folder = out / "checkpoints" / "best"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(folder / "model.safetensors", model, meta)
+
+
 def _save_epoch(out: Path, net: NormalizedModel, optimizer, scheduler, scaler, device: torch.device,
-                history: list[dict], recipe: Recipe, world: int, meta_base: dict) -> None:
-    """Write checkpoints/epoch_NNNN completely, then point LAST at it, then drop older folders."""
+                history: list[dict], recipe: Recipe, world: int, meta_base: dict,
+                average: WeightAverage | None = None, extra: dict | None = None) -> None:
+    """Write checkpoints/epoch_NNNN completely, then point LAST at it, then drop older folders.
+    With a weight average, model.safetensors holds the average and state.pt the live weights."""
     epoch = len(history)
     root = out / "checkpoints"
     name = f"epoch_{epoch:04d}"
@@ -351,15 +447,19 @@ def _save_epoch(out: Path, net: NormalizedModel, optimizer, scheduler, scaler, d
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     meta = dict(meta_base, epoch=epoch, metrics=history[-1])
-    weights_sha = save_checkpoint(folder / "model.safetensors", net, meta)
+    weights_sha = save_checkpoint(folder / "model.safetensors", net if average is None else average.module, meta)
     state = {"epoch": epoch, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "scaler": scaler.state_dict(), "rng_cpu": torch.get_rng_state(),
              "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
              "history": history, "recipe_sha256": recipe.sha256(), "weights_sha256": weights_sha,
              "world_size": world}
+    if average is not None:
+        state["live_weights"] = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+        state["ema_updates"] = average.updates
+    state.update(extra or {})
     with atomic_path(folder / "state.pt") as tmp:
         torch.save(state, tmp)
     atomic_write_text(root / "LAST", name + "\n")
-    for old in root.glob("epoch_*"):
+    for old in root.glob("epoch_*"):  # "best" is kept
         if old.name != name and old.is_dir():
             shutil.rmtree(old)

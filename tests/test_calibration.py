@@ -1,0 +1,82 @@
+"""benchmarks/calibrate_recipe.py and plot_calibration.py: the queue file, run names, resuming
+with the CPU time of earlier invocations added, and the CSV the plot is made from."""
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import calibrate_recipe  # noqa: E402
+import plot_calibration  # noqa: E402
+
+
+def test_the_committed_queue_is_valid_and_its_recipe_loads():
+    from robust_attn.train import load_recipe
+
+    recipe, runs = calibrate_recipe.read_queue(REPO / "benchmarks" / "calibration_queue.toml")
+    names = [calibrate_recipe.run_name(r) for r in runs]
+    assert len(set(names)) == len(names)  # every run has its own folder
+    for run in runs:
+        load_recipe(REPO / recipe, [f"model={run['model']}", f"model_args.width={run['width']}",
+                                    f"model_args.stem_downsample={run['stem']}", f"epochs={run['epochs']}",
+                                    *run["overrides"]], check_data=False)
+
+
+@pytest.mark.parametrize("text,message", [
+    ('recipe = "x.toml"\n', "a queue has"),
+    ('recipe = "x.toml"\n[[run]]\nmodel = "resnet26"\nwidth = 0.25\nstem = 2\n', "missing \\['epochs'\\]"),
+    ('recipe = "x.toml"\n[[run]]\nmodel = "resnet26"\nwidth = 0.25\nstem = 2\nepochs = 1\n'
+     'overrides = ["data.translate=4"]\n', "a tag exactly when it has overrides"),
+])
+def test_a_bad_queue_says_what_is_wrong(tmp_path, text, message):
+    path = tmp_path / "queue.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit, match=message):
+        calibrate_recipe.read_queue(path)
+
+
+def test_progress_adds_the_cpu_time_of_a_resumed_run(tmp_path, monkeypatch):
+    """A run killed after epoch 1 and resumed: progress.csv keeps epoch 1's row and adds epoch 2's
+    CPU seconds to it; the plot CSV has both rows with the cumulative hours."""
+    import robust_attn.train as train_pkg
+    import robust_attn.train.trainer as trainer
+
+    run = {"model": "resnet26", "width": 0.25, "stem": 2, "epochs": 2, "overrides": []}
+    out = tmp_path / calibrate_recipe.run_name(run)
+    calls = []
+    clock = iter([100.0, 103.0, 200.0, 205.0])  # process_time at start and after each epoch line
+
+    monkeypatch.setattr(calibrate_recipe.time, "process_time", lambda: next(clock))
+
+    def fake_train(recipe, out_dir, resume, progress, log):
+        calls.append(resume)
+        epoch = 2 if resume else 1
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows = [{"epoch": e, "train_loss": 2.0 / e, "eval_top1": 40.0 * e} for e in range(1, epoch + 1)]
+        with (out_dir / "metrics.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["epoch", "train_loss", "eval_top1"])
+            writer.writeheader()
+            writer.writerows(rows)
+        log(f"epoch {epoch}/2: loss 1.0, lr 0.1, 10 img/s, test top-1 {40.0 * epoch}% top-5 90%")
+        if resume:
+            (out_dir / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(train_pkg, "train", fake_train)
+    monkeypatch.setattr(train_pkg, "load_recipe", lambda path, overrides: None)
+    monkeypatch.setattr(trainer, "_latest_checkpoint", lambda folder: folder if calls else None)
+    calibrate_recipe.train_one(REPO / "x.toml", run, tmp_path, None)
+    calibrate_recipe.train_one(REPO / "x.toml", run, tmp_path, None)
+    calibrate_recipe.train_one(REPO / "x.toml", run, tmp_path, None)  # finished: skipped
+    assert calls == [False, True]
+    rows = calibrate_recipe.read_progress(out / "progress.csv")
+    assert [r["epoch"] for r in rows] == [1, 2] and [r["test_top1"] for r in rows] == [40.0, 80.0]
+    assert [r["epoch_cpu_s"] for r in rows] == [3.0, 5.0] and [r["cum_cpu_s"] for r in rows] == [3.0, 8.0]
+
+    plotted = plot_calibration.collect(tmp_path)
+    assert [(r["run"], r["epoch"], r["finished"]) for r in plotted] == [(out.name, 1, True), (out.name, 2, True)]
+    assert plotted[1]["cum_cpu_hours"] == pytest.approx(8.0 / 3600)
