@@ -33,6 +33,8 @@ def test_pass_counts_follow_the_protocols_settings():
     # AutoAttack per radius: APGD-CE, APGD-T and FAB-T on 9 targets each, Square's queries
     aa = protocol_passes("autoattack", StudyConfig(autoattack_eps=(4.0, 8.0), square_queries=50))
     assert (aa.backward, aa.forward) == (2 * 100 * 19, 1 + 2 * 51)
+    # ... of which APGD-CE runs on every image whatever the others do
+    assert (aa.least.backward, aa.least.forward) == (2 * 100, 1 + 2)
     # corruption: clean and 2 corruptions x 3 severities
     assert protocol_passes("corruption", StudyConfig(corruptions="gaussian_noise,contrast",
                                                      severities=(1, 3, 5))).forward == 1 + 6
@@ -66,6 +68,12 @@ def test_attack_bounds_and_unknown_protocols_are_said():
     rows = plan_rows(config, ["a"], {"a": (0.001, 0.002)}, 50, 20)
     assert rows[0].bound and rows[0].seconds == pytest.approx(20 * (2 * 0.001 + 100 * 0.002))
     assert "at most" in "\n".join(format_plan(rows, device="cpu", workers=1))
+    aa = plan_rows(StudyConfig(protocols=("autoattack",), autoattack_eps=(8.0,), square_queries=10), ["a"],
+                   {"a": (0.001, 0.002)}, 50, 20)[0]
+    assert aa.seconds == pytest.approx(20 * (12 * 0.001 + 1900 * 0.002))
+    assert aa.least == pytest.approx(20 * (2 * 0.001 + 100 * 0.002))
+    said = "\n".join(format_plan([aa], device="cpu", workers=1))
+    assert f"between {format_seconds(aa.least)} and {format_seconds(aa.seconds)}" in said
     unprobed = plan_rows(config, ["a"], {}, 50, 20)
     assert unprobed[0].seconds is None and "?" in "\n".join(format_plan(unprobed, device="cpu", workers=1))
 
@@ -86,6 +94,10 @@ def test_clock_scales_what_is_left_by_how_the_finished_steps_went():
     clock.finished("transfer", None, 0.0)   # a step across models: every model's row at once, in no time
     r_a, t_a, t_b = planned[("rotation", "a")], planned[("transfer", "a")], planned[("transfer", "b")]
     assert clock.remaining() == pytest.approx(planned[("rotation", "b")] * 2 * r_a / (r_a + t_a + t_b))
+    # the lines: the first step (helper processes starting) leaves the plan unscaled
+    fresh = StudyClock(rows)
+    assert "about " + format_seconds(left) + " left" in fresh.line("rotation", "a", 100 * planned[("rotation", "a")])
+    assert fresh.remaining() == pytest.approx(left)
 
 
 def test_probe_measures_both_passes_per_image():

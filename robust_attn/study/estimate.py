@@ -38,13 +38,15 @@ class Passes:
     ``backward`` (a forward and a backward pass to the input). ``bound``: an upper bound (the
     attack stops early on fooled images). ``images``: ``"study"`` (every image of the study) or
     ``"attack"`` (the attack subset); ``per_target``: forward passes per image through each
-    *other* model (the transfer matrix's targets)."""
+    *other* model (the transfer matrix's targets); ``least``: for a bound, the passes made even
+    if every image is fooled at once (None: the bound itself)."""
 
     forward: float = 0.0
     backward: float = 0.0
     images: str = "study"
     bound: bool = False
     per_target: float = 0.0
+    least: "Passes | None" = None
 
     def seconds(self, forward_s: float, backward_s: float, num_images: int, targets_forward_s: float = 0.0) -> float:
         """Seconds for ``num_images`` images, given one image's forward and forward-backward
@@ -99,11 +101,13 @@ def _autoattack(config) -> Passes:
     radii = len(config.autoattack_eps)
     per_radius_backward = _steps(config) * (1 + 2 * _AA_TARGETS)
     return Passes(forward=1 + radii * (1 + config.square_queries), backward=radii * per_radius_backward,
-                  images="attack", bound=True)
+                  images="attack", bound=True, least=Passes(forward=1 + radii, backward=radii * _steps(config),
+                                                            images="attack"))
 
 
 def _square(config) -> Passes:
-    return Passes(forward=2 + config.square_queries, images="attack", bound=True)
+    return Passes(forward=2 + config.square_queries, images="attack", bound=True,
+                  least=Passes(forward=3, images="attack"))
 
 
 def _transfer(config) -> Passes:
@@ -177,6 +181,7 @@ class PlanRow:
     images: int
     passes: Passes | None
     seconds: float | None
+    least: float | None = None   # for a bound: the seconds if every image were fooled at once
 
     @property
     def bound(self) -> bool:
@@ -199,14 +204,14 @@ def plan_rows(config, models: list[str], probes: dict[str, tuple[float, float]],
         count = {"study": num_images, "attack": num_attack_images,
                  "masking": min(config.masking_images, num_attack_images)}[passes.images] if passes else \
             (num_attack_images if step.attack_subset else num_images)
-        seconds = None
+        seconds = least = None
         if passes is not None and model in probes:
             forward_s, backward_s = probes[model]
             others = sum(probes[m][0] for m in models if m in probes)
-            seconds = passes.seconds(forward_s, backward_s, count, others)
-            if step.chunked and workers > 1:
-                seconds /= workers
-        rows.append(PlanRow(step.name, model, count, passes, seconds))
+            share = workers if step.chunked and workers > 1 else 1
+            seconds = passes.seconds(forward_s, backward_s, count, others) / share
+            least = (passes.least or passes).seconds(forward_s, backward_s, count, others) / share
+        rows.append(PlanRow(step.name, model, count, passes, seconds, least))
     return rows
 
 
@@ -240,7 +245,10 @@ def format_plan(rows: list[PlanRow], *, device: str, workers: int, header: str =
     lines.append(f"  {'total':<{width}}  " + "  ".join(f"{c:>{len(p) + len(str(images[p])) + 7}}"
                                                       for c, p in zip(total_cells, protocols)))
     total, bound = study_total(rows)
-    lines.append(f"  estimated time of the study: {'at most ' if bound else 'about '}{format_seconds(total)}"
+    least = sum(r.least for r in rows if r.least is not None)
+    said = f"between {format_seconds(least)} and {format_seconds(total)}" if bound and least < 0.8 * total else \
+        f"{'at most ' if bound else 'about '}{format_seconds(total)}"
+    lines.append(f"  estimated time of the study: {said}"
                  + (" (protocols of unknown cost not counted)" if any(r.seconds is None for r in rows) else ""))
     return lines
 
@@ -253,18 +261,23 @@ def study_total(rows: list[PlanRow]) -> tuple[float, bool]:
 class StudyClock:
     """The study's ETA as its steps finish: the plan's remaining seconds, scaled by how long the
     finished steps took against their estimates (so a machine busier than at the probe, or a
-    bound that was loose, corrects the rest)."""
+    bound that was loose, corrects the rest). :meth:`line` leaves the study's first step out of
+    the scaling: it also pays for the helper processes' start (importing, loading every model)."""
 
     def __init__(self, rows: list[PlanRow]):
         self.left = {(r.protocol, r.model): r.seconds for r in rows}
         self.estimated_done = 0.0
         self.spent = 0.0
+        self.steps = 0
 
-    def finished(self, protocol: str, model: str | None, seconds: float) -> None:
-        """Step ``protocol`` of ``model`` (None: of every model, a step across models) took ``seconds``."""
+    def finished(self, protocol: str, model: str | None, seconds: float, calibrate: bool = True) -> None:
+        """Step ``protocol`` of ``model`` (None: of every model, a step across models) took
+        ``seconds``; ``calibrate=False``: it leaves the plan without scaling the rest (the study's
+        first step, which also pays for starting the helper processes)."""
         keys = [k for k in self.left if k[0] == protocol and (model is None or k[1] == model)]
         estimate = sum(self.left.pop(k) or 0.0 for k in keys)
-        if estimate > 0:
+        self.steps += 1
+        if estimate > 0 and calibrate:
             self.estimated_done += estimate
             self.spent += seconds
 
@@ -274,7 +287,7 @@ class StudyClock:
         return left * ratio
 
     def line(self, protocol: str, model: str | None, seconds: float) -> str:
-        self.finished(protocol, model, seconds)
+        self.finished(protocol, model, seconds, calibrate=self.steps > 0)
         left = self.remaining()
         eta = time.strftime("%H:%M", time.localtime(time.time() + left))
         return f"study: {protocol} of {model or 'every model'} took {format_seconds(seconds)}; about " \

@@ -219,6 +219,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     if rank != 0 or _worker:
         return []
     report_dir = Path(report_dir)
+    log(f"study: writing the report into {report_dir} (packing the runs, {config.bootstrap} bootstrap resamples) ...")
     packed = [RunStore(d).pack(report_dir / "runs" / d.name).root for d in run_dirs]
     files = make_report(packed, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,
                         preamble=_preamble(config, runs_dir, len(dataset), len(attack_dataset), chosen),
