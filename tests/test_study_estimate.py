@@ -9,12 +9,12 @@ import torch
 
 import robust_attn
 from robust_attn.cli import main
-from robust_attn.models.checkpoint import save_checkpoint
 from robust_attn.models.wrapper import NormalizedModel
 from robust_attn.study.config import StudyConfig
 from robust_attn.study.estimate import (Passes, StudyClock, format_plan, format_seconds, plan_rows, probe_model,
                                         protocol_passes, study_total)
 from robust_attn.study.presets import FULL, PRESETS, preset_values
+from test_study import tiny_zoo  # noqa: F401  (the fixture: a zoo of two tiny synthetic-data models)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,19 +130,6 @@ def test_full_preset_is_the_committed_reports_study(dataset):
         if key in config:
             assert config[key] == (tuple(value) if isinstance(value, list) and key != "models" else value) or \
                    (key == "models" and list(config[key]) == value), key
-
-
-@pytest.fixture
-def tiny_zoo(tmp_path):
-    manifest_path = tmp_path / "zoo" / "manifest.json"
-    for name in ("resnet26", "sasa_resnet26"):
-        torch.manual_seed(0)
-        model = robust_attn.create_model(name, 10, "cifar", width=0.25, stem_downsample=4)
-        path = tmp_path / "ckpt" / f"{name}.safetensors"
-        save_checkpoint(path, NormalizedModel(model, (0.5,) * 3, (0.25,) * 3).eval())
-        assert main(["zoo", "add", name, "--dataset", "synthetic", "--checkpoint", str(path),
-                     "--manifest", str(manifest_path)]) == 0
-    return manifest_path
 
 
 def test_study_plan_prints_every_protocol_and_model_and_runs_nothing(tmp_path, tiny_zoo, capsys):
