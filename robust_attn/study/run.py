@@ -111,8 +111,8 @@ def autoattack_cost_note(config: StudyConfig, num_models: int, runs_dir) -> str:
     return (f"study: AutoAttack on a CPU: each image it cannot fool costs about {19 * steps:,} forward-backward "
             f"and {config.square_queries:,} forward passes per radius ({images}, radii {radii}/255, {num_models} "
             f"model(s)); at radii where most images survive (1-4/255) that is hours per model and radius on one "
-            f"core. `robust-attn status {runs_dir}` shows how far each radius is; `--autoattack-eps 8 --apgd-eps "
-            f"1,2,4` is the CPU-sized study (README, \"The study\").")
+            f"core. `robust-attn status {runs_dir}` shows how far each radius is; `--preset quick` (the CPU's "
+            f"default) is the CPU-sized study (docs/study-presets.md).")
 
 
 def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=None, manifest=None,
