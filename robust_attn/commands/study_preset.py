@@ -18,6 +18,9 @@ def add_size_options(p: argparse.ArgumentParser) -> None:
                         f"minutes on a 2-core CPU (the default on a CPU); {DEFAULT_GPU}: the default on a GPU; full: "
                         f"the committed report's settings (reports/study-DATASET; days on a CPU); {NO_PRESET}: the "
                         f"defaults listed here. With CONFIG.toml: none unless given")
+    p.epilog = (f"Sizes: the defaults the options list are the study config's own (--preset {NO_PRESET}); without a "
+                f"config file the preset in force ({DEFAULT_CPU} on a CPU, {DEFAULT_GPU} on a GPU) sets its values "
+                f"first, and the options given override them. --plan prints what would run and its estimated time.")
     p.add_argument("--plan", action="store_true",
                    help="load the models, time each on a few images and print what the study would run with the "
                         "estimated time per protocol and model; run nothing")
