@@ -48,6 +48,7 @@ def run_lines(run: Path) -> list[str]:
 
     from robust_attn.attacks.base import make_attack
     from robust_attn.protocols.attack import STATE_DIR, config_from_condition, saved_states
+    from robust_attn.runs.eta import eta_line
     from robust_attn.runs.store import RunStore, condition_definitions, damaged_message
 
     store = RunStore(run)
@@ -66,6 +67,7 @@ def run_lines(run: Path) -> list[str]:
         lines.append(f"  to compute: {named}" + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""))
         if not problems:
             lines.extend(_finished_lines(store, missing))
+            lines.extend(line for line in [eta_line(store, missing)] if line)
     conditions = condition_definitions(desc)
     for name, start, path in saved_states(run / STATE_DIR):
         saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))

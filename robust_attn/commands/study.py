@@ -13,6 +13,7 @@ from pathlib import Path
 
 from robust_attn.cli import UserError
 from robust_attn.commands.eval_common import parse_list
+from robust_attn.commands.study_preset import add_size_options, preset_suffix, with_preset
 
 __all__ = ["add_parser", "run_study_cmd"]
 
@@ -59,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="processes sharing the runs, one thread each (default on CPU: one per core; on GPU: 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_size_options(p)
     p.set_defaults(func=run_study_cmd)
 
 
@@ -74,7 +76,7 @@ def _given(args) -> dict:
 
 
 def _config(args):
-    from robust_attn.study.config import load_study_config, study_config_class
+    from robust_attn.study.config import load_study_config, read_study_toml, study_config_class
 
     given = _given(args)
     selected = [m.strip() for m in (args.models or "").split(",") if m.strip()]
@@ -82,6 +84,8 @@ def _config(args):
         if args.config:
             if "dataset" in given:
                 raise UserError(f"--dataset is for the zoo study; {args.config} names its dataset")
+            if args.preset is not None:
+                given = with_preset(args, given, read_study_toml(args.config).get("dataset"))
             config = load_study_config(args.config, given)
             if selected:
                 names = [m.name for m in config.models]
@@ -90,10 +94,11 @@ def _config(args):
                     raise UserError(f"--models {','.join(unknown)}: {args.config} has no model labelled so; its "
                                     f"models: {', '.join(names)}")
                 config = dataclasses.replace(config, models=tuple(m for m in config.models if m.name in selected))
-            return config, Path(args.config).stem
+            return config, Path(args.config).stem + preset_suffix(args)
+        given = with_preset(args, given)
         config = study_config_class()(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()},
                              models=tuple(selected))
-        return config, config.dataset
+        return config, config.dataset + preset_suffix(args)
     except ValueError as err:
         raise UserError(str(err)) from None
 
@@ -112,7 +117,7 @@ def run_study_cmd(args) -> int:
     try:
         run_study(config, args.runs or f"runs/study-{name}", args.out or f"runs/study-{name}-report",
                   root=args.root, device=args.device, manifest=args.manifest, progress=not args.no_progress,
-                  workers=workers, attention_path=args.attention_path)
+                  workers=workers, attention_path=args.attention_path, plan_only=args.plan)
     finally:
         cleanup()   # leave the torchrun process group, also on errors
     return 0

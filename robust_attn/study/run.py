@@ -10,6 +10,7 @@ so every model and every resumed or parallel call gets the same ones), then writ
 :mod:`robust_attn.reports.comparison`).
 
     >>> from robust_attn.study.config import StudyConfig, StudyModel
+from robust_attn.study.estimate import log_plan
     >>> from robust_attn.study.run import run_study
     >>> run_study(StudyConfig(dataset="fashion_mnist"), runs_dir="runs/study", report_dir="reports/study")
     >>> run_study(StudyConfig(dataset="imagenet", limit=1000, baseline="torchvision-resnet50",
@@ -47,6 +48,7 @@ from robust_attn.layers.paths import check_attention_path, set_attention_path
 from robust_attn.protocols.study_step import STUDY_PROTOCOLS, StudyContext
 from robust_attn.runs.store import RunStore, library_versions
 from robust_attn.study.config import StudyConfig, StudyModel
+from robust_attn.study.estimate import log_plan
 from robust_attn.study.models import StudyEntry, load_models, model_inputs, study_models
 from robust_attn.utils.io import atomic_path
 
@@ -65,21 +67,22 @@ def _append_timing(runs_dir: Path, row: dict) -> None:
             frame.to_csv(tmp, index=False)
 
 
-def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: int, fn, workers: int = 1) -> None:
+def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: int, fn, workers: int = 1) -> float:
     """Run ``fn`` (a protocol call writing into ``out``; it ends with a barrier under torchrun)
     and log, on rank 0, its wall time and how many record chunks were written (0: the run was
-    already complete)."""
+    already complete); returns the wall time."""
     before = len(RunStore(out).chunks())
     start = time.perf_counter()
     fn()
     if rank != 0:
-        return
+        return time.perf_counter() - start
     after = len(RunStore(out).chunks())
     _append_timing(runs_dir, {"model": model, "protocol": protocol, "seconds": round(time.perf_counter() - start, 1),
                               "chunks_written": after - before, "chunks_total": after,
                               "device": str(device), "threads": torch.get_num_threads(),
                               "processes": process_count(), "workers": workers,
                               "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return time.perf_counter() - start
 
 
 def default_workers() -> int:
@@ -108,13 +111,13 @@ def autoattack_cost_note(config: StudyConfig, num_models: int, runs_dir) -> str:
     return (f"study: AutoAttack on a CPU: each image it cannot fool costs about {19 * steps:,} forward-backward "
             f"and {config.square_queries:,} forward passes per radius ({images}, radii {radii}/255, {num_models} "
             f"model(s)); at radii where most images survive (1-4/255) that is hours per model and radius on one "
-            f"core. `robust-attn status {runs_dir}` shows how far each radius is; `--autoattack-eps 8 --apgd-eps "
-            f"1,2,4` is the CPU-sized study (docs/studies.md).")
+            f"core. `robust-attn status {runs_dir}` shows how far each radius is; `--preset quick` (the CPU's "
+            f"default) is the CPU-sized study (docs/study-presets.md).")
 
 
 def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=None, manifest=None,
               progress: bool = True, log=print, workers: int = 1, attention_path: str = "lean",
-              _worker: bool = False) -> list[Path]:
+              plan_only: bool = False, _worker: bool = False) -> list[Path]:
     """Run (or resume) the study and write the report; returns the report's files.
 
     The protocols run in the order of ``config.protocols``: every per-model step
@@ -128,7 +131,11 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
 
     ``attention_path``: the implementation the SAN and SASA layers compute with
     (:mod:`robust_attn.layers.paths`: ``"reference"`` is the faster on a GPU), recorded in each
-    run's ``run.json`` as how it ran."""
+    run's ``run.json`` as how it ran.
+
+    Before it starts, the study logs its plan: every (protocol, model) it will run with the
+    estimated time (:mod:`robust_attn.study.estimate`, from a short probe of each model), and
+    after each step the time left. ``plan_only``: log the plan and return ``[]``."""
     from robust_attn.data import dataset_info, locate_dataset
     from robust_attn.protocols.study_step import replace
     from robust_attn.reports import make_report
@@ -154,6 +161,11 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
         log(autoattack_cost_note(config, len(loaded), runs_dir))
     inputs = model_inputs(config, root, loaded, [s for s in steps if not s.per_model])
     dataset, attack_dataset, _ = next(iter(inputs.values()))
+    clock = None
+    if rank == 0 and not _worker:
+        clock = log_plan(config, loaded, inputs, device, workers if world_size == 1 else world_size, log)
+    if plan_only:
+        return []
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     helpers = []
@@ -191,13 +203,17 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
         model_ctx = replace(ctx, dataset=inputs[entry.name][0], attack_dataset=inputs[entry.name][1])
         for step in (s for s in steps if s.per_model):
             out = ctx.run_dir(step.name, entry.name)
-            _timed(runs_dir, entry.name, step.name, out, device, 1 if _worker else rank,
-                   lambda: step.step(model_ctx, entry, models[entry.name]), workers)
+            spent = _timed(runs_dir, entry.name, step.name, out, device, 1 if _worker else rank,
+                           lambda: step.step(model_ctx, entry, models[entry.name]), workers)
+            if clock is not None:
+                log(clock.line(step.name, entry.name, spent))
             run_dirs.append(out)
         log(f"[{i}/{len(entries)}] {entry.name}: done")
     for step in (s for s in steps if not s.per_model and (s.chunked or not _worker)):
         start = time.perf_counter()
         made = step.step(ctx, entries, models)
+        if clock is not None:
+            log(clock.line(step.name, None, time.perf_counter() - start))
         if rank == 0 and not _worker:
             _append_timing(runs_dir, {"model": "all", "protocol": step.name,
                                       "seconds": round(time.perf_counter() - start, 1), "chunks_written": -1,
@@ -214,6 +230,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     if rank != 0 or _worker:
         return []
     report_dir = Path(report_dir)
+    log(f"study: writing the report into {report_dir} (packing the runs, {config.bootstrap} bootstrap resamples) ...")
     packed = [RunStore(d).pack(report_dir / "runs" / d.name).root for d in run_dirs]
     files = make_report(packed, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,
                         preamble=_preamble(config, runs_dir, len(dataset), len(attack_dataset), chosen),

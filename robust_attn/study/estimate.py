@@ -1,0 +1,315 @@
+"""What a study will cost, said before it starts: a plan of every (protocol, model) it runs, with
+an estimated time from a measured probe.
+
+The estimate is a small cost model: for each protocol, how many forward passes and how many
+forward-backward passes (an attack iteration: the loss and its input gradient) it makes per
+image (:func:`protocol_passes`, counted from the same settings the protocol runs with), times
+the seconds one image takes through the model, measured on the actual model, device and images
+by a short probe (:func:`probe_model`) just before the study starts. Chunked steps shared by
+``workers`` processes divide by ``workers``.
+
+Two kinds of number are bounds rather than estimates: an attack that stops early on an image it
+has fooled (APGD, AutoAttack's members, Square) is counted as if no image were fooled, so its
+figure is an upper bound (marked ``<=`` in the plan); AutoAttack at a radius where most images are
+fooled by its first member costs a small fraction of it. Image transforms (corruptions,
+rotations) and the report's bootstrap are not counted: on the zoo's models they are small next
+to the passes through the model.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from robust_attn.utils.durations import format_seconds
+
+__all__ = ["Passes", "PlanRow", "protocol_passes", "probe_model", "plan_rows", "format_plan", "format_seconds",
+           "PASS_COUNTS", "StudyClock", "log_plan", "probe_images", "study_total"]
+
+#: AutoAttack's standard members: iterations per image of APGD-CE, APGD-T and FAB-T per target
+#: class (9 targets each), and Square's queries
+_AA_TARGETS = 9
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Passes through the model per image of the step's images: ``forward`` (no gradient) and
+    ``backward`` (a forward and a backward pass to the input). ``bound``: an upper bound (the
+    attack stops early on fooled images). ``images``: ``"study"`` (every image of the study) or
+    ``"attack"`` (the attack subset); ``per_target``: forward passes per image through each
+    *other* model (the transfer matrix's targets); ``least``: for a bound, the passes made even
+    if every image is fooled at once (None: the bound itself)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    images: str = "study"
+    bound: bool = False
+    per_target: float = 0.0
+    least: "Passes | None" = None
+
+    def seconds(self, forward_s: float, backward_s: float, num_images: int, targets_forward_s: float = 0.0) -> float:
+        """Seconds for ``num_images`` images, given one image's forward and forward-backward
+        seconds through this model, and the sum over the other models of one image's forward."""
+        return num_images * (self.forward * forward_s + self.backward * backward_s
+                             + self.per_target * targets_forward_s)
+
+
+def _rotation(config) -> Passes:
+    from robust_attn.protocols.rotation import rotation_conditions
+
+    return Passes(forward=len(rotation_conditions(config.angle_step)))
+
+
+def _pgd(config) -> Passes:
+    from robust_attn.protocols.pgd import PGDStudySettings
+
+    settings = PGDStudySettings.of(config).attack_settings()
+    return Passes(forward=1 + len(settings), backward=sum(s.steps for s in settings))
+
+
+def _corruption(config) -> Passes:
+    from robust_attn.protocols.corruption import corruption_conditions
+
+    return Passes(forward=len(corruption_conditions(config.corruptions, config.severities)))
+
+
+def _occlusion(config) -> Passes:
+    from robust_attn.protocols.occlusion import occlusion_conditions
+
+    return Passes(forward=len(occlusion_conditions(config.occlusion_areas)))
+
+
+def _shuffle(config) -> Passes:
+    from robust_attn.protocols.shuffle import shuffle_conditions
+
+    return Passes(forward=len(shuffle_conditions(config.shuffle_grids)))
+
+
+def _steps(config) -> int:
+    return config.attack_steps or 100
+
+
+def _apgd(config) -> Passes:
+    radii = len(config.apgd_eps)
+    return Passes(forward=1 + radii, backward=radii * _steps(config), images="attack", bound=True)
+
+
+def _autoattack(config) -> Passes:
+    """Per radius: APGD-CE, then APGD-T and FAB-T against each of 9 targets, then Square's
+    queries, each on the images still robust (counted as every image: a bound)."""
+    radii = len(config.autoattack_eps)
+    per_radius_backward = _steps(config) * (1 + 2 * _AA_TARGETS)
+    return Passes(forward=1 + radii * (1 + config.square_queries), backward=radii * per_radius_backward,
+                  images="attack", bound=True, least=Passes(forward=1 + radii, backward=radii * _steps(config),
+                                                            images="attack"))
+
+
+def _square(config) -> Passes:
+    return Passes(forward=2 + config.square_queries, images="attack", bound=True,
+                  least=Passes(forward=3, images="attack"))
+
+
+def _transfer(config) -> Passes:
+    """Per source model: Table 10's targeted {8, 2, 4} (4 steps) and the untargeted
+    ``transfer_steps`` PGD crafted on it, then the clean and both attacked images through every
+    other model (and itself)."""
+    return Passes(forward=3, backward=4 + config.transfer_steps, images="attack", per_target=3)
+
+
+def _masking(config) -> Passes:
+    """Per model, on ``masking_images`` images: the unbounded 20-step PGD, one input gradient and
+    a few forward passes (the loss sweep on 4 images is small beside them)."""
+    return Passes(forward=2, backward=21, images="masking")
+
+
+#: protocol name -> passes per image from the study config; a protocol registered without one is
+#: listed in the plan with an unknown cost
+PASS_COUNTS: dict[str, Callable] = {"rotation": _rotation, "pgd": _pgd, "corruption": _corruption,
+                                    "occlusion": _occlusion, "shuffle": _shuffle, "apgd": _apgd,
+                                    "autoattack": _autoattack, "square": _square, "transfer": _transfer,
+                                    "masking": _masking}
+
+
+def protocol_passes(name: str, config) -> Passes | None:
+    """The passes per image of protocol ``name`` under ``config`` (None: not known)."""
+    fn = PASS_COUNTS.get(name)
+    return fn(config) if fn is not None else None
+
+
+def probe_model(model, images, device, *, repeats: int = 2) -> tuple[float, float]:
+    """(forward, forward-backward) seconds per image of ``model`` on ``images`` (a small batch of
+    the study's own images, in [0, 1]), measured: one warm-up pass each (kernels load, caches
+    fill), then the best of ``repeats`` timed passes."""
+    import torch
+
+    images = images.to(device)
+    model.eval()
+
+    def forward():
+        with torch.no_grad():
+            model(images)
+
+    def backward():
+        x = images.clone().requires_grad_(True)
+        model(x).logsumexp(1).sum().backward()
+
+    out = []
+    for fn in (forward, backward):
+        fn()
+        best = math.inf
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        out.append(best / len(images))
+    model.zero_grad(set_to_none=True)
+    return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One (protocol, model) of the plan: the images it sees, its passes per image and the
+    estimated seconds (None: a protocol without a pass count)."""
+
+    protocol: str
+    model: str
+    images: int
+    passes: Passes | None
+    seconds: float | None
+    least: float | None = None   # for a bound: the seconds if every image were fooled at once
+
+    @property
+    def bound(self) -> bool:
+        return self.passes is not None and self.passes.bound
+
+
+def plan_rows(config, models: list[str], probes: dict[str, tuple[float, float]], num_images: int,
+              num_attack_images: int, workers: int = 1) -> list[PlanRow]:
+    """Every (protocol, model) the study runs, in the order it runs them (per-model steps for each
+    model, then the steps across models, each once per model), with its estimated seconds from
+    ``probes`` (model -> (forward, forward-backward) seconds per image)."""
+    from robust_attn.protocols.study_step import STUDY_PROTOCOLS
+
+    steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
+    order = [(s, m) for m in models for s in steps if s.per_model] + \
+            [(s, m) for s in steps if not s.per_model for m in models]
+    rows = []
+    for step, model in order:
+        passes = protocol_passes(step.name, config)
+        count = {"study": num_images, "attack": num_attack_images,
+                 "masking": min(config.masking_images, num_attack_images)}[passes.images] if passes else \
+            (num_attack_images if step.attack_subset else num_images)
+        seconds = least = None
+        if passes is not None and model in probes:
+            forward_s, backward_s = probes[model]
+            others = sum(probes[m][0] for m in models if m in probes)
+            share = workers if step.chunked and workers > 1 else 1
+            seconds = passes.seconds(forward_s, backward_s, count, others) / share
+            least = (passes.least or passes).seconds(forward_s, backward_s, count, others) / share
+        rows.append(PlanRow(step.name, model, count, passes, seconds, least))
+    return rows
+
+
+def format_plan(rows: list[PlanRow], *, device: str, workers: int, header: str = "") -> list[str]:
+    """The plan as lines: a table of protocol x model with estimated times, the total per
+    protocol and for the study. ``<=``: an upper bound (attacks that stop early on fooled images)."""
+    protocols = list(dict.fromkeys(r.protocol for r in rows))
+    models = list(dict.fromkeys(r.model for r in rows))
+    cell = {(r.protocol, r.model): r for r in rows}
+    width = max(len(m) for m in models) if models else 5
+
+    def shown(r: PlanRow | None) -> str:
+        if r is None:
+            return "-"
+        return ("<=" if r.bound else "") + format_seconds(r.seconds)
+
+    lines = [header] if header else []
+    lines.append(f"study plan ({device}, {workers} process(es); estimated from a probe of each model on this "
+                 f"machine now; <= is an upper bound):")
+    images = {p: next(r.images for r in rows if r.protocol == p) for p in protocols}
+    lines.append(f"  {'model':<{width}}  " + "  ".join(f"{p} ({images[p]} img)" for p in protocols))
+    for m in models:
+        lines.append(f"  {m:<{width}}  " + "  ".join(f"{shown(cell.get((p, m))):>{len(p) + len(str(images[p])) + 7}}"
+                                                      for p in protocols))
+    totals = {p: [cell[(p, m)] for m in models if (p, m) in cell] for p in protocols}
+    total_cells = []
+    for p in protocols:
+        known = [r.seconds for r in totals[p] if r.seconds is not None]
+        bound = any(r.bound for r in totals[p])
+        total_cells.append(("<=" if bound else "") + (format_seconds(sum(known)) if known else "?"))
+    lines.append(f"  {'total':<{width}}  " + "  ".join(f"{c:>{len(p) + len(str(images[p])) + 7}}"
+                                                      for c, p in zip(total_cells, protocols)))
+    total, bound = study_total(rows)
+    least = sum(r.least for r in rows if r.least is not None)
+    said = f"between {format_seconds(least)} and {format_seconds(total)}" if bound and least < 0.8 * total else \
+        f"{'at most ' if bound else 'about '}{format_seconds(total)}"
+    lines.append(f"  estimated time of the study: {said}"
+                 + (" (protocols of unknown cost not counted)" if any(r.seconds is None for r in rows) else ""))
+    return lines
+
+
+def study_total(rows: list[PlanRow]) -> tuple[float, bool]:
+    """(the summed estimated seconds, whether any part of it is an upper bound)."""
+    return sum(r.seconds for r in rows if r.seconds is not None), any(r.bound for r in rows)
+
+
+class StudyClock:
+    """The study's ETA as its steps finish: the plan's remaining seconds, scaled by how long the
+    finished steps took against their estimates (so a machine busier than at the probe, or a
+    bound that was loose, corrects the rest). :meth:`line` leaves the study's first step out of
+    the scaling: it also pays for the helper processes' start (importing, loading every model)."""
+
+    def __init__(self, rows: list[PlanRow]):
+        self.left = {(r.protocol, r.model): r.seconds for r in rows}
+        self.estimated_done = 0.0
+        self.spent = 0.0
+        self.steps = 0
+
+    def finished(self, protocol: str, model: str | None, seconds: float, calibrate: bool = True) -> None:
+        """Step ``protocol`` of ``model`` (None: of every model, a step across models) took
+        ``seconds``; ``calibrate=False``: it leaves the plan without scaling the rest (the study's
+        first step, which also pays for starting the helper processes)."""
+        keys = [k for k in self.left if k[0] == protocol and (model is None or k[1] == model)]
+        estimate = sum(self.left.pop(k) or 0.0 for k in keys)
+        self.steps += 1
+        if estimate > 0 and calibrate:
+            self.estimated_done += estimate
+            self.spent += seconds
+
+    def remaining(self) -> float:
+        left = sum(s for s in self.left.values() if s is not None)
+        ratio = self.spent / self.estimated_done if self.estimated_done > 0 else 1.0
+        return left * ratio
+
+    def line(self, protocol: str, model: str | None, seconds: float) -> str:
+        self.finished(protocol, model, seconds, calibrate=self.steps > 0)
+        left = self.remaining()
+        eta = time.strftime("%H:%M", time.localtime(time.time() + left))
+        return f"study: {protocol} of {model or 'every model'} took {format_seconds(seconds)}; about " \
+               f"{format_seconds(left)} left (ETA {eta})"
+
+
+def probe_images(dataset, n: int = 16):
+    """The first ``n`` images of ``dataset`` as one batch (the probe's input)."""
+    import torch
+
+    return torch.stack([dataset[i][0] for i in range(min(n, len(dataset)))])
+
+
+def log_plan(config, loaded: dict, inputs: dict, device, workers: int, log) -> StudyClock:
+    """Probe every model (:func:`probe_model`, on the first images of its attack subset), log the
+    plan (:func:`format_plan`) and return the clock that tells the time left as steps finish."""
+    log(f"study: timing each model on a few images to estimate the study's cost ...")
+    probes = {}
+    for name, model in loaded.items():
+        probes[name] = probe_model(model.model, probe_images(inputs[name][1]), device)
+    dataset, attack_dataset, _ = next(iter(inputs.values()))
+    rows = plan_rows(config, list(loaded), probes, len(dataset), len(attack_dataset), workers)
+    for line in format_plan(rows, device=str(device), workers=workers):
+        log(line)
+    return StudyClock(rows)

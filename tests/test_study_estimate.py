@@ -1,0 +1,159 @@
+"""The study's plan and estimated cost (robust_attn/study/estimate.py), its presets
+(robust_attn/study/presets.py) and the study command's --preset and --plan."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import robust_attn
+from robust_attn.cli import main
+from robust_attn.models.wrapper import NormalizedModel
+from robust_attn.study.config import StudyConfig
+from robust_attn.study.estimate import (Passes, StudyClock, format_plan, format_seconds, plan_rows, probe_model,
+                                        protocol_passes, study_total)
+from robust_attn.study.presets import FULL, PRESETS, preset_values
+from test_study import tiny_zoo  # noqa: F401  (the fixture: a zoo of two tiny synthetic-data models)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pass_counts_follow_the_protocols_settings():
+    # rotation: Table 9's five conditions, the left-right flip, and 30..330 without 90, 180, 270
+    assert protocol_passes("rotation", StudyConfig(angle_step=30.0)) == Passes(forward=5 + 1 + 8)
+    assert protocol_passes("rotation", StudyConfig(angle_step=90.0)).forward == 6
+    # pgd: Table 10 (eps 8: 2 steps of 4, 4 steps of 2) and the sweep 2/255 and 8/255 at 4 steps, where
+    # 8/255 at 4 steps is Table 10's second setting again: 3 settings, 2 + 4 + 4 iterations
+    pgd = protocol_passes("pgd", StudyConfig(sweep_eps=(2.0, 8.0), sweep_steps=4))
+    assert (pgd.forward, pgd.backward, pgd.bound) == (1 + 3, 10, False)
+    # APGD-CE: 100 iterations per radius unless attack_steps says otherwise, on the attack subset
+    apgd = protocol_passes("apgd", StudyConfig(apgd_eps=(1.0, 2.0), attack_steps=7))
+    assert (apgd.backward, apgd.images, apgd.bound) == (14, "attack", True)
+    # AutoAttack per radius: APGD-CE, APGD-T and FAB-T on 9 targets each, Square's queries
+    aa = protocol_passes("autoattack", StudyConfig(autoattack_eps=(4.0, 8.0), square_queries=50))
+    assert (aa.backward, aa.forward) == (2 * 100 * 19, 1 + 2 * 51)
+    # ... of which APGD-CE runs on every image whatever the others do
+    assert (aa.least.backward, aa.least.forward) == (2 * 100, 1 + 2)
+    # corruption: clean and 2 corruptions x 3 severities
+    assert protocol_passes("corruption", StudyConfig(corruptions="gaussian_noise,contrast",
+                                                     severities=(1, 3, 5))).forward == 1 + 6
+    assert protocol_passes("no-such-protocol", StudyConfig()) is None
+
+
+def test_plan_lists_every_protocol_and_model_with_its_arithmetic():
+    config = StudyConfig(protocols=("rotation", "pgd", "transfer"), angle_step=0.0, sweep_eps=(), attack_limit=10)
+    probes = {"a": (0.01, 0.03), "b": (0.02, 0.05)}
+    rows = plan_rows(config, ["a", "b"], probes, num_images=100, num_attack_images=10, workers=2)
+    assert [(r.protocol, r.model) for r in rows] == [("rotation", "a"), ("pgd", "a"), ("rotation", "b"),
+                                                     ("pgd", "b"), ("transfer", "a"), ("transfer", "b")]
+    by = {(r.protocol, r.model): r for r in rows}
+    # rotation: 6 forward passes on 100 images, shared by 2 processes
+    assert by[("rotation", "a")].seconds == pytest.approx(100 * 6 * 0.01 / 2)
+    # pgd, Table 10 alone: clean + 2 evaluations forward, 2 + 4 iterations forward-backward
+    assert by[("pgd", "b")].seconds == pytest.approx(100 * (3 * 0.02 + 6 * 0.05) / 2)
+    # transfer from a: 14 iterations on a, then 3 forward passes per image through every model
+    assert by[("transfer", "a")].images == 10
+    assert by[("transfer", "a")].seconds == pytest.approx(10 * (3 * 0.01 + 14 * 0.03 + 3 * (0.01 + 0.02)) / 2)
+    total, bound = study_total(rows)
+    assert total == pytest.approx(sum(r.seconds for r in rows)) and not bound
+    text = "\n".join(format_plan(rows, device="cpu", workers=2))
+    for name in ("rotation (100 img)", "pgd (100 img)", "transfer (10 img)", "  a ", "  b "):
+        assert name in text
+    assert f"about {format_seconds(total)}" in text
+
+
+def test_attack_bounds_and_unknown_protocols_are_said():
+    config = StudyConfig(protocols=("apgd",), apgd_eps=(8.0,))
+    rows = plan_rows(config, ["a"], {"a": (0.001, 0.002)}, 50, 20)
+    assert rows[0].bound and rows[0].seconds == pytest.approx(20 * (2 * 0.001 + 100 * 0.002))
+    assert "at most" in "\n".join(format_plan(rows, device="cpu", workers=1))
+    aa = plan_rows(StudyConfig(protocols=("autoattack",), autoattack_eps=(8.0,), square_queries=10), ["a"],
+                   {"a": (0.001, 0.002)}, 50, 20)[0]
+    assert aa.seconds == pytest.approx(20 * (12 * 0.001 + 1900 * 0.002))
+    assert aa.least == pytest.approx(20 * (2 * 0.001 + 100 * 0.002))
+    said = "\n".join(format_plan([aa], device="cpu", workers=1))
+    assert f"between {format_seconds(aa.least)} and {format_seconds(aa.seconds)}" in said
+    unprobed = plan_rows(config, ["a"], {}, 50, 20)
+    assert unprobed[0].seconds is None and "?" in "\n".join(format_plan(unprobed, device="cpu", workers=1))
+
+
+def test_format_seconds_picks_a_readable_unit():
+    assert [format_seconds(s) for s in (None, 12.4, 600, 3 * 3600, 5 * 86400)] == ["?", "12 s", "10 min", "3.0 h",
+                                                                                    "5.0 days"]
+
+
+def test_clock_scales_what_is_left_by_how_the_finished_steps_went():
+    config = StudyConfig(protocols=("rotation", "transfer"), angle_step=0.0)
+    rows = plan_rows(config, ["a", "b"], {"a": (0.01, 0.01), "b": (0.01, 0.01)}, 100, 10)
+    clock = StudyClock(rows)
+    planned = {(r.protocol, r.model): r.seconds for r in rows}
+    clock.finished("rotation", "a", 2 * planned[("rotation", "a")])   # twice as slow as the probe said
+    left = planned[("rotation", "b")] + planned[("transfer", "a")] + planned[("transfer", "b")]
+    assert clock.remaining() == pytest.approx(2 * left)
+    clock.finished("transfer", None, 0.0)   # a step across models: every model's row at once, in no time
+    r_a, t_a, t_b = planned[("rotation", "a")], planned[("transfer", "a")], planned[("transfer", "b")]
+    assert clock.remaining() == pytest.approx(planned[("rotation", "b")] * 2 * r_a / (r_a + t_a + t_b))
+    # the lines: the first step (helper processes starting) leaves the plan unscaled
+    fresh = StudyClock(rows)
+    assert "about " + format_seconds(left) + " left" in fresh.line("rotation", "a", 100 * planned[("rotation", "a")])
+    assert fresh.remaining() == pytest.approx(left)
+
+
+def test_probe_measures_both_passes_per_image():
+    torch.manual_seed(0)
+    model = NormalizedModel(robust_attn.create_model("resnet26", 10, "cifar", width=0.25, stem_downsample=4),
+                            (0.5,) * 3, (0.25,) * 3)
+    forward, backward = probe_model(model, torch.rand(4, 3, 32, 32), torch.device("cpu"), repeats=1)
+    assert 0 < forward < math.inf and 0 < backward < math.inf
+    assert all(p.grad is None for p in model.parameters())   # the probe leaves no gradients behind
+
+
+def test_presets_are_valid_study_configs():
+    for dataset in ("cifar10", "fashion_mnist"):
+        for name in [*PRESETS, "full"]:
+            StudyConfig(dataset=dataset, **preset_values(name, dataset))
+    with pytest.raises(ValueError, match="the presets are"):
+        preset_values("huge", "cifar10")
+    with pytest.raises(ValueError, match="no.*|there is none"):
+        preset_values("full", "imagenet")
+
+
+@pytest.mark.parametrize("dataset", sorted(FULL))
+def test_full_preset_is_the_committed_reports_study(dataset):
+    study = ROOT / "reports" / f"study-{dataset}" / "study.json"
+    if not study.is_file():
+        pytest.skip(f"{study} is not in this checkout")
+    committed = json.loads(study.read_text())["config"]
+    config = StudyConfig(dataset=dataset, **preset_values("full", dataset)).describe()
+    for key, value in committed.items():
+        if key in config:
+            assert config[key] == (tuple(value) if isinstance(value, list) and key != "models" else value) or \
+                   (key == "models" and list(config[key]) == value), key
+
+
+def test_study_plan_prints_every_protocol_and_model_and_runs_nothing(tmp_path, tiny_zoo, capsys):
+    runs = tmp_path / "runs"
+    assert main(["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), "--preset", "quick", "--limit", "8",
+                 "--attack-limit", "4", "--plan", "--device", "cpu", "--runs", str(runs), "--out",
+                 str(tmp_path / "out"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    for protocol in PRESETS["quick"]["protocols"]:
+        assert f"{protocol} (" in out
+    assert "resnet26 " in out and "sasa_resnet26 " in out and "estimated time of the study" in out
+    assert not (tmp_path / "out").exists() and not list(runs.glob("*/run.json"))
+
+
+def test_study_runs_the_preset_with_options_over_it_and_says_the_time_left(tmp_path, tiny_zoo, capsys):
+    runs = tmp_path / "runs"
+    assert main(["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), "--limit", "6", "--attack-limit", "2",
+                 "--protocols", "rotation,apgd", "--attack-steps", "2", "--apgd-eps", "8", "--batch-size", "3",
+                 "--bootstrap", "20", "--device", "cpu", "--workers", "1", "--runs", str(runs), "--out",
+                 str(tmp_path / "out"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    config = json.loads((tmp_path / "out" / "study.json").read_text())["config"]
+    # the CPU's default preset, under the options given
+    assert config["angle_step"] == PRESETS["quick"]["angle_step"] and config["limit"] == 6
+    assert config["protocols"] == ["rotation", "apgd"]
+    assert "rotation (6 img)" in out and "apgd (2 img)" in out
+    assert out.count("left (ETA") == 4   # after each of the 2 protocols of the 2 models
