@@ -163,7 +163,7 @@ def _train_and_backward(m: SelfAttention2d, x: torch.Tensor):
 FUSED_CASES = [("pairwise", "subtraction", True), ("pairwise", "subtraction", False),
                ("pairwise", "summation", True), ("pairwise", "summation", False),
                ("patchwise", "concatenation", False)]
-FUSED_OPERATORS = {"pairwise": san_fused._FusedPairwiseAttention, "patchwise": san_fused._FusedPatchwiseConcat}
+FUSED_OPERATORS = {"pairwise": san_fused.FusedPairwiseAttention, "patchwise": san_fused.FusedPatchwiseConcat}
 
 
 @needs_kernel

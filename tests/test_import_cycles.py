@@ -5,7 +5,7 @@ module of ``robust_attn``, also those inside functions (a cycle hidden in a func
 cycle), except those under ``if TYPE_CHECKING:`` (never run). An edge goes to the module named,
 or to ``package.name`` where ``name`` is a submodule; importing ``a.b.c`` is not counted as an
 import of the packages ``a`` and ``a.b``. Self-registration does not show here: a registry
-(:class:`robust_attn.utils.registry.Registry`) imports its package's modules with ``importlib``,
+(:class:`robust_attn.utils.plugins.Registry`) imports its package's modules with ``importlib``,
 which is no edge, so a plug-in module may import its registry from the package's ``__init__``.
 """
 from __future__ import annotations

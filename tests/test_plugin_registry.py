@@ -1,9 +1,9 @@
-"""The one registry every plug-in point uses (robust_attn.utils.registry)."""
+"""The one registry every plug-in point uses (robust_attn.utils.plugins)."""
 import sys
 
 import pytest
 
-from robust_attn.utils.registry import Registry
+from robust_attn.utils.plugins import Registry
 
 
 def test_register_get_names_and_the_duplicate_check():
@@ -39,7 +39,7 @@ def test_a_package_registry_imports_every_module_once_on_first_use(tmp_path, mon
     package = tmp_path / "plugpkg"
     package.mkdir()
     (package / "__init__.py").write_text(
-        "from robust_attn.utils.registry import Registry\nPLUGS = Registry('plug', package='plugpkg')\n")
+        "from robust_attn.utils.plugins import Registry\nPLUGS = Registry('plug', package='plugpkg')\n")
     for name in ("alpha", "beta"):
         (package / f"{name}.py").write_text(f"from plugpkg import PLUGS\nPLUGS.register('{name}', '{name}!')\n")
     (package / "_private.py").write_text("raise RuntimeError('a private module is not a plug-in')\n")

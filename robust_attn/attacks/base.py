@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 
-from robust_attn.utils.registry import Registry
+from robust_attn.utils.plugins import Registry
 
 __all__ = ["AttackConfig", "AttackOutput", "Attack", "ATTACKS", "register_attack", "make_attack",
            "list_attacks", "parse_eps", "NORMS", "SCHEDULES", "AttackInputError"]

@@ -13,7 +13,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import torch
 from torch.utils.data import Dataset
 
-from robust_attn.utils.registry import Registry
+from robust_attn.utils.plugins import Registry
 
 __all__ = ["DatasetInfo", "DatasetModule", "DATASETS", "register_dataset", "TensorImageDataset", "default_data_root",
            "missing_dataset_error", "DATA_ENV"]

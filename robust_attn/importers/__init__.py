@@ -32,7 +32,7 @@ import torch
 from robust_attn.models.checkpoint import save_checkpoint
 from robust_attn.models.registry import create_model
 from robust_attn.utils.io import sha256_file
-from robust_attn.utils.registry import Registry
+from robust_attn.utils.plugins import Registry
 from robust_attn.models.wrapper import NormalizedModel
 
 __all__ = ["ConversionError", "IMAGENET_MEAN", "IMAGENET_STD", "read_state_dict", "remap", "fc_classes",

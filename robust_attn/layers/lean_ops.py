@@ -1,5 +1,5 @@
 """Building blocks of the lean operator paths (:mod:`.san_lean` and its pairwise and patchwise
-halves): 1x1 layers as batched matmuls (:func:`conv1x1`, :func:`_mm`) and BatchNorm with given or
+halves): 1x1 layers as batched matmuls (:func:`conv1x1`, :func:`matmul1x1`) and BatchNorm with given or
 closed-form statistics, forward and backward, so that a hand-written autograd function can run
 gamma's BatchNorms without keeping their ``k^2``-expanded inputs.
 
@@ -15,23 +15,24 @@ from torch.utils.checkpoint import checkpoint
 
 from robust_attn.layers.precision import accumulation_dtype
 
-__all__ = ["BMM_MIN_POSITIONS", "conv1x1"]
+__all__ = ["BMM_MIN_POSITIONS", "maybe_checkpoint", "bn_scale_shift", "bn_backward_coefficients", "bn_affine", "update_running",
+           "matmul1x1", "matmul1x1_weight_grad", "channel_moments", "mean_var", "position_chunks", "conv1x1"]
 
 
-def _maybe_checkpoint(fn, *args):
+def maybe_checkpoint(fn, *args):
     if torch.is_grad_enabled():
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
 
 
-def _bn_scale_shift(weight, bias, mean: torch.Tensor, var: torch.Tensor, eps: float):
+def bn_scale_shift(weight, bias, mean: torch.Tensor, var: torch.Tensor, eps: float):
     """BatchNorm with given statistics as ``y = scale x + shift``: ``(scale, shift)``, contiguous, of
     ``mean``'s shape."""
     scale = weight.view(mean.shape) * torch.rsqrt(var + eps)
     return scale.contiguous(), (bias.view(mean.shape) - mean * scale).contiguous()
 
 
-def _bn_backward_coefficients(scale, rstd, mean, g_bias, g_xsum, count: int):
+def bn_backward_coefficients(scale, rstd, mean, g_bias, g_xsum, count: int):
     """BatchNorm on batch statistics differentiated in closed form, from the per-channel sums of the
     output's gradient ``g_bias = sum g`` and ``g_xsum = sum g x`` over ``count`` values: the weight's
     gradient and ``(c1, c0)`` with ``grad x = scale g + c1 x + c0``."""
@@ -40,15 +41,15 @@ def _bn_backward_coefficients(scale, rstd, mean, g_bias, g_xsum, count: int):
     return g_weight, c1, -scale * g_bias / count - c1 * mean
 
 
-def _affine(x: torch.Tensor, weight, bias, eps: float, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+def bn_affine(x: torch.Tensor, weight, bias, eps: float, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """BatchNorm of channel dim 1 with given statistics and affine parameters."""
-    scale, shift = _bn_scale_shift(weight, bias, mean, var, eps)
+    scale, shift = bn_scale_shift(weight, bias, mean, var, eps)
     shape = (1, -1) + (1,) * (x.dim() - 2)
     return torch.addcmul(shift.view(shape), x, scale.view(shape))
 
 
 @torch.no_grad()
-def _update_running(bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
+def update_running(bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
     """Running-statistics update of ``nn.BatchNorm2d`` in training mode (unbiased variance)."""
     if not bn.track_running_stats or bn.running_mean is None:
         return
@@ -59,11 +60,11 @@ def _update_running(bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tensor, c
     bn.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
 
 
-#: Positions per image from which :func:`_mm` uses a batched matmul rather than ``F.conv2d``.
+#: Positions per image from which :func:`matmul1x1` uses a batched matmul rather than ``F.conv2d``.
 BMM_MIN_POSITIONS = 256
 
 
-def _mm(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul1x1(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """1x1 layer ``weight (O, C)`` on ``x (N, C, ...)`` as a matmul, plus ``bias`` (anything that
     broadcasts to ``(N, O, prod(...))``, e.g. ``(O, 1)``).
 
@@ -87,30 +88,30 @@ def _mm(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None)
     return out.view(n, -1, *x.shape[2:])
 
 
-def _mm_weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Gradient of :func:`_mm`'s ``weight (O, C)`` from ``grad_out (N, O, ...)`` and its input ``x (N, C, ...)``:
+def matmul1x1_weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`matmul1x1`'s ``weight (O, C)`` from ``grad_out (N, O, ...)`` and its input ``x (N, C, ...)``:
     ``sum_n grad_out[n] x[n]^T``."""
     n = x.shape[0]
     return torch.bmm(grad_out.reshape(n, grad_out.shape[1], -1), x.reshape(n, x.shape[1], -1).transpose(1, 2)).sum(0)
 
 
-def _moments(t: torch.Tensor, dims) -> torch.Tensor:
+def channel_moments(t: torch.Tensor, dims) -> torch.Tensor:
     """Per-channel sum and sum of squares over ``dims`` (two plain reductions: several times
     faster on CPU than ``Tensor.var`` over non-adjacent dims)."""
     t = t.to(accumulation_dtype(t.dtype))
     return torch.stack([t.sum(dims), (t * t).sum(dims)])
 
 
-def _mean_var(s: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mean_var(s: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     mean = s[0] / count
     return mean, (s[1] / count - mean * mean).clamp_min(0)
 
 
-def _chunks(area: int, size: int) -> list[list[int]]:
+def position_chunks(area: int, size: int) -> list[list[int]]:
     return [list(range(start, min(start + size, area))) for start in range(0, area, size)]
 
 
 def conv1x1(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     """``conv(x)`` for a 1x1, stride-1, ungrouped ``conv``, computed as a batched matmul (faster on CPU
     than oneDNN's convolution for the narrow layers of SAN, forward and backward)."""
-    return _mm(conv.weight.flatten(1), x, None if conv.bias is None else conv.bias[:, None])
+    return matmul1x1(conv.weight.flatten(1), x, None if conv.bias is None else conv.bias[:, None])

@@ -51,10 +51,10 @@ Implementations (``implementation=``), which compute the same function, buffers 
   - Patchwise: gamma's first BN has one channel per footprint position, so its statistics are per
     chunk; each chunk runs under activation checkpointing up to gamma's hidden layer (``G``
     channels); gamma's last layer (``G -> k^2 G``) and the aggregation are one autograd function
-    (:class:`.san_patchwise._PatchwiseWeightsAggregate`), so the weights are recomputed in the
+    (:class:`.san_patchwise.PatchwiseWeightsAggregate`), so the weights are recomputed in the
     backward pass instead of kept.
   - All 1x1 layers of the operator (phi/psi/beta stacked into one, gamma's) are matmuls
-    (:func:`.lean_ops._mm`), faster on CPU than oneDNN convolutions with so few channels on large
+    (:func:`.lean_ops.matmul1x1`), faster on CPU than oneDNN convolutions with so few channels on large
     maps.
   - On CPU in float32/float64 (:func:`.cpu_kernels.uses_kernel`), two pieces run as compiled
     kernels fused per tile of one image and one footprint offset, so their ``k^2``-expanded
@@ -81,7 +81,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from robust_attn.layers.lean_ops import _chunks, _mm, conv1x1
+from robust_attn.layers.lean_ops import position_chunks, matmul1x1, conv1x1
 from robust_attn.layers.local_aggregation import footprint_offsets, reflect_pad
 from robust_attn.layers.san_relations import pair_relation, position_grid, positions
 
@@ -237,7 +237,7 @@ def _projections(m: SelfAttention2d, x: torch.Tensor):
     """phi(x), psi(x), beta(x) as one matmul with the three 1x1 layers' weights stacked."""
     weight = torch.cat([m.phi.weight, m.psi.weight, m.beta.weight]).flatten(1)
     bias = torch.cat([m.phi.bias, m.psi.bias, m.beta.bias])
-    return _mm(weight, x, bias[:, None]).split([m.rel_channels, m.rel_channels, m.out_channels], 1)
+    return matmul1x1(weight, x, bias[:, None]).split([m.rel_channels, m.rel_channels, m.out_channels], 1)
 
 
 def auto_chunk_size(m: SelfAttention2d, batch: int, height: int, width: int) -> int:
@@ -263,17 +263,17 @@ def san_attention_lean(m: SelfAttention2d, x: torch.Tensor) -> torch.Tensor:
     n, _, h, w = x.shape
     k = m.footprint
     offsets = footprint_offsets(k)
-    index_chunks = _chunks(k * k, auto_chunk_size(m, n, h, w))
+    index_chunks = position_chunks(k * k, auto_chunk_size(m, n, h, w))
     chunks = [[offsets[j] for j in chunk] for chunk in index_chunks]
     x1, x2, v = _projections(m, x)
     if m.attention == "pairwise":
-        from robust_attn.layers.san_pairwise import _pairwise_attention
+        from robust_attn.layers.san_pairwise import pairwise_attention
 
-        return _pairwise_attention(m, x, x1, x2, v, chunks, index_chunks)
-    from robust_attn.layers.san_patchwise import _PatchwiseWeightsAggregate, _patchwise_hidden
+        return pairwise_attention(m, x, x1, x2, v, chunks, index_chunks)
+    from robust_attn.layers.san_patchwise import PatchwiseWeightsAggregate, patchwise_hidden_chunked
 
     # gamma's last layer (G -> k^2 G per pixel) and the aggregation in one autograd function: its
     # k^2-sized output is recomputed in the backward pass rather than kept until then.
-    hidden = _patchwise_hidden(m, x1, x2, chunks, index_chunks)
+    hidden = patchwise_hidden_chunked(m, x1, x2, chunks, index_chunks)
     conv2 = m.gamma[5]
-    return _PatchwiseWeightsAggregate.apply(hidden, conv2.weight.flatten(1), conv2.bias, v, k)
+    return PatchwiseWeightsAggregate.apply(hidden, conv2.weight.flatten(1), conv2.bias, v, k)

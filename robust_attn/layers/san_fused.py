@@ -1,6 +1,6 @@
 """The SAN operator's compiled CPU kernels (:mod:`.cpu_kernels`, ``csrc/``) as autograd functions:
-pairwise attention with a linear relation (:class:`_FusedPairwiseAttention`) and patchwise
-``concatenation``'s psi part of gamma's first layer (:class:`_FusedPatchwiseConcat`), each fused
+pairwise attention with a linear relation (:class:`FusedPairwiseAttention`) and patchwise
+``concatenation``'s psi part of gamma's first layer (:class:`FusedPatchwiseConcat`), each fused
 per tile of one image and one footprint offset so that the ``k^2``-expanded tensors stay in cache.
 float32/float64 on CPU only (:func:`.cpu_kernels.uses_kernel`); the chunked PyTorch paths of
 :mod:`.san_pairwise` and :mod:`.san_patchwise` are their reference in the tests.
@@ -13,7 +13,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from robust_attn.layers import cpu_kernels
-from robust_attn.layers.lean_ops import _bn_backward_coefficients, _bn_scale_shift, _mean_var
+from robust_attn.layers.lean_ops import bn_backward_coefficients, bn_scale_shift, mean_var
 from robust_attn.layers.local_aggregation import grouped_padded, reflect_pad, reflect_pad_backward
 
 
@@ -25,7 +25,7 @@ def _position_operands(w1p, pos, area: int, positions: int):
     return w1p.contiguous(), pos.reshape(pos.shape[1], area, positions).contiguous()
 
 
-class _FusedPairwiseAttention(torch.autograd.Function):
+class FusedPairwiseAttention(torch.autograd.Function):
     """:class:`_PairwiseAttention` for a linear relation (its ``first`` is ``relu(center + neighbour
     shifted)``) as the compiled CPU kernels of ``csrc/pairwise_ops.cpp``: each pass runs gamma,
     the softmax and the aggregation per tile of one image and one footprint offset, so the
@@ -50,11 +50,11 @@ class _FusedPairwiseAttention(torch.autograd.Function):
         positions = _position_operands(w1p, pos, area, h * w)
         if training:
             moments = cpu_kernels.pairwise_moments(center, neighbour, offsets, w1, *positions)
-            mean, var = _mean_var(moments, n * area * h * w)
+            mean, var = mean_var(moments, n * area * h * w)
             mean, var = mean.to(v.dtype), var.to(v.dtype)
         else:
             mean, var = running_mean.to(v.dtype), running_var.to(v.dtype)
-        scale, shift = _bn_scale_shift(bn2_weight, bn2_bias, mean, var, eps)
+        scale, shift = bn_scale_shift(bn2_weight, bn2_bias, mean, var, eps)
         vpad = grouped_padded(v, k, groups).contiguous()
         out, lse = cpu_kernels.pairwise_forward(center, neighbour, offsets, w1, *positions, scale, shift, w2, b2, vpad)
         ctx.offsets, ctx.training, ctx.eps = offsets, training, eps
@@ -73,7 +73,7 @@ class _FusedPairwiseAttention(torch.autograd.Function):
         count = n * area * h * w
         positions = _position_operands(w1p, pos, area, h * w)
         rstd = torch.rsqrt(var + ctx.eps)
-        scale, shift = _bn_scale_shift(bn2_weight, bn2_bias, mean, var, ctx.eps)
+        scale, shift = bn_scale_shift(bn2_weight, bn2_bias, mean, var, ctx.eps)
         vpad = grouped_padded(v, k, groups).contiguous()
         grad_y = grad_out.to(v.dtype).reshape(out.shape).contiguous()
         weight_grads = any(ctx.needs_input_grad[5:10])  # w1, w1p, pos, w2, b2; not in an attack
@@ -82,7 +82,7 @@ class _FusedPairwiseAttention(torch.autograd.Function):
                                               out, lse, grad_y, weight_grads, one_pass)
         keep, grad_w2, grad_b2, sums, grad_vpad = first[:5]
         g_bias, g_hsum = sums.to(v.dtype)
-        g_weight, coef_h, coef_0 = _bn_backward_coefficients(scale, rstd, mean, g_bias, g_hsum, count)
+        g_weight, coef_h, coef_0 = bn_backward_coefficients(scale, rstd, mean, g_bias, g_hsum, count)
         if one_pass:
             grad_w1, grad_w1p, grad_pos, grad_center, grad_neighbour = first[5:]
         else:  # BN2 on batch statistics: gh = scale gz + c1 h + c0 per channel, from the first pass's sums
@@ -96,7 +96,7 @@ class _FusedPairwiseAttention(torch.autograd.Function):
                 g_weight, g_bias, grad_v, grad_center, grad_neighbour)
 
 
-class _FusedPatchwiseConcat(torch.autograd.Function):
+class FusedPatchwiseConcat(torch.autograd.Function):
     """The psi part of patchwise concatenation's gamma up to its first layer,
     ``sum_{c, j} W1[:, rel + c k^2 + j] relu(BN1(psi(x)_c shifted by j))`` ``(N, G, H, W)``, as the
     compiled CPU kernels of ``csrc/patchwise_ops.cpp``: per tile of one image and one offset, so the
@@ -114,11 +114,11 @@ class _FusedPatchwiseConcat(torch.autograd.Function):
         area = len(offsets)
         xpad = reflect_pad(x2, math.isqrt(area) // 2).contiguous()
         if training:
-            mean, var = _mean_var(cpu_kernels.patchwise_moments(xpad, offsets, h, w), n * h * w)
+            mean, var = mean_var(cpu_kernels.patchwise_moments(xpad, offsets, h, w), n * h * w)
             mean, var = mean.to(x2.dtype), var.to(x2.dtype)
         else:
             mean, var = running_mean.view(rel, area).to(x2.dtype), running_var.view(rel, area).to(x2.dtype)
-        scale, shift = _bn_scale_shift(bn_weight, bn_bias, mean, var, eps)
+        scale, shift = bn_scale_shift(bn_weight, bn_bias, mean, var, eps)
         hid = cpu_kernels.patchwise_hidden(xpad, offsets, h, w, scale, shift, _by_offset(w1, area))
         ctx.offsets, ctx.training, ctx.eps = offsets, training, eps
         ctx.save_for_backward(x2, bn_weight, bn_bias, w1, mean, var)
@@ -134,7 +134,7 @@ class _FusedPatchwiseConcat(torch.autograd.Function):
         area, groups = len(offsets), w1.shape[0]
         pad = math.isqrt(area) // 2
         xpad = reflect_pad(x2, pad).contiguous()
-        scale, shift = _bn_scale_shift(bn_weight, bn_bias, mean, var, ctx.eps)
+        scale, shift = bn_scale_shift(bn_weight, bn_bias, mean, var, ctx.eps)
         w1k = _by_offset(w1, area)
         grad_hid = grad_hid.to(x2.dtype).contiguous()
         coef_f = coef_0 = torch.zeros_like(scale)  # BN1 on running statistics: grad f = scale gu
@@ -143,7 +143,7 @@ class _FusedPatchwiseConcat(torch.autograd.Function):
             grad_w1k, sums = cpu_kernels.patchwise_backward_sums(xpad, offsets, h, w, scale, shift, w1k, grad_hid,
                                                                  ctx.needs_input_grad[8])
             g_bias, g_fsum = sums.to(x2.dtype)
-            g_weight, c1, c0 = _bn_backward_coefficients(scale, torch.rsqrt(var + ctx.eps), mean, g_bias, g_fsum,
+            g_weight, c1, c0 = bn_backward_coefficients(scale, torch.rsqrt(var + ctx.eps), mean, g_bias, g_fsum,
                                                          n * h * w)
             if ctx.training:  # BN1 on batch statistics: grad f = scale gu + c1 f + c0 per channel (c, j)
                 coef_f, coef_0 = c1.contiguous(), c0.contiguous()

@@ -3,7 +3,7 @@
 linear relations, :func:`_difference_moments`), the chunked logits and :class:`_PairwiseAttention`,
 the autograd function that runs gamma from its first ReLU, the softmax and the aggregation with a
 hand-written backward. On CPU with a linear relation the compiled kernels of
-:class:`.san_fused._FusedPairwiseAttention` take the whole footprint instead.
+:class:`.san_fused.FusedPairwiseAttention` take the whole footprint instead.
 """
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from robust_attn.layers import cpu_kernels
-from robust_attn.layers.lean_ops import (_affine, _bn_backward_coefficients, _bn_scale_shift, _maybe_checkpoint,
-                                         _mean_var, _mm, _mm_weight_grad, _moments, _update_running)
+from robust_attn.layers.lean_ops import (bn_affine, bn_backward_coefficients, bn_scale_shift, maybe_checkpoint,
+                                         mean_var, matmul1x1, matmul1x1_weight_grad, channel_moments, update_running)
 from robust_attn.layers.local_aggregation import (accumulate_aggregate_grads, aggregate_grad_buffer,
                                                   footprint_aggregate, footprint_offsets, grouped_padded,
                                                   reflect_pad, reflect_pad_backward, shifted, unpadded_gradient)
 from robust_attn.layers.precision import accumulation_dtype, autocast_off
 from robust_attn.layers.san_relations import pair_relation, positions
-from robust_attn.layers.san_fused import _FusedPairwiseAttention
+from robust_attn.layers.san_fused import FusedPairwiseAttention
 
 if TYPE_CHECKING:
     from robust_attn.layers.san import SelfAttention2d
@@ -116,7 +116,7 @@ def _chunk_bias(w1p: torch.Tensor | None, pos: torch.Tensor | None, sl: slice, s
     (``(1, hidden, Kc*H*W)``), optionally through BN2's affine, or BN2's shift alone."""
     if pos is None:
         return None if shift is None else shift[:, None]
-    p = _mm(w1p, pos[:, :, sl]).flatten(2)
+    p = matmul1x1(w1p, pos[:, :, sl]).flatten(2)
     return p if scale is None else torch.addcmul(shift[:, None], p, scale[:, None])
 
 
@@ -139,13 +139,13 @@ def _pairwise_logits(plan: _GammaPlan, w1, w1p, pos, w2, b2, bn2_weight, bn2_bia
         sums = 0
         for i, (chunk, sl) in enumerate(zip(plan.chunks, plan.slices)):
             u = u if i == 0 else plan.first(chunk, *inputs)
-            hid = _mm(w1c, u, _chunk_bias(w1pc, posc, sl))
-            sums = sums + _moments(hid, (0, 2, 3, 4))
+            hid = matmul1x1(w1c, u, _chunk_bias(w1pc, posc, sl))
+            sums = sums + channel_moments(hid, (0, 2, 3, 4))
             hidden = hid if single else None
-        mean, var = _mean_var(sums, n * area * h * w)
+        mean, var = mean_var(sums, n * area * h * w)
     else:
         mean, var = plan.running_mean.to(st), plan.running_var.to(st)
-    scale, shift = _bn_scale_shift(bn2_weight.to(st), bn2_bias.to(st), mean, var, plan.eps)
+    scale, shift = bn_scale_shift(bn2_weight.to(st), bn2_bias.to(st), mean, var, plan.eps)
     scale_c, shift_c = scale.to(dt), shift.to(dt)
     logits = None if single else u.new_empty(n, w2.shape[0], area, h, w)
     for i, (chunk, sl) in enumerate(zip(plan.chunks, plan.slices)):
@@ -154,9 +154,9 @@ def _pairwise_logits(plan: _GammaPlan, w1, w1p, pos, w2, b2, bn2_weight, bn2_bia
             del hidden
         else:  # BN2 folded into the first layer: s (W1 u + pos) + t
             u = u if i == 0 and not plan.training else plan.first(chunk, *inputs)
-            y = _mm(w1c * scale_c[:, None], u, _chunk_bias(w1pc, posc, sl, scale_c, shift_c))
+            y = matmul1x1(w1c * scale_c[:, None], u, _chunk_bias(w1pc, posc, sl, scale_c, shift_c))
         del u
-        part = _mm(w2c, y.relu_(), b2c)
+        part = matmul1x1(w2c, y.relu_(), b2c)
         del y
         if single:
             logits = part
@@ -226,29 +226,29 @@ class _PairwiseAttention(torch.autograd.Function):
         posc = None if pos is None else pos.to(dt)
         w1pc = None if w1p is None else w1p.to(dt)
         rstd = torch.rsqrt(var + plan.eps)
-        scale, shift = _bn_scale_shift(bn2_weight.to(st), bn2_bias.to(st), mean, var, plan.eps)
+        scale, shift = bn_scale_shift(bn2_weight.to(st), bn2_bias.to(st), mean, var, plan.eps)
         view = (1, -1, 1, 1, 1)
         scale_c, shift_c = scale.to(dt).view(view), shift.to(dt).view(view)
         lse = lse[:, :, None]
 
         def logit_grads(sl, z):
             """The chunk's logits' gradient ``w (gw - D)``, its ``v`` gradient added to ``grad_buffer``."""
-            weights = _mm(w2c, z, b2c).to(st).sub_(lse).exp_()
+            weights = matmul1x1(w2c, z, b2c).to(st).sub_(lse).exp_()
             gw = accumulate_aggregate_grads(vpad, weights.to(vpad.dtype), grad_y, k, sl.start, grad_buffer)
             return weights.mul_(gw.to(st).sub_(d_dot)).to(dt)
 
         def chunk_grads(u, sl, g_logits):
             """h, the gradient at BN2's output (through relu), relu(BN2(h)) and the logits' gradient."""
-            hid = _mm(w1c, u, _chunk_bias(w1pc, posc, sl))
+            hid = matmul1x1(w1c, u, _chunk_bias(w1pc, posc, sl))
             z = torch.addcmul(shift_c, hid, scale_c).relu_()
             if g_logits is None:
                 g_logits = logit_grads(sl, z)
-            gz = torch.ops.aten.threshold_backward(_mm(w2t, g_logits), z, 0)
+            gz = torch.ops.aten.threshold_backward(matmul1x1(w2t, g_logits), z, 0)
             return hid, gz, z, g_logits
 
         def accumulate(sums, hid, gz, z, g_logits):
             """grad W2, per hidden channel sum(gz) and sum(gz * h) (BN2's parameter gradients), grad b2."""
-            gw2 = _mm_weight_grad(g_logits, z)
+            gw2 = matmul1x1_weight_grad(g_logits, z)
             dims = (0, 2, 3, 4)
             s = torch.stack([gz.to(st).sum(dims), (gz * hid).to(st).sum(dims)])
             return (sums[0] + gw2.to(st), sums[1] + s, sums[2] + g_logits.to(st).sum(dims))
@@ -278,18 +278,18 @@ class _PairwiseAttention(torch.autograd.Function):
                 sums = accumulate(sums, hid, gz, z, g_logits)
             del z, g_logits
             if plan.training:  # BN2 on batch statistics: gh = scale gz + c1 h + c0 per channel
-                _, c1, c0 = _bn_backward_coefficients(scale, rstd, mean, *sums[1], count)
+                _, c1, c0 = bn_backward_coefficients(scale, rstd, mean, *sums[1], count)
                 gh = gz.mul_(scale_c).addcmul_(hid, c1.to(dt).view(view)).add_(c0.to(dt).view(view))
             else:
                 gh = gz.mul_(scale_c)
             del hid
-            grad_w1 += _mm_weight_grad(gh, u.detach()).to(st)
+            grad_w1 += matmul1x1_weight_grad(gh, u.detach()).to(st)
             if grad_pos is not None:  # pos enters as w1p pos, the same for every image
                 g_pos = gh.sum(0, keepdim=True)
                 grad_w1p += (g_pos.flatten(2)[0] @ posc[:, :, sl].flatten(2)[0].t()).to(st)
-                grad_pos[:, :, sl] = _mm(w1pc.t().contiguous(), g_pos)
+                grad_pos[:, :, sl] = matmul1x1(w1pc.t().contiguous(), g_pos)
                 del g_pos
-            grad_u = _mm(w1t, gh)
+            grad_u = matmul1x1(w1t, gh)
             del gh
             if wanted:
                 grads = torch.autograd.grad(u, [leaves[j] for j in wanted], grad_u)
@@ -298,7 +298,7 @@ class _PairwiseAttention(torch.autograd.Function):
             del u, grad_u
 
         grad_w2, (g_bias, g_hsum), grad_b2 = sums
-        g_weight = _bn_backward_coefficients(scale, rstd, mean, g_bias, g_hsum, count)[0]
+        g_weight = bn_backward_coefficients(scale, rstd, mean, g_bias, g_hsum, count)[0]
         grad_v = None if grad_buffer is None else unpadded_gradient(grad_buffer, v, k)
         return (None, grad_w1.to(w1.dtype), None if grad_w1p is None else grad_w1p.to(w1p.dtype),
                 None if grad_pos is None else grad_pos.to(pos.dtype),
@@ -306,7 +306,7 @@ class _PairwiseAttention(torch.autograd.Function):
                 g_bias.to(bn2_bias.dtype), grad_v, *grad_inputs)
 
 
-def _pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) -> torch.Tensor:
+def pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) -> torch.Tensor:
     """Pairwise attention ``y_i = sum_j softmax_j gamma(delta(x_i, x_j)) v_j`` (eq. 2-3), ``(N, C', H, W)``.
 
     gamma's first BN and 1x1 layer are split into the relation channels and the two position
@@ -336,9 +336,9 @@ def _pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) 
         if linear:
             s1 = _difference_moments(x1, x2, k, sign)
         else:
-            s1 = sum(_maybe_checkpoint(lambda a, b, c=c: _moments(delta(c, a, b), (0, 2, 3, 4)), x1, x2p)
+            s1 = sum(maybe_checkpoint(lambda a, b, c=c: channel_moments(delta(c, a, b), (0, 2, 3, 4)), x1, x2p)
                      for c in chunks)
-        mean1, var1 = _mean_var(s1, count)
+        mean1, var1 = mean_var(s1, count)
     else:
         mean1, var1 = bn1.running_mean[:dr], bn1.running_var[:dr]
 
@@ -347,14 +347,14 @@ def _pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) 
         p = positions(m, x)
         pd = (p[:, :, None] - shifted(reflect_pad(p, k // 2), footprint_offsets(k), h, w)).to(x1.dtype)
         if training:
-            mean_p, var_p = _mean_var(_moments(pd, (0, 2, 3, 4)), area * h * w)
+            mean_p, var_p = mean_var(channel_moments(pd, (0, 2, 3, 4)), area * h * w)
         else:
             mean_p, var_p = bn1.running_mean[dr:], bn1.running_var[dr:]
-        pos = F.relu(_affine(pd, bn1.weight[dr:], bn1.bias[dr:], bn1.eps, mean_p, var_p))
+        pos = F.relu(bn_affine(pd, bn1.weight[dr:], bn1.bias[dr:], bn1.eps, mean_p, var_p))
         if training:
-            _update_running(bn1, torch.cat([mean1, mean_p]), torch.cat([var1, var_p]), count)
+            update_running(bn1, torch.cat([mean1, mean_p]), torch.cat([var1, var_p]), count)
     elif training:
-        _update_running(bn1, mean1, var1, count)
+        update_running(bn1, mean1, var1, count)
 
     if linear:
         scale1 = bn1.weight[:dr] * torch.rsqrt(var1 + bn1.eps)
@@ -366,13 +366,13 @@ def _pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) 
         inputs = (center, neighbour)
     else:
         def first(chunk, x1_, x2p_, mean1_, var1_, weight1_, bias1_):
-            return F.relu(_affine(delta(chunk, x1_, x2p_), weight1_, bias1_, bn1.eps, mean1_, var1_), True)
+            return F.relu(bn_affine(delta(chunk, x1_, x2p_), weight1_, bias1_, bn1.eps, mean1_, var1_), True)
         inputs = (x1, x2p, mean1, var1, bn1.weight[:dr], bn1.bias[:dr])
 
     w1p = w1[:, dr:] if m.position_encoding else None
     w2 = conv2.weight.flatten(1)
     if linear and cpu_kernels.uses_kernel(v, w1, w2, *inputs):  # whole footprint, fused per tile
-        out, mean2, var2 = _FusedPairwiseAttention.apply(footprint_offsets(k), training, bn2.eps, bn2.running_mean,
+        out, mean2, var2 = FusedPairwiseAttention.apply(footprint_offsets(k), training, bn2.eps, bn2.running_mean,
                                                          bn2.running_var, w1[:, :dr], w1p, pos, w2, conv2.bias,
                                                          bn2.weight, bn2.bias, v, *inputs)
     else:
@@ -380,5 +380,5 @@ def _pairwise_attention(m: SelfAttention2d, x, x1, x2, v, chunks, index_chunks) 
         out, mean2, var2 = _PairwiseAttention.apply(plan, w1[:, :dr], w1p, pos, w2, conv2.bias, bn2.weight,
                                                     bn2.bias, v, *inputs)
     if training:
-        _update_running(bn2, mean2, var2, count)
+        update_running(bn2, mean2, var2, count)
     return out

@@ -1,8 +1,8 @@
 """SAN patchwise attention, lean path (eq. 4-5; the module docstring of :mod:`.san` says what
 "lean" means): gamma up to its hidden layer chunk by chunk of footprint offsets
-(:func:`_patchwise_hidden`, or :class:`.san_fused._FusedPatchwiseConcat` on CPU for
+(:func:`patchwise_hidden_chunked`, or :class:`.san_fused.FusedPatchwiseConcat` on CPU for
 ``concatenation``), then gamma's last layer and the aggregation in one autograd function
-(:class:`_PatchwiseWeightsAggregate`), which recomputes the ``k^2``-sized weights in its backward.
+(:class:`PatchwiseWeightsAggregate`), which recomputes the ``k^2``-sized weights in its backward.
 """
 from __future__ import annotations
 
@@ -13,19 +13,19 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from robust_attn.layers import cpu_kernels
-from robust_attn.layers.lean_ops import (_affine, _maybe_checkpoint, _mean_var, _mm, _mm_weight_grad, _moments,
-                                         _update_running)
+from robust_attn.layers.lean_ops import (bn_affine, maybe_checkpoint, mean_var, matmul1x1, matmul1x1_weight_grad, channel_moments,
+                                         update_running)
 from robust_attn.layers.local_aggregation import (accumulate_aggregate_grads, aggregate_grad_buffer,
                                                   footprint_aggregate, footprint_offsets, grouped_padded,
                                                   reflect_pad, shifted, unpadded_gradient)
 from robust_attn.layers.precision import autocast_off
-from robust_attn.layers.san_fused import _FusedPatchwiseConcat
+from robust_attn.layers.san_fused import FusedPatchwiseConcat
 
 if TYPE_CHECKING:
     from robust_attn.layers.san import SelfAttention2d
 
 
-class _PatchwiseWeightsAggregate(torch.autograd.Function):
+class PatchwiseWeightsAggregate(torch.autograd.Function):
     """Patchwise attention from gamma's hidden layer on (eq. 4-5): the weights ``W2 hidden + b2``
     (``G -> k^2 G`` per pixel, weight ``(g, j)`` in channel ``g k^2 + j``) and ``y_i = sum_j w_ij (.) v_j``.
     Saves ``hidden``, ``v`` and the layer; the backward pass recomputes the ``k^2``-sized weights once
@@ -35,7 +35,7 @@ class _PatchwiseWeightsAggregate(torch.autograd.Function):
     def forward(ctx, hidden, w2, b2, v, footprint: int):
         n, _, h, w = hidden.shape
         with autocast_off(v.device):
-            weights = _mm(w2.to(v.dtype), hidden.to(v.dtype), b2.to(v.dtype)[:, None])
+            weights = matmul1x1(w2.to(v.dtype), hidden.to(v.dtype), b2.to(v.dtype)[:, None])
             out = footprint_aggregate(v, weights.view(n, w2.shape[0] // footprint ** 2, footprint ** 2, h, w),
                                       footprint)
         ctx.footprint = footprint
@@ -50,20 +50,20 @@ class _PatchwiseWeightsAggregate(torch.autograd.Function):
         n, _, h, w = hidden.shape
         c, groups = v.shape[1], w2.shape[0] // (k * k)
         hid, w2c = hidden.to(dt), w2.to(dt)
-        weights = _mm(w2c, hid, b2.to(dt)[:, None]).view(n, groups, k * k, h, w)
+        weights = matmul1x1(w2c, hid, b2.to(dt)[:, None]).view(n, groups, k * k, h, w)
         vpad = grouped_padded(v, k, groups)
         grad_buffer = aggregate_grad_buffer(vpad, k) if ctx.needs_input_grad[3] else None
         grad_y = grad_out.to(dt).reshape(n, c // groups, groups, h, w)
         grad_w = accumulate_aggregate_grads(vpad, weights, grad_y, k, 0, grad_buffer).reshape(n, groups * k * k, h, w)
         del weights
-        grad_hidden = _mm(w2c.t().contiguous(), grad_w)
-        grad_w2 = _mm_weight_grad(grad_w, hid)
+        grad_hidden = matmul1x1(w2c.t().contiguous(), grad_w)
+        grad_w2 = matmul1x1_weight_grad(grad_w, hid)
         grad_b2 = grad_w.sum((0, 2, 3))
         grad_v = None if grad_buffer is None else unpadded_gradient(grad_buffer, v, k)
         return grad_hidden.to(hidden.dtype), grad_w2.to(w2.dtype), grad_b2.to(b2.dtype), grad_v, None
 
 
-def _patchwise_hidden(m: SelfAttention2d, x1, x2, chunks, index_chunks) -> torch.Tensor:
+def patchwise_hidden_chunked(m: SelfAttention2d, x1, x2, chunks, index_chunks) -> torch.Tensor:
     """gamma of patchwise attention (eq. 5) up to its last layer: ``relu(BN2(W1 relu(BN1(delta))))``,
     ``(N, G, H, W)``; the first layer's input is built chunk by chunk of footprint offsets, each chunk
     under activation checkpointing (which keeps its inputs: the unpadded maps, padded per chunk)."""
@@ -87,12 +87,12 @@ def _patchwise_hidden(m: SelfAttention2d, x1, x2, chunks, index_chunks) -> torch
     def block(f, ch):
         d, kc = f.shape[1:3]
         if m.training:
-            mean, var = _mean_var(_moments(f, (0, 3, 4)), n * h * w)
+            mean, var = mean_var(channel_moments(f, (0, 3, 4)), n * h * w)
         else:
             mean, var = bn1.running_mean[ch], bn1.running_var[ch]
-        u = F.relu(_affine(f.reshape(n, d * kc, h, w), bn1.weight[ch].flatten(), bn1.bias[ch].flatten(), bn1.eps,
+        u = F.relu(bn_affine(f.reshape(n, d * kc, h, w), bn1.weight[ch].flatten(), bn1.bias[ch].flatten(), bn1.eps,
                            mean.flatten(), var.flatten()), True)
-        return _mm(w1[:, ch.flatten()], u), mean.detach(), var.detach()
+        return matmul1x1(w1[:, ch.flatten()], u), mean.detach(), var.detach()
 
     def run(chunk, idx, x1_, x2_):
         x1p = reflect_pad(x1_, pad) if m.relation == "clique" else None
@@ -100,11 +100,11 @@ def _patchwise_hidden(m: SelfAttention2d, x1, x2, chunks, index_chunks) -> torch
 
     if m.relation == "concatenation" and cpu_kernels.uses_kernel(x2, w1):  # all offsets, fused per tile
         parts = [list(range(area))]
-        outs = [_FusedPatchwiseConcat.apply(all_offsets, m.training, bn1.eps, bn1.running_mean[rel:],
+        outs = [FusedPatchwiseConcat.apply(all_offsets, m.training, bn1.eps, bn1.running_mean[rel:],
                                             bn1.running_var[rel:], x2, bn1.weight[rel:], bn1.bias[rel:], w1[:, rel:])]
     else:
         parts = index_chunks
-        outs = [_maybe_checkpoint(lambda *ts, c=c, i=i: run(c, i, *ts), x1, x2)
+        outs = [maybe_checkpoint(lambda *ts, c=c, i=i: run(c, i, *ts), x1, x2)
                 for c, i in zip(chunks, index_chunks)]
     if m.relation == "concatenation":  # phi(x_i) part of the concatenation
         outs.append(block(x1[:, :, None], torch.arange(rel, device=x1.device)[:, None]))
@@ -115,7 +115,7 @@ def _patchwise_hidden(m: SelfAttention2d, x1, x2, chunks, index_chunks) -> torch
             ch = _channels_of(m, i, rel, area, x1.device)
             mean[ch.flatten()] = mu.flatten().to(mean.dtype)
             var[ch.flatten()] = sig.flatten().to(var.dtype)
-        _update_running(bn1, mean, var, n * h * w)
+        update_running(bn1, mean, var, n * h * w)
     hid = sum(o[0] for o in outs)
     return F.relu(bn2(hid))
 

@@ -14,7 +14,7 @@ from typing import Callable
 import torch.nn as nn
 
 from robust_attn.models.resolution import RESOLUTIONS
-from robust_attn.utils.registry import Registry
+from robust_attn.utils.plugins import Registry
 
 __all__ = ["ModelInfo", "MODELS", "register_model", "create_model", "list_models", "model_info"]
 

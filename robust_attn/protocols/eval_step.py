@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from robust_attn.utils.registry import Registry
+from robust_attn.utils.plugins import Registry
 
 __all__ = ["EvalContext", "EvalProtocol", "EVAL_PROTOCOLS", "eval_protocol"]
 

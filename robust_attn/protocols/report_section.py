@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from robust_attn.utils.registry import Registry
+from robust_attn.utils.plugins import Registry
 
 __all__ = ["ReportContext", "ReportSection", "REPORT_SECTIONS", "report_section", "report_sections",
            "reported_protocols", "shift_protocols"]

@@ -49,7 +49,7 @@ from typing import Callable
 
 from robust_attn.sources.base import (LoadedModel, Preprocessing, SourceError, SourceRequest, load_weights_file,
                                       state_dict_sha256)
-from robust_attn.utils.registry import Registry
+from robust_attn.utils.plugins import Registry
 
 __all__ = ["Preprocessing", "LoadedModel", "SourceError", "SourceRequest", "Source", "SOURCES", "register_source",
            "list_sources", "parse_spec", "check_spec", "spec_label", "load_model_spec", "state_dict_sha256",

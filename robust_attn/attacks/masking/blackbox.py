@@ -6,7 +6,7 @@ from typing import Mapping
 
 import pandas as pd
 
-from robust_attn.attacks.masking.evidence import MaskingCheck, _first, _verdict, success_by_index
+from robust_attn.attacks.masking.evidence import MaskingCheck, first_indices, verdict_word, success_by_index
 
 
 def check_blackbox_beats_whitebox(white: pd.DataFrame, black: Mapping[str, pd.DataFrame],
@@ -37,11 +37,11 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame, black: Mapping[str, pd.Da
         beats = common[(b & ~w).to_numpy()]
         total += len(beats)
         evidence[source] = {"compared": len(common), "black_success": int(b.sum()), "white_success": int(w.sum()),
-                            "beats": len(beats), "indices": _first(beats)}
+                            "beats": len(beats), "indices": first_indices(beats)}
     parts = [f"{s}: {e['beats']} of {e['compared']}" for s, e in evidence.items()]
     if total:
         detail = "images fooled by a black-box/transfer attack but not by the white-box one: " + "; ".join(parts)
     else:
         detail = "the white-box attack fools every image the black-box/transfer attacks fool (" + "; ".join(
             f"{s}: {e['compared']} compared" for s, e in evidence.items()) + ")"
-    return MaskingCheck("blackbox_beats_whitebox", _verdict(total > 0), detail, evidence)
+    return MaskingCheck("blackbox_beats_whitebox", verdict_word(total > 0), detail, evidence)

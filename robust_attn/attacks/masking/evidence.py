@@ -56,11 +56,11 @@ class MaskingCheck:
                 "evidence": _plain(self.evidence)}
 
 
-def _verdict(flag: bool) -> str:
+def verdict_word(flag: bool) -> str:
     return "flag" if flag else "pass"
 
 
-def _first(indices) -> list[int]:
+def first_indices(indices) -> list[int]:
     return sorted(int(i) for i in indices)[:MAX_INDICES]
 
 def success_by_index(records: pd.DataFrame, condition: str | None = None, what: str = "records") -> pd.Series:

@@ -10,17 +10,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from robust_attn.attacks.masking.evidence import MaskingCheck, _first
+from robust_attn.attacks.masking.evidence import MaskingCheck, first_indices
 
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 
-def _per_image_loss(model: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def per_image_loss(model: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the label per image, in float64 (module docstring)."""
     return F.cross_entropy(model(x).double(), labels, reduction="none")
 
 
-def _input_gradient(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+def loss_input_gradient(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
                     batch_size: int | None = None) -> torch.Tensor:
     """d CE(x_i, y_i) / d x_i for every image (the gradient of the summed loss: images are
     independent), computed on at most ``batch_size`` images at a time (None: all at once)."""
@@ -30,12 +30,12 @@ def _input_gradient(model: nn.Module, images: torch.Tensor, labels: torch.Tensor
     if batch_size is not None and len(images) > batch_size:
         if batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        return torch.cat([_input_gradient(model, images[a:a + batch_size], labels[a:a + batch_size])
+        return torch.cat([loss_input_gradient(model, images[a:a + batch_size], labels[a:a + batch_size])
                           for a in range(0, len(images), batch_size)])
     validate_attack_inputs(model, images, labels)
     x = images.detach().clone().requires_grad_(True)
     with torch.enable_grad(), frozen_parameters(model):
-        loss = _per_image_loss(model, x, labels).sum()
+        loss = per_image_loss(model, x, labels).sum()
         if not loss.requires_grad:
             return torch.zeros_like(images)   # the loss does not depend on the input through autograd
         (grad,) = torch.autograd.grad(loss, x, allow_unused=True)
@@ -49,7 +49,7 @@ def input_gradient_stats(model: nn.Module, images: torch.Tensor, labels: torch.T
     ``zero_indices``), and the quantiles :data:`QUANTILES` of the per-image L1 and L2 norms over
     the images with a finite gradient (``l1_quantiles``/``l2_quantiles``: q -> value). The model
     sees at most ``batch_size`` images at a time (None: all at once)."""
-    grad = _input_gradient(model, images, labels, batch_size).flatten(1).double()
+    grad = loss_input_gradient(model, images, labels, batch_size).flatten(1).double()
     finite = torch.isfinite(grad)
     zero_image = (grad == 0).all(1)
     ok = finite.all(1)
@@ -61,7 +61,7 @@ def input_gradient_stats(model: nn.Module, images: torch.Tensor, labels: torch.T
     return {"n_images": len(images), "n_values": grad.numel(),
             "zero_fraction": float((grad == 0).double().mean()),
             "nonfinite_fraction": float((~finite).double().mean()),
-            "zero_images": int(zero_image.sum()), "zero_indices": _first(torch.nonzero(zero_image).flatten().tolist()),
+            "zero_images": int(zero_image.sum()), "zero_indices": first_indices(torch.nonzero(zero_image).flatten().tolist()),
             "nonfinite_images": int((~ok).sum()), **norms}
 
 

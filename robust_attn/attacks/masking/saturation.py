@@ -12,8 +12,8 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from robust_attn.attacks.masking.evidence import MaskingCheck, _first
-from robust_attn.attacks.masking.gradients import _input_gradient, _per_image_loss
+from robust_attn.attacks.masking.evidence import MaskingCheck, first_indices
+from robust_attn.attacks.masking.gradients import loss_input_gradient, per_image_loss
 
 
 def loss_along_directions(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, eps: float,
@@ -33,7 +33,7 @@ def loss_along_directions(model: nn.Module, images: torch.Tensor, labels: torch.
             or random_directions < 0:
         raise ValueError(f"random_directions must be an int >= 0, got {random_directions!r}")
     labels = labels.to(images.device, torch.long)
-    grad = _input_gradient(model, images, labels, batch_size)
+    grad = loss_input_gradient(model, images, labels, batch_size)
     gen = torch.Generator(device=images.device).manual_seed(int(seed))
     directions = {"grad_sign": grad.sign().nan_to_num(0.0)}
     for k in range(random_directions):
@@ -56,7 +56,7 @@ def loss_along_directions(model: nn.Module, images: torch.Tensor, labels: torch.
             t = torch.tensor([float(ts[g[1]]) for g in part], dtype=images.dtype, device=images.device)
             i_idx = torch.tensor([g[2] for g in part])
             x = (images[i_idx] + t.view(-1, 1, 1, 1) * stacked[d_idx, i_idx]).clamp(0, 1)
-            losses[start:start + len(part)] = _per_image_loss(model, x, labels[i_idx]).cpu().numpy()
+            losses[start:start + len(part)] = per_image_loss(model, x, labels[i_idx]).cpu().numpy()
     return pd.DataFrame({"image": [int(index[g[2]]) for g in grid], "direction": [names[g[0]] for g in grid],
                          "t": [float(ts[g[1]]) for g in grid], "loss": losses})
 
@@ -94,8 +94,8 @@ def check_loss_saturation(frame: pd.DataFrame, rtol: float = 1e-6) -> MaskingChe
         if best_rand > best_grad + rtol * abs(best_grad):
             wins.append(image)
     n = len(per_image)
-    evidence = {"n_images": n, "flat": len(flat), "flat_indices": _first(flat), "random_wins": len(wins),
-                "random_wins_indices": _first(wins), "per_image": per_image}
+    evidence = {"n_images": n, "flat": len(flat), "flat_indices": first_indices(flat), "random_wins": len(wins),
+                "random_wins_indices": first_indices(wins), "per_image": per_image}
     if flat or wins:
         detail = (f"loss flat along the gradient sign on {len(flat)} of {n} image(s); a random direction beats "
                   f"the gradient sign on {len(wins)} of {n}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import Mapping, Sequence
 
-from robust_attn.attacks.masking.evidence import MaskingCheck, _verdict
+from robust_attn.attacks.masking.evidence import MaskingCheck, verdict_word
 
 
 def check_gain_with_strength(rates: Mapping, order: Sequence | None = None, tol: float = 0.0,
@@ -44,4 +44,4 @@ def check_gain_with_strength(rates: Mapping, order: Sequence | None = None, tol:
         detail = f"already 100% at the weakest {what} ({shown})"
     else:
         detail = f"success grows with the {what} ({shown})"
-    return MaskingCheck("gain_with_strength", _verdict(bool(drops) or stuck), detail, evidence)
+    return MaskingCheck("gain_with_strength", verdict_word(bool(drops) or stuck), detail, evidence)

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from robust_attn.attacks.masking.evidence import MaskingCheck, _first, _verdict, success_by_index
+from robust_attn.attacks.masking.evidence import MaskingCheck, first_indices, verdict_word, success_by_index
 
 
 def _chunks(n: int, batch_size: int | None):
@@ -88,7 +88,7 @@ def check_unbounded(success: pd.DataFrame | float, condition: str | None = None)
         s = success_by_index(success, condition, "unbounded-attack records")
         missed = s.index[~s.to_numpy()]
         rate, evidence = float(s.mean()), {"n": len(s), "fooled": int(s.sum()), "not_fooled": len(missed),
-                                           "indices": _first(missed)}
+                                           "indices": first_indices(missed)}
         frame = success if condition is None else success[success["condition"] == condition]
         for column, key in (("clean_success", "misclassified_clean"), ("start_success", "fooled_by_random_start")):
             if column in frame.columns:
@@ -109,4 +109,4 @@ def check_unbounded(success: pd.DataFrame | float, condition: str | None = None)
     if "by_steps" in evidence:
         detail += (f"; the gradient steps changed the prediction of {evidence['by_steps']} of {evidence['n']} "
                    f"image(s), the random start alone {evidence['fooled_by_random_start']} of {evidence['n']}")
-    return MaskingCheck("unbounded_attack", _verdict(rate < 1.0), detail, evidence)
+    return MaskingCheck("unbounded_attack", verdict_word(rate < 1.0), detail, evidence)

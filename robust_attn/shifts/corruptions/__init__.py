@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from robust_attn.shifts.seeds import image_rngs
-from robust_attn.utils.registry import Registry
+from robust_attn.utils.plugins import Registry
 
 __all__ = ["CORRUPTIONS", "COMMON", "EXTRA", "FAMILIES", "SEVERITIES", "register", "corrupt", "corrupt_batch",
            "corruption_names", "check_corruption", "check_severity", "image_rngs"]
