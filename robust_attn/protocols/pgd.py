@@ -16,6 +16,9 @@ Choices where the paper is silent (stated here and recorded in every run's ``run
   top-1 only that way); the report adds both on the clean-correct subset.
 * No random start (the paper's step sizes exactly reach eps in n steps: step = eps / n); a
   sweep without an explicit step uses that rule.
+* Units: the run records each condition's eps and step (``run.json``) and each image's largest
+  pixel change (``linf``) in [0, 1] image units, as every protocol; the condition names keep
+  Table 10's numbers in 1/255 units (``pgd_eps8_step2_n4``), and so do the report's tables.
 * The attack runs on the model in eval mode; gradients flow through the normalization inside
   :class:`robust_attn.models.wrapper.NormalizedModel`.
 * Backend agreement: by default the native attack agrees with torchattacks and foolbox up to
@@ -34,7 +37,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -48,6 +51,7 @@ from robust_attn.distributed import barrier
 from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
+from robust_attn.runs.migrations import IMAGE_UNITS
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_file
 
 __all__ = ["AttackSetting", "PAPER_SETTINGS", "pgd_settings", "dataset_labels", "prepare_targets", "save_targets", "load_checks",
@@ -61,7 +65,8 @@ CHECKS_FILE = "checks.json"
 
 @dataclass(frozen=True)
 class AttackSetting:
-    """eps and step in 1/255 units, ``steps`` iterations."""
+    """eps and step in 1/255 units (Table 10's numbers, and the condition's name), ``steps``
+    iterations; :meth:`as_dict`, the run's record of it, has them in image units."""
 
     eps: float
     step: float
@@ -83,7 +88,8 @@ class AttackSetting:
         return f"pgd_eps{self.eps:g}_step{self.step:g}_n{self.steps}"
 
     def as_dict(self) -> dict:
-        return {"name": self.name, **asdict(self)}
+        """The condition in ``run.json``: its name, and eps and step in [0, 1] image units."""
+        return {"name": self.name, "eps": float(self.eps) / 255, "step": float(self.step) / 255, "steps": self.steps}
 
 
 PAPER_SETTINGS = (AttackSetting(8, 4, 2), AttackSetting(8, 2, 4))
@@ -193,7 +199,7 @@ def make_evaluator(model: nn.Module, settings: Sequence[AttackSetting], targets:
     """The ``evaluate`` callback of :func:`robust_attn.protocols.runner.run_chunks`.
 
     Records per image: ``index, label, target, pred, top1`` (pred == label), ``success``
-    (pred == target), ``top5`` and ``linf`` (the largest pixel change, 1/255 units).
+    (pred == target), ``top5`` and ``linf`` (the largest pixel change, in [0, 1] image units).
     ``attack`` defaults to :func:`robust_attn.attacks.targeted_pgd`; ``exact=True`` is passed on to
     it (``exact=True`` only, so a custom ``attack`` without that keyword still works otherwise).
     """
@@ -209,7 +215,7 @@ def make_evaluator(model: nn.Module, settings: Sequence[AttackSetting], targets:
             "index": indices.numpy(), "label": labels.cpu().numpy(), "target": tgt.cpu().numpy(),
             "pred": pred.cpu().numpy(), "top1": (pred == labels).long().cpu().numpy(),
             "success": (pred == tgt).long().cpu().numpy(), "top5": topk_hits(logits, labels).cpu().numpy(),
-            "linf": linf.cpu().numpy().round(4)})
+            "linf": linf.cpu().numpy().round(7)})
 
     def evaluate(images, labels, indices, todo) -> Iterator[tuple[str, pd.DataFrame]]:
         images, labels = images.to(device), labels.to(device)
@@ -224,7 +230,7 @@ def make_evaluator(model: nn.Module, settings: Sequence[AttackSetting], targets:
                              **extra).detach()
             with torch.no_grad():
                 logits = model(adv)
-            linf = (adv - images).abs().flatten(1).amax(dim=1) * 255
+            linf = (adv - images).abs().flatten(1).amax(dim=1)
             yield name, records(indices, labels, tgt, logits, linf)
 
     return evaluate
@@ -292,7 +298,7 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
     targets, source = prepare_targets(labels, num_classes, seed, targets_file, targets=targets)
     conditions = [{"name": CLEAN, "eps": 0.0, "step": 0.0, "steps": 0}] + [s.as_dict() for s in settings]
     store = open_run(out_dir, with_provenance(model, run_info, model_info, dataset), protocol=PROTOCOL,
-                     parameters={"norm": "Linf", "units": "1/255", "targeted": True, "random_start": False,
+                     parameters={"norm": "Linf", "units": IMAGE_UNITS, "targeted": True, "random_start": False,
                                  "backend": backend, "exact": exact, "seed": int(seed), "targets": source},
                      conditions=conditions, num_images=len(dataset), chunk_size=batch_size, rank=rank, device=device)
     if rank == 0:
@@ -320,13 +326,14 @@ def run_pgd(model: nn.Module, dataset, out_dir, *, num_classes: int,
 
 def summarize_pgd(records: pd.DataFrame) -> pd.DataFrame:
     """Per condition (percent): ``success_rate`` and ``top1`` over all images, and both on the
-    images the model classifies correctly without attack (``*_clean_correct``), from the records."""
+    images the model classifies correctly without attack (``*_clean_correct``), from the records;
+    ``max_linf``: the largest pixel change, in 1/255 units (as the condition names)."""
     clean = records[records["condition"] == CLEAN].set_index("index")["top1"]
     rows = []
     for condition, group in records.groupby("condition", sort=False):
         correct = group["index"].map(clean).fillna(0).astype(bool) if len(clean) else None
         row = {"condition": condition, "n": len(group), "success_rate": group["success"].mean() * 100,
-               "top1": group["top1"].mean() * 100, "max_linf": group["linf"].max()}
+               "top1": group["top1"].mean() * 100, "max_linf": group["linf"].max() * 255}
         if correct is not None:
             sub = group[correct.to_numpy()]
             row.update(n_clean_correct=len(sub),

@@ -180,7 +180,8 @@ def format_pgd(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def pgd_sweep(runs: list[Run]) -> pd.DataFrame:
-    """Every PGD condition of every run (long format) with eps, step and steps: for the plots."""
+    """Every PGD condition of every run (long format) with eps, step (1/255 units, as Table 10 and
+    the condition names; the runs record image units) and steps: for the plots."""
     frames = []
     chosen = [r for r in runs if r.protocol == "pgd"]
     for run, label in zip(chosen, run_labels([[r] for r in chosen])):
@@ -191,8 +192,10 @@ def pgd_sweep(runs: list[Run]) -> pd.DataFrame:
         summary.insert(0, "model", run.model)
         summary.insert(1, "dataset", run.dataset)
         summary.insert(2, "label", label)
-        for key in ("eps", "step", "steps"):
-            summary[key] = summary["condition"].map(lambda c, k=key: conds.get(c, {}).get(k))
+        for key in ("eps", "step"):
+            summary[key] = summary["condition"].map(lambda c, k=key: round(conds[c][k] * 255, 6) if c in conds
+                                                    else None)
+        summary["steps"] = summary["condition"].map(lambda c: conds.get(c, {}).get("steps"))
         frames.append(summary)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 

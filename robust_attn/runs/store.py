@@ -55,6 +55,9 @@ shown in the report's model table. Chunks written before this existed count as `
 Claims (concurrency): several processes share one run's chunks by claiming each before
 computing it (:mod:`robust_attn.runs.claims`).
 
+Layout versions: ``run.json`` says the version of the layout it was written in (``schema``);
+a run of an earlier version reads in the current one (:mod:`robust_attn.runs.migrations`).
+
 Aggregates (accuracies, success rates, drops) are always computed from the records
 (:func:`load_records`), never stored on their own.
 """
@@ -66,12 +69,13 @@ import platform
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from robust_attn.runs.claims import Claim, claim_chunk
+from robust_attn.runs.migrations import (MIGRATIONS, SCHEMA_KEY, SCHEMA_VERSION, Migration, added_after,
+                                         current_description, current_records, schema_version, to_stored_layout)
 from robust_attn.runs.packing import PACKED, csv_rows, is_packed, packed_computed_on, verify_packed, write_packed
 from robust_attn.utils.differences import describe_difference
 from robust_attn.utils.hardware import hardware_label
@@ -96,48 +100,6 @@ VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_w
 # the PGD targets may be drawn from a seed or read from another run's targets.csv; the targets
 # themselves are compared by content (the run's targets.csv) when a run is resumed.
 PROVENANCE_PARAMETERS = frozenset({"targets"})
-#: The version of run.json's layout this code writes (key ``schema``; a run.json without it is
-#: version 1). :data:`MIGRATIONS` says what each version added.
-SCHEMA_VERSION = 5
-SCHEMA_KEY = "schema"
-
-
-@dataclass(frozen=True)
-class Migration:
-    """What one schema version added to run.json: top-level ``keys``, and protocol ``parameters``
-    with the value every run of an earlier version had."""
-
-    keys: frozenset = frozenset()
-    parameters: dict = field(default_factory=dict)
-    what: str = ""
-
-
-#: A stored run of an earlier version resumes without what later versions added: a key it lacks
-#: is not compared, and a parameter it lacks is not compared while the value asked for is the one
-#: every earlier run had (any other value is a different run). Once stored, both are compared.
-MIGRATIONS: dict[int, Migration] = {
-    2: Migration(frozenset({"source", "spec", "weights_origin", "weights_sha256", "params", "preprocessing",
-                            "weights_preprocessing", "dataset"}),
-                 what="where the model came from (robust_attn.sources.provenance) and the dataset of a "
-                      "Python-API run that named none"),
-    3: Migration(frozenset({"data_variant"}),
-                 what="the data's variant (e.g. the canonical CIFAR-10 pickles against the JPEG copy); "
-                      "before it every dataset had one variant"),
-    4: Migration(parameters={"exact": False},
-                 what="PGD's exact mode; before it the native backend always ran its fast mode"),
-    5: Migration(frozenset({"input_contract"}),
-                 what="the model's input contract (robust_attn.sources.contract); before it every model took "
-                      "normalized input"),
-}
-
-
-def _added_after(version: int) -> Migration:
-    """Everything the versions after ``version`` added, as one migration."""
-    later = [m for v, m in sorted(MIGRATIONS.items()) if v > version]
-    return Migration(frozenset().union(*(m.keys for m in later)),
-                     {k: d for m in later for k, d in m.parameters.items()})
-
-
 _CONDITION_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _CHUNK_RE = re.compile(r"^(\d+)-(\d+)\.csv$")
 _SHOWN = 5  # damaged files named in one error message
@@ -197,6 +159,7 @@ class RunStore:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.device: str | None = None   # where this process computes (open's description); in each chunk's entry
+        self._stored: dict | None = None   # run.json as open found or wrote it: the layout of the chunks written
 
     # --- description -----------------------------------------------------------------------
     @property
@@ -207,6 +170,14 @@ class RunStore:
         return self.description_path.is_file()
 
     def description(self) -> dict:
+        """The run's description in the current layout (:mod:`robust_attn.runs.migrations`: a run
+        of an earlier schema version converted as it is read; :meth:`stored_description`: as stored)."""
+        stored = self.stored_description()
+        _schema_version(stored)   # a damaged version number: DamagedRecordsError
+        return current_description(stored)
+
+    def stored_description(self) -> dict:
+        """``run.json`` as stored (the layout of its schema version)."""
         if not self.exists():
             raise FileNotFoundError(f"{self.root} is not a run directory (no {DESCRIPTION}); "
                                     f"make one with `robust-attn eval rotation|pgd --out {self.root}`")
@@ -227,30 +198,35 @@ class RunStore:
         """Start or resume the run described by ``description``.
 
         A new directory gets ``run.json``; an existing one must describe the same run (all keys
-        but :data:`VOLATILE_KEYS` and ``schema`` equal; of an earlier schema version, what
-        :data:`MIGRATIONS` added only where it has them), otherwise
-        :class:`RunMismatchError` names the keys that differ. ``write=False`` (non-main ranks) only checks. Returns the stored description.
+        but :data:`VOLATILE_KEYS` and ``schema`` equal; of an earlier schema version, converted to
+        the current layout, what :data:`MIGRATIONS` added only where it has them), otherwise
+        :class:`RunMismatchError` names the keys that differ. ``write=False`` (non-main ranks) only
+        checks. Returns the stored description (as stored); the chunks this store writes follow its
+        layout (:func:`robust_attn.runs.migrations.to_stored_layout`).
         """
         description = _jsonable(description)
         if description.get("device") is not None:   # its type: "cuda:0" and "cuda" count as one
             self.device = str(description["device"]).split(":")[0]
         if self.exists():
-            stored = self.description()
-            later = _added_after(_schema_version(stored))
-            keys = (set(stored) | set(description)) - VOLATILE_KEYS - {SCHEMA_KEY} - (later.keys - set(stored))
-            now = _with_later_defaults(stored, description, later.parameters)
-            differ = sorted(k for k in keys if _comparable(k, stored.get(k)) != _comparable(k, now.get(k)))
+            stored = self.stored_description()
+            later = added_after(_schema_version(stored))
+            current = current_description(stored)
+            keys = (set(current) | set(description)) - VOLATILE_KEYS - {SCHEMA_KEY} - (later.keys - set(current))
+            now = _with_later_defaults(current, description, later.parameters)
+            differ = sorted(k for k in keys if _comparable(k, current.get(k)) != _comparable(k, now.get(k)))
             if differ:
                 detail = "; ".join(
-                    f"{k}: {describe_difference(_comparable(k, stored.get(k)), _comparable(k, now.get(k)))}"
+                    f"{k}: {describe_difference(_comparable(k, current.get(k)), _comparable(k, now.get(k)))}"
                     for k in differ[:4])
                 raise RunMismatchError(
                     f"{self.root} holds a different run ({detail}). Resume it with the same model, "
                     f"data and protocol settings, or pass a new --out directory.")
+            self._stored = stored
             return stored
         description = {SCHEMA_KEY: SCHEMA_VERSION, **description}
         if write:
             atomic_write_json(self.description_path, description)
+        self._stored = description
         return description
 
     # --- records -----------------------------------------------------------------------------
@@ -289,7 +265,7 @@ class RunStore:
             raise ValueError(f"chunk {condition}[{start}:{stop}) has {len(records)} records, "
                              f"expected {stop - start}")
         path = self.chunk_path(condition, start, stop)
-        frame = records.copy()
+        frame = records.copy() if self._stored is None else to_stored_layout(self._stored, records).copy()
         frame.insert(0, "condition", condition)
         data = frame.to_csv(index=False, lineterminator="\n").encode()
         entry = {"rows": len(frame), "sha256": sha256_bytes(data)}
@@ -387,8 +363,19 @@ class RunStore:
 
     def records(self) -> pd.DataFrame:
         """All complete chunks merged (from any number of processes), sorted by condition in
-        the order of the description's ``conditions`` and then by image index. Every chunk (or
-        the packed file) is checked against its checksum first: :class:`DamagedRecordsError`."""
+        the order of the description's ``conditions`` and then by image index, in the current
+        layout (a run of an earlier schema version converted as it is read,
+        :mod:`robust_attn.runs.migrations`). Every chunk (or the packed file) is checked against
+        its checksum first: :class:`DamagedRecordsError`."""
+        records = self.stored_records()
+        if not self.exists():
+            return records
+        stored = self.stored_description()
+        _schema_version(stored)
+        return current_records(stored, records)
+
+    def stored_records(self) -> pd.DataFrame:
+        """:meth:`records` in the layout of the run's schema version, as stored."""
         if self.packed:
             problems, data = self._verify_packed()
             if problems:
@@ -471,7 +458,7 @@ class RunStore:
         dest = Path(dest)
         if dest.resolve() == self.root.resolve():
             raise ValueError("pack into another directory than the run itself")
-        write_packed(self.root, dest, self.records(), self.computed_on())   # records(): verified
+        write_packed(self.root, dest, self.stored_records(), self.computed_on())   # verified, as stored
         return RunStore(dest)
 
 
@@ -487,19 +474,12 @@ def condition_definitions(description: dict) -> dict[str, dict]:
 
 
 def _schema_version(description: dict) -> int:
-    """The version of a stored run.json's layout: its ``schema`` (1 without one), or the version
-    before the first migration whose keys or parameters it lacks (a run.json edited by hand, or
-    written by a copy of the code between two versions, is read as what it holds)."""
-    version = description.get(SCHEMA_KEY, 1)
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise DamagedRecordsError(f"run.json's {SCHEMA_KEY!r} is {version!r}, not a version number; restore run.json "
-                                  f"from a copy", [])
-    parameters = description.get("parameters")
-    parameters = parameters if isinstance(parameters, dict) else {}
-    for number, migration in sorted(MIGRATIONS.items()):
-        if number <= version and (migration.keys - set(description) or set(migration.parameters) - set(parameters)):
-            return number - 1
-    return version
+    """:func:`robust_attn.runs.migrations.schema_version`; a ``schema`` that is no version number is
+    damage (:class:`DamagedRecordsError`)."""
+    try:
+        return schema_version(description)
+    except ValueError as err:
+        raise DamagedRecordsError(f"{err}; restore run.json from a copy", []) from None
 
 
 def _with_later_defaults(stored: dict, description: dict, later_parameters: dict) -> dict:
