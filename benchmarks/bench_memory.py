@@ -6,13 +6,19 @@ that only imports robust-attn and builds the parser is measured the same way and
 (``work_mb``: what the protocol itself added). The model is a zoo architecture at ImageNet
 resolution (timm's models when timm is installed and ``--archs timm:NAME`` names them; the
 default is the zoo's resnet26 and sasa_resnet26 at a small width, so that the run is feasible on a
-loaded CPU), on an image folder of ``--images`` generated images, ``--batch`` images per batch. The
-protocols with gradient-masking or sanity checks run with them (their default) and ``eval attack``
-also without (``--no-checks``): the ratio of the two is the checks' cost in memory.
+loaded CPU), on an image folder of ``--images`` generated images (default: two batches), ``--batch``
+images per batch (a comma list measures each). The protocols with gradient-masking or sanity checks
+run with them (their default) and ``eval attack`` also without (``--no-checks``): the ratio of the
+two is the checks' cost in memory. With two or more batch sizes the script fits each
+(architecture, size, protocol) line ``peak = fixed + per_image * batch`` through the smallest and the
+largest batch, and says which batch fits a budget of ``--budget-mb`` of peak resident set (the study's
+default batch sizes at ImageNet resolution come from it, :mod:`robust_attn.study.batches`).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_memory.py --out benchmarks/results/memory.json
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory.py --archs resnet26,san10_pairwise --width 1 --sizes 224 \
+        --batch 2,8 --images 1 --protocols rotation,pgd,"attack apgd-ce --no-checks" --out benchmarks/results/memory_224.json
 
-Results: ``benchmarks/results/memory.json``; the table in ``docs/memory.md``.
+Results: ``benchmarks/results/memory.json`` and ``memory_224.json``; the tables in ``docs/memory.md``.
 """
 from __future__ import annotations
 
@@ -77,54 +83,88 @@ def main() -> None:
     parser.add_argument("--archs", default="resnet26,sasa_resnet26", help="zoo names or timm:NAME, comma list")
     parser.add_argument("--sizes", default="32,224,256")
     parser.add_argument("--width", default="0.25")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--images", type=int, default=8)
+    parser.add_argument("--batch", default="4", help="images per batch, a comma list measures each")
+    parser.add_argument("--images", type=int, default=None,
+                        help="images per run, at least one batch (default: two batches)")
+    parser.add_argument("--budget-mb", type=float, default=6144.0,
+                        help="peak resident set a default batch must stay under (8 GB less the system's share)")
     parser.add_argument("--protocols", default=",".join(PROTOCOLS))
     parser.add_argument("--out", default="benchmarks/results/memory.json")
     args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    batches = [int(b) for b in args.batch.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = make_folder(Path(tmp) / "images", args.images)
+        folder = make_folder(Path(tmp) / "images", max(images(args.images, b) for b in batches))
         base = peak([], env)
         print(f"import and parser alone: {base['peak_mb']} MB", flush=True)
         for arch in args.archs.split(","):
             for size in map(int, args.sizes.split(",")):
                 run_env = dict(env, BENCH_ARCH=arch, BENCH_SIZE=str(size), BENCH_WIDTH=args.width)
-                for name in args.protocols.split(","):
-                    command = list(PROTOCOLS[name])
-                    model = [] if command[0] == "transfer" else ["--model", MODEL]
-                    argv = ["eval", *command, *model, "--dataset", "imagefolder", "--root", str(folder), "--limit",
-                            str(args.images), "--batch-size", str(args.batch), "--no-progress",
-                            "--out", str(Path(tmp) / f"run-{arch}-{size}-{name.replace(' ', '_')}")]
-                    result = peak(argv, run_env)
-                    row = {"arch": arch, "size": size, "protocol": name, "batch": args.batch, **result}
-                    if "peak_mb" in result:
-                        row["work_mb"] = round(result["peak_mb"] - base["peak_mb"], 1)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                for batch in batches:
+                    for name in args.protocols.split(","):
+                        command = list(PROTOCOLS[name])
+                        model = [] if command[0] == "transfer" else ["--model", MODEL]
+                        argv = ["eval", *command, *model, "--dataset", "imagefolder", "--root", str(folder), "--limit",
+                                str(images(args.images, batch)), "--batch-size", str(batch), "--no-progress",
+                                "--out", str(Path(tmp) / f"run-{arch}-{size}-{batch}-{name.replace(' ', '_')}")]
+                        result = peak(argv, run_env)
+                        row = {"arch": arch, "size": size, "protocol": name, "batch": batch, **result}
+                        if "peak_mb" in result:
+                            row["work_mb"] = round(result["peak_mb"] - base["peak_mb"], 1)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
     for arch in args.archs.split(","):
         for size in map(int, args.sizes.split(",")):
             mine = {r["protocol"]: r for r in rows if r["arch"] == arch and r["size"] == size}
             a, b = mine.get("attack apgd-ce", {}), mine.get("attack apgd-ce --no-checks", {})
             if "peak_mb" in a and "peak_mb" in b:
                 print(f"{arch} {size} px: apgd-ce with checks / --no-checks peak = {a['peak_mb'] / b['peak_mb']:.2f}x")
-    write_json(args.out, {"machine": machine_description(), "batch": args.batch, "images": args.images,
-                          "width": args.width, "baseline_peak_mb": base["peak_mb"], "rows": rows})
+    fits = fit_batches(rows, args.budget_mb) if len(batches) > 1 else []
+    for fit in fits:
+        print(f"{fit['arch']} {fit['size']} px {fit['protocol']}: {fit['fixed_mb']:.0f} MB + {fit['per_image_mb']:.1f} MB "
+              f"per image; {fit['fits_budget']} images fit {args.budget_mb:.0f} MB")
+    write_json(args.out, {"command": " ".join(["python", "benchmarks/bench_memory.py", *sys.argv[1:]]),
+                          "machine": machine_description(), "batches": batches, "images": args.images,
+                          "width": args.width, "baseline_peak_mb": base["peak_mb"], "budget_mb": args.budget_mb,
+                          "rows": rows, **({"fits": fits} if fits else {})})
     print(markdown(rows))
+
+
+def images(given: int | None, batch: int) -> int:
+    """Images per run: ``given`` (at least one batch), else two batches."""
+    return 2 * batch if given is None else max(given, batch)
+
+
+def fit_batches(rows: list[dict], budget_mb: float) -> list[dict]:
+    """Per (architecture, size, protocol): the line through its peaks at the smallest and the
+    largest batch (``fixed_mb + per_image_mb * batch``) and the largest batch under ``budget_mb``."""
+    fits = []
+    for key in dict.fromkeys((r["arch"], r["size"], r["protocol"]) for r in rows):
+        points = sorted((r["batch"], r["peak_mb"]) for r in rows if (r["arch"], r["size"], r["protocol"]) == key
+                        and "peak_mb" in r)
+        if len(points) < 2 or points[0][0] == points[-1][0]:
+            continue
+        (b0, p0), (b1, p1) = points[0], points[-1]
+        per_image = max((p1 - p0) / (b1 - b0), 1e-9)
+        fixed = p0 - per_image * b0
+        fits.append({"arch": key[0], "size": key[1], "protocol": key[2], "fixed_mb": round(fixed, 1),
+                     "per_image_mb": round(per_image, 2), "fits_budget": max(int((budget_mb - fixed) // per_image), 0)})
+    return fits
 
 
 def markdown(rows: list[dict]) -> str:
     """The table of docs/memory.md: peak MB (and what the protocol added to the import's) per
     protocol, one column per architecture and size."""
-    columns = list(dict.fromkeys((r["arch"], r["size"]) for r in rows))
-    by = {(r["arch"], r["size"], r["protocol"]): r for r in rows}
-    lines = ["| protocol | " + " | ".join(f"{a} {s} px" for a, s in columns) + " |",
-             "|:--|" + "--:|" * len(columns)]
+    several = len({r["batch"] for r in rows}) > 1
+    columns = list(dict.fromkeys((r["arch"], r["size"], r["batch"]) for r in rows))
+    by = {(r["arch"], r["size"], r["batch"], r["protocol"]): r for r in rows}
+    lines = ["| protocol | " + " | ".join(f"{a} {s} px" + (f" batch {b}" if several else "") for a, s, b in columns)
+             + " |", "|:--|" + "--:|" * len(columns)]
     for name in dict.fromkeys(r["protocol"] for r in rows):
         cells = []
-        for a, s in columns:
-            r = by.get((a, s, name), {})
+        for a, s, b in columns:
+            r = by.get((a, s, b, name), {})
             cells.append(f"{r['peak_mb']:.0f} (+{r['work_mb']:.0f})" if "peak_mb" in r else r.get("error", "-")[:40])
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

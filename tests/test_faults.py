@@ -24,7 +24,9 @@ from robust_attn.models.registry import create_model
 from robust_attn.reports import make_report
 from robust_attn.reports.runs import distinct_labels, load_runs
 from robust_attn.reports.tables import TOP5_NA, format_pgd, format_rotation, pgd_table, rotation_table
+from robust_attn.runs.store import load_records
 from robust_attn.utils.io import sha256_file
+from test_study import tiny_zoo  # noqa: F401  (the fixture: a zoo of two tiny synthetic-data models)
 from robust_attn.models.wrapper import NormalizedModel
 
 EVAL = ["eval", "rotation", "--dataset", "synthetic", "--limit", "2", "--batch-size", "2", "--angle-step", "0",
@@ -531,20 +533,53 @@ def test_ctrl_c_exits_130_with_the_resume_line(tmp_path, monkeypatch, capsys):
     assert "interrupted (Ctrl-C)" in err and "run the same command again to resume" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("DefaultCPUAllocator: can't allocate memory: you "
-                                                               "tried to allocate 9000000000 bytes")],
-                         ids=["MemoryError", "CPU allocator"])
-def test_out_of_memory_names_a_batch_size(error, tmp_path, monkeypatch, capsys):
-    import robust_attn.protocols.rotation as rotation
+OUT_OF_MEMORY = {"MemoryError": MemoryError(),
+                 "CPU allocator": RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                                               "9000000000 bytes"),
+                 "CUDA": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 79.10 GiB "
+                                                "total capacity)")}
+
+
+@pytest.mark.parametrize("command, module, function", [("rotation", "rotation", "run_rotation"),
+                                                       ("pgd", "pgd", "run_pgd")])
+@pytest.mark.parametrize("error", list(OUT_OF_MEMORY))
+def test_out_of_memory_names_a_batch_size(command, module, function, error, tmp_path, monkeypatch, capsys):
+    """Python's, the CPU allocator's and CUDA's out-of-memory errors (the last raised on a CPU
+    machine here) end the command with one line naming a quarter of the batch size; exit 2."""
+    import importlib
 
     def oom(*args, **kwargs):
-        raise error
+        raise OUT_OF_MEMORY[error]
 
-    monkeypatch.setattr(rotation, "run_rotation", oom)
-    argv = ["eval", "rotation", *TINY_ARGS[:-3], "--batch-size", "16", "--no-progress", "--out", str(tmp_path / "o")]
+    monkeypatch.setattr(importlib.import_module(f"robust_attn.protocols.{module}"), function, oom)
+    argv = ["eval", command, *TINY_ARGS[:-3], "--batch-size", "16", "--no-progress", "--out", str(tmp_path / "o")]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "out of memory" in err and "at --batch-size 16" in err and "--batch-size 4" in err
+    assert "Traceback" not in err and sum("out of memory" in line for line in err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("protocol, option", [("rotation", "--batch-size"), ("apgd", "--attack-batch-size")])
+def test_out_of_memory_in_a_study_step_names_the_option_of_its_batch(protocol, option, tmp_path, tiny_zoo,
+                                                                     monkeypatch, capsys):
+    """A study has two batch sizes: the step that ran out of memory names its own (the attacks on
+    the attack subset run ``--attack-batch-size`` images at a time), with a quarter of it."""
+    import dataclasses
+
+    from robust_attn.protocols.study_step import STUDY_PROTOCOLS
+
+    def oom(*args, **kwargs):
+        raise OUT_OF_MEMORY["CUDA"]
+
+    monkeypatch.setitem(STUDY_PROTOCOLS._entries, protocol, dataclasses.replace(STUDY_PROTOCOLS.get(protocol), step=oom))
+    argv = ["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), "--preset", "none", "--limit", "8",
+            "--attack-limit", "8", "--protocols", protocol, "--batch-size", "12", "--attack-batch-size", "8",
+            "--workers", "1", "--device", "cpu", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+            "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    batch = {"--batch-size": 12, "--attack-batch-size": 8}[option]
+    assert f"in the study's {protocol} step at {option} {batch}" in err and f"with {option} {batch // 4}," in err
     assert "Traceback" not in err
 
 
@@ -572,8 +607,8 @@ def test_a_device_that_is_not_there_is_a_clear_error(device, words, tmp_path, ca
 @pytest.mark.parametrize("command", [["pgd", "--steps", "1", "--no-checks"],
                                      ["attack", "--attack", "pgd", "--steps", "1", "--no-checks"]], ids=lambda c: c[0])
 def test_one_eps_syntax_in_every_command(command, tmp_path, capsys):
-    """``0.5/255`` and its float work in both commands and name the same condition; records keep
-    image units (eval attack) or the Table-10 1/255 units its parameters declare (eval pgd)."""
+    """``0.5/255`` and its float work in both commands and name the same condition; both record
+    the radius in image units (eval pgd's condition name keeps Table 10's 1/255 number)."""
     names = []
     for eps in ("0.5/255", repr(0.5 / 255)):
         out = tmp_path / eps.replace("/", "_")
@@ -581,10 +616,12 @@ def test_one_eps_syntax_in_every_command(command, tmp_path, capsys):
         desc = json.loads((out / "run.json").read_text())
         condition = desc["conditions"][1]
         names.append(condition["name"])
-        if command[0] == "attack":
-            assert condition["eps"] == pytest.approx(0.5 / 255)
-        else:
-            assert desc["parameters"]["units"] == "1/255" and condition["eps"] == pytest.approx(0.5)
+        assert desc["parameters"]["units"] == "[0, 1] image units" and condition["eps"] == pytest.approx(0.5 / 255)
+        if command[0] == "pgd":
+            assert condition["name"] == "pgd_eps0.5_step0.5_n1" and condition["step"] == pytest.approx(0.5 / 255)
+            linf = load_records(out).set_index("condition")["linf"]
+            assert linf["clean"].eq(0).all() and (linf[condition["name"]] <= 0.5 / 255 + 1e-7).all()
+            assert linf[condition["name"]].max() > 0.4 / 255   # image units, not 1/255
     assert names[0] == names[1]
 
 

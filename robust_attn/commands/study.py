@@ -111,7 +111,7 @@ def run_study_cmd(args) -> int:
 
     config, name = _config(args)
     on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-    workers = args.workers if args.workers is not None else (default_workers() if on_cpu else 1)
+    workers = args.workers if args.workers is not None else (default_workers(config.dataset) if on_cpu else 1)
     if workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
     try:

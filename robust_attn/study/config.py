@@ -98,16 +98,21 @@ class StudySettings:
     limit: int | None = None           # None: the whole split
     models: tuple[str | StudyModel, ...] = ()   # zoo entry names or StudyModels; empty: every zoo entry for ``dataset``
     root: str | None = None            # data root (None: run_study's root, $ROBUST_ATTN_DATA or ./data)
-    batch_size: int = 250
+    batch_size: int | None = None      # None: the default of the dataset's resolution (robust_attn.study.batches)
     seed: int = 0                      # attack targets
     bootstrap: int = 1000
     baseline: str = "resnet26"         # the convolutional reference of the findings
     protocols: tuple[str, ...] = field(default_factory=default_study_protocols)   # the report covers what ran
     attack_limit: int | None = 1000    # the seeded subset of the attack protocols (apgd, autoattack, square, transfer)
-    attack_batch_size: int = 100
+    attack_batch_size: int | None = None   # None: as batch_size
     shift_seed: int = 0                # per-image corruptions, occlusions and permutations
 
     def __post_init__(self):
+        from robust_attn.study.batches import default_batches
+
+        for key, default in vars(default_batches(self.dataset)).items():   # by the dataset's image size
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, default)
         if self.split not in ("train", "val", "test"):
             raise ValueError(f"split must be train, val or test, got {self.split!r}")
         if self.limit is not None and self.limit < 1:

@@ -57,4 +57,6 @@ def preset_values(name: str, dataset: str) -> dict:
         return dict(FULL[dataset])
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; the presets are {', '.join(list_presets())}")
-    return dict(PRESETS[name])
+    from robust_attn.study.batches import preset_batches
+
+    return preset_batches(PRESETS[name], dataset)   # batch sizes sized at 32 px, capped at larger ones

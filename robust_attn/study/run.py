@@ -9,7 +9,8 @@ so every model and every resumed or parallel call gets the same ones), then writ
 10, the plots, bootstrap intervals and the findings (which model loses least, paired bootstrap;
 :mod:`robust_attn.reports.comparison`).
 
-    >>> from robust_attn.study.config import StudyConfig, StudyModel
+    >>> from robust_attn.study.batches import WORKER_OUT_OF_MEMORY, dataset_resolution, step_memory
+from robust_attn.study.config import StudyConfig, StudyModel
 from robust_attn.study.estimate import log_plan
     >>> from robust_attn.study.run import run_study
     >>> run_study(StudyConfig(dataset="fashion_mnist"), runs_dir="runs/study", report_dir="reports/study")
@@ -36,9 +37,11 @@ import fcntl
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import torch
@@ -47,10 +50,12 @@ from robust_attn.distributed import init_distributed, world_size as process_coun
 from robust_attn.layers.paths import check_attention_path, set_attention_path
 from robust_attn.protocols.study_step import STUDY_PROTOCOLS, StudyContext
 from robust_attn.runs.store import RunStore, library_versions
+from robust_attn.study.batches import WORKER_OUT_OF_MEMORY, dataset_resolution, step_memory
 from robust_attn.study.config import StudyConfig, StudyModel
 from robust_attn.study.estimate import log_plan
 from robust_attn.study.models import StudyEntry, load_models, model_inputs, study_models
 from robust_attn.utils.io import atomic_path
+from robust_attn.utils.memory import OutOfMemory, out_of_memory_message
 
 __all__ = ["run_study", "default_workers", "TIMINGS_FILE"]
 
@@ -85,9 +90,13 @@ def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: i
     return time.perf_counter() - start
 
 
-def default_workers() -> int:
-    """Processes of a CPU study: one per core (each on one thread: small models use one core
-    better in two processes than in one process with two threads)."""
+def default_workers(dataset: str | None = None) -> int:
+    """Processes of a CPU study of ``dataset``: one per core (each on one thread: small models use
+    one core better in two processes than in one process with two threads); at ImageNet resolution
+    one (each process holds a batch's activations, gigabytes at 224 px, :mod:`robust_attn.study.batches`;
+    one process uses every core through its threads)."""
+    if dataset is not None and dataset_resolution(dataset) == "imagenet":
+        return 1
     return max(1, os.cpu_count() or 1)
 
 
@@ -97,8 +106,13 @@ def _study_worker(config: StudyConfig, runs_dir: str, root, device, manifest_pat
 
     keep_freed_memory()   # a spawned process: as robust-attn's own start does
     torch.set_num_threads(1)
-    run_study(config, runs_dir, None, root=root, device=device, manifest=manifest_path, progress=False,
-              log=lambda *_: None, attention_path=attention_path, _worker=True)
+    try:
+        run_study(config, runs_dir, None, root=root, device=device, manifest=manifest_path, progress=False,
+                  log=lambda *_: None, attention_path=attention_path, _worker=True)
+    except OutOfMemory as err:   # one line naming the batch size to lower, as the main process says it
+        print(f"robust-attn study: worker error: {out_of_memory_message(err, SimpleNamespace(device=device))}",
+              file=sys.stderr, flush=True)
+        sys.exit(WORKER_OUT_OF_MEMORY)
 
 
 def autoattack_cost_note(config: StudyConfig, num_models: int, runs_dir) -> str:
@@ -203,15 +217,17 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
         model_ctx = replace(ctx, dataset=inputs[entry.name][0], attack_dataset=inputs[entry.name][1])
         for step in (s for s in steps if s.per_model):
             out = ctx.run_dir(step.name, entry.name)
-            spent = _timed(runs_dir, entry.name, step.name, out, device, 1 if _worker else rank,
-                           lambda: step.step(model_ctx, entry, models[entry.name]), workers)
+            with step_memory(step, config):
+                spent = _timed(runs_dir, entry.name, step.name, out, device, 1 if _worker else rank,
+                               lambda: step.step(model_ctx, entry, models[entry.name]), workers)
             if clock is not None:
                 log(clock.line(step.name, entry.name, spent))
             run_dirs.append(out)
         log(f"[{i}/{len(entries)}] {entry.name}: done")
     for step in (s for s in steps if not s.per_model and (s.chunked or not _worker)):
         start = time.perf_counter()
-        made = step.step(ctx, entries, models)
+        with step_memory(step, config):
+            made = step.step(ctx, entries, models)
         if clock is not None:
             log(clock.line(step.name, None, time.perf_counter() - start))
         if rank == 0 and not _worker:
@@ -223,6 +239,10 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
         run_dirs += list(made)
     for helper in helpers:
         helper.join()
+    starved = [h.name for h in helpers if h.exitcode in (WORKER_OUT_OF_MEMORY, -signal.SIGKILL)]
+    if starved:
+        raise MemoryError(f"study worker(s) {starved} ran out of memory or were killed (signal 9: most often the "
+                          f"kernel's out-of-memory killer); the study resumes where they stopped")
     failed = [h.name for h in helpers if h.exitcode != 0]
     if failed:
         raise RuntimeError(f"study worker(s) {failed} failed (see their messages above); run the study again: "
