@@ -338,3 +338,48 @@ def test_add_refuses_a_training_log_that_does_not_exist(tmp_path, checkpoint, ca
                  str(manifest_path), "--log", str(log)]) == 2
     assert f"training log {log} does not exist" in capsys.readouterr().err
     assert not manifest_path.exists()
+
+
+def test_an_adversarially_trained_checkpoint_is_registered_with_how_it_was_trained(tmp_path, capsys):
+    """`zoo add` copies the [adversarial] training the checkpoint's sidecar records (method, eps,
+    steps) into the entry; `zoo verify` and `zoo list` show it, and verify refuses an entry that
+    lost it (a standard-looking entry of an adversarially trained model)."""
+    from test_train import quiet, tiny_recipe
+
+    from robust_attn.train import recipe_from_dict, train
+
+    raw = tiny_recipe(epochs=1, data={"limit_train": 8, "limit_eval": 8},
+                      adversarial={"method": "pgd", "eps": "4/255", "steps": 2, "guard_images": 0})
+    weights = train(recipe_from_dict(raw), tmp_path / "run", progress=False, log=quiet)["weights"]
+    manifest_path = tmp_path / "zoo" / "manifest.json"
+    assert main(["zoo", "add", "resnet26_at", "--dataset", "synthetic", "--checkpoint", str(weights),
+                 "--manifest", str(manifest_path)]) == 0
+    assert "adversarial pgd, eps 4/255, 2 steps" in capsys.readouterr().out
+    entry = json.loads(manifest_path.read_text())["models"][0]
+    assert entry["adversarial"]["method"] == "pgd" and entry["adversarial"]["steps"] == 2
+    assert entry["adversarial"]["eps"] == pytest.approx(4 / 255)
+    assert Manifest(manifest_path).get("resnet26_at", "synthetic").adversarial == entry["adversarial"]
+
+    assert main(["zoo", "verify", "--manifest", str(manifest_path)]) == 0
+    assert "adversarial pgd, eps 4/255, 2 steps" in capsys.readouterr().out
+    assert main(["zoo", "list", "resnet26*", "--manifest", str(manifest_path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:2] == ["resnet26_at", "synthetic"] and line.endswith("adversarial pgd, eps 4/255, 2 steps")
+               for line in listed)
+
+    data = json.loads(manifest_path.read_text())
+    data["models"][0]["adversarial"] = {}   # edited by hand into a standard-looking entry
+    manifest_path.write_text(json.dumps(data))
+    assert main(["zoo", "verify", "--manifest", str(manifest_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "'standard'" in out and "'adversarial pgd, eps 4/255, 2 steps'" in out and "--force" in out
+
+
+def test_a_standard_checkpoint_is_registered_as_standard(tmp_path, checkpoint, capsys):
+    path, _ = checkpoint
+    manifest_path = tmp_path / "manifest.json"
+    assert main(["zoo", "add", "resnet26", "--dataset", "synthetic", "--checkpoint", str(path),
+                 "--manifest", str(manifest_path)]) == 0
+    assert json.loads(manifest_path.read_text())["models"][0]["adversarial"] == {}
+    assert main(["zoo", "verify", "--manifest", str(manifest_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-2].endswith(" standard")

@@ -7,7 +7,7 @@ import argparse
 from robust_attn.cli import UserError
 from robust_attn.importers import IMPORTERS
 from robust_attn.models.complexity import model_complexity
-from robust_attn.models.manifest import Manifest, ZooEntry, entry_from_checkpoint, verify_zoo
+from robust_attn.models.manifest import Manifest, ZooEntry, entry_from_checkpoint, training_label, verify_zoo
 from robust_attn.models.reference import imagenet_reference
 from robust_attn.models.registry import list_models, model_info
 
@@ -17,6 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True, metavar="ZOO_COMMAND")
     lst = zoo_sub.add_parser("list", help="architectures with parameters and multiply-adds")
     lst.add_argument("pattern", nargs="?", default="*", help="shell-style filter, e.g. 'san*'")
+    lst.add_argument("--manifest", default=None, help="manifest whose trained entries are listed after the "
+                                                     "architectures (default zoo/manifest.json)")
     lst.set_defaults(func=run_list)
 
     verify = zoo_sub.add_parser("verify", help="check every manifest entry: file, sha256, architecture")
@@ -66,7 +68,20 @@ def run_list(args: argparse.Namespace) -> int:
     print("params(224)/MACs(224): 1000 classes at 224x224; params(32)/MACs(32): 100 classes at 32x32. "
           "paper: the publication's params/multiply-adds at 224 (reports/reference; SASA, GSA and AA "
           "FLOPs, which count multiplies and adds separately, are halved).")
+    _list_entries(Manifest(args.manifest), args.pattern)
     return 0
+
+
+def _list_entries(manifest: Manifest, pattern: str) -> None:
+    """The manifest's trained entries matching ``pattern``: name, dataset and how each was trained."""
+    from fnmatch import fnmatch
+
+    entries = [e for key, e in sorted(manifest.entries.items()) if fnmatch(e.name, pattern)]
+    if not entries:
+        return
+    print(f"\ntrained entries of {manifest.path}:")
+    for entry in entries:
+        print(f"{entry.name:<18} {entry.dataset:<14} {training_label(entry.adversarial)}")
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -76,7 +91,8 @@ def run_verify(args: argparse.Namespace) -> int:
                         f"zoo/manifest.json in the repository)")
     results = verify_zoo(manifest)
     for entry, error in results:
-        print(f"{'FAIL' if error else 'ok':<4} {entry.name:<18} {entry.dataset:<14} {error or entry.sha256[:16]}")
+        shown = error or f"{entry.sha256[:16] or entry.source:<16} {training_label(entry.adversarial)}"
+        print(f"{'FAIL' if error else 'ok':<4} {entry.name:<18} {entry.dataset:<14} {shown}")
     failed = sum(error is not None for _, error in results)
     print(f"{len(results) - failed}/{len(results)} entries verified in {manifest.path}")
     return 1 if failed else 0
@@ -105,7 +121,7 @@ def run_add(args: argparse.Namespace) -> int:
                          notes="ImageNet weights through torchvision's weights API (needs network on first load)")
     manifest.add(entry)
     manifest.save()
-    print(f"added {entry.name} ({entry.dataset}) to {manifest.path}")
+    print(f"added {entry.name} ({entry.dataset}, {training_label(entry.adversarial)}) to {manifest.path}")
     return 0
 
 

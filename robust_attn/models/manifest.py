@@ -2,7 +2,10 @@
 
 ``zoo/manifest.json`` lists one entry per (model, dataset): where the weights are, their
 sha256, the architecture and its arguments, the recipe that trained them (path and hash),
-the clean test accuracy, the training log, and the command that reproduces them.
+the clean test accuracy, the training log, the command that reproduces them, and for an
+adversarially trained checkpoint how it was trained (``adversarial``: the method, eps and steps of
+its recipe's ``[adversarial]`` table, as the checkpoint's sidecar records them,
+:func:`robust_attn.train.adversarial.describe`), so it is never taken for a standard one.
 :func:`load_model` checks the sha256 before reading anything, and the checkpoint loader
 refuses weights that do not fit the architecture. Loading never unpickles: weights are
 safetensors, torchvision weights go through torchvision's own ``weights_only`` loader.
@@ -28,7 +31,7 @@ from robust_attn.models.checkpoint import CheckpointError, load_checkpoint, read
 from robust_attn.utils.io import atomic_write_json, sha256_file
 from robust_attn.models.wrapper import NormalizedModel
 
-__all__ = ["ZooEntry", "Manifest", "ZOO_DIR", "default_manifest_path", "load_model", "verify_zoo"]
+__all__ = ["ZooEntry", "Manifest", "ZOO_DIR", "default_manifest_path", "load_model", "verify_zoo", "training_label"]
 
 ZOO_DIR = Path(__file__).resolve().parents[2] / "zoo"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -56,6 +59,7 @@ class ZooEntry:
     command: str = ""                      # the command that reproduces the checkpoint
     torchvision: dict = field(default_factory=dict)  # torchvision: {"model": ..., "weights": ...}
     notes: str = ""
+    adversarial: dict = field(default_factory=dict)  # adversarial training (method, eps, steps, ...); {}: standard
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -68,6 +72,19 @@ class ZooEntry:
     @property
     def key(self) -> tuple[str, str]:
         return self.name, self.dataset
+
+
+def training_label(adversarial: dict) -> str:
+    """How an entry (its ``adversarial`` record) was trained, in a few words: ``standard``, or e.g.
+    ``adversarial pgd, eps 8/255, 10 steps``."""
+    if not adversarial:
+        return "standard"
+    eps = adversarial.get("eps_255")
+    if eps is None and isinstance(adversarial.get("eps"), (int, float)):
+        eps = round(adversarial["eps"] * 255, 6)
+    steps = adversarial.get("steps")
+    return (f"adversarial {adversarial.get('method', '?')}" + (f", eps {eps:g}/255" if eps is not None else "")
+            + (f", {steps} step{'s' if steps != 1 else ''}" if steps is not None else ""))
 
 
 class Manifest:
@@ -188,11 +205,22 @@ def verify_zoo(manifest: Manifest | None = None) -> list[tuple[ZooEntry, str | N
             continue
         try:
             load_entry(entry, manifest)
-            error = _recipe_error(entry, manifest.resolve(entry.weights))
+            error = _recipe_error(entry, manifest.resolve(entry.weights)) or _training_error(entry, manifest)
         except (CheckpointError, KeyError, ValueError) as err:
             error = str(err)
         results.append((entry, error))
     return results
+
+
+def _training_error(entry: ZooEntry, manifest: Manifest) -> str | None:
+    """The entry must record the adversarial training its checkpoint's sidecar records (none
+    for a standard one)."""
+    trained = read_sidecar(manifest.resolve(entry.weights)).get("adversarial") or {}
+    if entry.adversarial == trained:
+        return None
+    return (f"the manifest says {entry.name} was trained {training_label(entry.adversarial)!r}, its checkpoint's "
+            f"sidecar {training_label(trained)!r}; register it again with `robust-attn zoo add {entry.name} "
+            f"--dataset {entry.dataset} --checkpoint {entry.weights} --force`")
 
 
 def _relative_to(manifest: Manifest, path: Path) -> str:
@@ -205,7 +233,8 @@ def _relative_to(manifest: Manifest, path: Path) -> str:
 
 def entry_from_checkpoint(name: str, dataset: str, weights: str | os.PathLike, manifest: Manifest,
                           **extra) -> ZooEntry:
-    """A manifest entry for an existing robust-attn checkpoint (its sidecar supplies the rest)."""
+    """A manifest entry for an existing robust-attn checkpoint (its sidecar supplies the rest:
+    architecture, recipe, metrics and how it was trained)."""
     if not Path(weights).is_file():   # before its sidecar is looked for, which would be named instead
         raise ValueError(f"checkpoint {weights} does not exist"
                          + (" (it is a folder; give the .safetensors file in it)" if Path(weights).is_dir()
@@ -222,4 +251,5 @@ def entry_from_checkpoint(name: str, dataset: str, weights: str | os.PathLike, m
     return ZooEntry(name=name, dataset=dataset, weights=relative, sha256=sha256_file(weights), arch=meta["arch"],
                     recipe=extra.pop("recipe", meta.get("recipe_source", "")),
                     recipe_sha256=extra.pop("recipe_sha256", meta.get("recipe_sha256", "")),
-                    metrics=extra.pop("metrics", meta.get("metrics", {})), **extra)
+                    metrics=extra.pop("metrics", meta.get("metrics", {})),
+                    adversarial=extra.pop("adversarial", meta.get("adversarial") or {}), **extra)
