@@ -37,7 +37,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -89,7 +89,7 @@ class AttackSetting:
 
     def as_dict(self) -> dict:
         """The condition in ``run.json``: its name, and eps and step in [0, 1] image units."""
-        return {"name": self.name, "eps": float(self.eps) / 255, "step": float(self.step) / 255, "steps": self.steps}
+        return {"name": self.name, **asdict(self), "eps": float(self.eps) / 255, "step": float(self.step) / 255}
 
 
 PAPER_SETTINGS = (AttackSetting(8, 4, 2), AttackSetting(8, 2, 4))
