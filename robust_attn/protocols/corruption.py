@@ -99,7 +99,7 @@ class CorruptionSettings(ProtocolSettings):
                                          "spatter, saturate), all, a family (noise, blur, weather, digital) or names, "
                                          "comma list (frost needs `pip install imagecorruptions` for its photographs)")
     severities: tuple[int, ...] = setting(SEVERITIES, "corruption severities 1-5, comma list")
-    shift_seed: int = setting(0, "seed of the per-image corruptions", scope="eval")
+    shift_seed: int = setting(0, "seed of the per-image corruptions (the study's: shift_seed)", scope="eval")
     cache: str | None = setting(None, "make the corrupted images once in this folder and read them from there "
                                       "(reused by every model evaluated with the same folder, data and seed)",
                                 scope="eval")

@@ -97,7 +97,7 @@ class OcclusionSettings(ProtocolSettings):
     drop: str = setting(",".join(f"{d:g}" for d in DEFAULT_DROP), "percent of grid cells dropped, comma list; "
                                                                   "'none' for no PatchDrop", scope="eval")
     drop_grid: int = setting(DEFAULT_DROP_GRID, "PatchDrop grid: g x g cells", scope="eval")
-    shift_seed: int = setting(0, "seed of the per-image positions", scope="eval")
+    shift_seed: int = setting(0, "seed of the per-image positions (the study's: shift_seed)", scope="eval")
 
     def drop_percents(self) -> list[float]:
         text = str(self.drop).strip().lower()

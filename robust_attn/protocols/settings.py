@@ -133,7 +133,7 @@ def add_options(parser: argparse.ArgumentParser, fields: Sequence[dataclasses.Fi
                                 help=help_text)
             continue
         if default is not None and default != ():
-            shown = _shown(default, radius == "linf" or (radius is not None and radius not in ("linf", "l2")))
+            shown = _shown(default, radius is not None and radius != "l2")   # L-inf radii in grey levels
             help_text = f"{help_text} (default {shown})" if help_text else f"default {shown}"
         kind = None if radius else _SCALARS.get(str(f.type))
         if f.metadata.get("repeat"):
