@@ -69,8 +69,11 @@ def run_eval_cmd(args) -> int:
     store = protocol.step(ctx, model, settings)
     if rank == 0:
         summary = (protocol.summary or _top1)(ctx, settings, store)
-        print(f"{protocol.name} {run_info['model']} on {args.dataset}/{args.split} ({len(dataset)} images): "
-              f"{summary} -> {store.root}")
+        head = f"{protocol.name} {run_info['model']} on {args.dataset}/{args.split} ({len(dataset)} images):"
+        if "\n" in summary:   # one line per row, indented
+            print(head, *("  " + line for line in summary.split("\n")), f"-> {store.root}", sep="\n")
+        else:
+            print(f"{head} {summary} -> {store.root}")
     return 0
 
 

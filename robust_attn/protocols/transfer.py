@@ -250,7 +250,7 @@ def _summary(ctx, settings, store) -> str:
     from robust_attn.runs.store import load_records
 
     summary = summarize_transfer(load_records(store.root))
-    return "\n".join(f"transfer {row['source']} -> {row['target_model']} [{row['attack']}]: top-1 {row['top1']:.1f}, "
+    return "\n".join(f"{row['source']} -> {row['target_model']} [{row['attack']}]: top-1 {row['top1']:.1f}, "
                      f"success {row['success_rate']:.1f} (on the source {row['source_success_rate']:.1f})"
                      for _, row in summary.iterrows())
 
