@@ -10,6 +10,7 @@ the dataset and the protocols; every other key is a field of
     limit = 1000                         # a fixed-seed subset (default: every image)
     protocols = ["rotation", "pgd"]      # robust-attn study --help lists them
     baseline = "torchvision-resnet50"    # the convolutional reference of the findings: a model's label
+    autoattack_eps = ["8/255"]           # radii in image units: "8/255" or 0.0314 (docs/eps.md)
 
     models = ["timm:resnet26t", "torchvision:resnet50:IMAGENET1K_V1"]   # spec strings, or tables:
 
