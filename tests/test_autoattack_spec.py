@@ -10,6 +10,7 @@ import torch
 from robust_attn.attacks import apgd, apgd_run, autoattack, fab, square
 from robust_attn.attacks.base import AttackConfig, make_attack
 from robust_attn.study.config import StudyConfig
+from robust_attn.utils.radius import parse_radius
 from helpers import LeadingLinear
 
 
@@ -46,10 +47,10 @@ def test_the_ensemble_and_its_members_are_the_specified_ones(spec):
 
 def test_the_study_runs_the_specified_radii_on_the_specified_subset(spec):
     study, default = spec["study"], StudyConfig()
-    assert list(study["radii"]) == list(default.autoattack_eps)
+    assert [parse_radius(r) for r in study["radii"]] == list(default.autoattack_eps)
     assert study["images"] == default.attack_limit
-    assert (study["square_alone"]["eps"], study["square_alone"]["queries"]) == (default.square_eps,
-                                                                                default.square_queries)
+    assert (parse_radius(study["square_alone"]["eps"]), study["square_alone"]["queries"]) == (default.square_eps,
+                                                                                              default.square_queries)
 
 
 @pytest.mark.parametrize("num_classes,expected", [(4, 3), (5, 4), (9, 8), (10, 9), (100, 9)])

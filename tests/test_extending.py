@@ -125,14 +125,14 @@ def test_the_attack_example_joins_the_study(load_example, tmp_path):
     (tmp_path / "probe.py").write_text(PROBE)
     config = study_config_class()(
         dataset="synthetic", limit=6, attack_limit=4, attack_batch_size=4, batch_size=6, bootstrap=10,
-        protocols=("fgsm",), fgsm_eps=(2.0, 8.0), baseline="colours",
+        protocols=("fgsm",), fgsm_eps=(2 / 255, 8 / 255), baseline="colours",
         models=(StudyModel(f"{tmp_path / 'probe.py'}:colours", label="colours"),))
     run_study(config, tmp_path / "runs", tmp_path / "report", device="cpu", progress=False, log=lambda *_: None)
     records = load_records(tmp_path / "runs" / "fgsm-colours")
     assert records.groupby("condition").size().to_dict() == {"clean": 4, "fgsm_linf_eps2": 4, "fgsm_linf_eps8": 4}
     assert "FGSM at eps [2.0, 8.0]/255" in (tmp_path / "report" / "report.md").read_text()
-    with pytest.raises(ValueError, match="fgsm_eps are in 1/255 units"):
-        study_config_class()(dataset="synthetic", fgsm_eps=(300.0,))
+    with pytest.raises(ValueError, match="fgsm_eps are radii in image units"):
+        study_config_class()(dataset="synthetic", fgsm_eps=(8.0,))
 
 
 def test_the_protocol_example(load_example, tmp_path, capsys):

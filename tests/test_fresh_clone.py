@@ -33,7 +33,7 @@ def test_readme_study_runs_on_the_embedded_test_set(dataset, bare_machine, tmp_p
         pytest.skip(f"no zoo resnet26 for {dataset}")
     runs, report = tmp_path / "runs", tmp_path / "report"
     argv = ["study", "--dataset", dataset, "--models", "resnet26", "--limit", "12", "--batch-size", "6",
-            "--protocols", "rotation,pgd", "--angle-step", "0", "--sweep-eps", "2", "--workers", "1",
+            "--protocols", "rotation,pgd", "--angle-step", "0", "--sweep-eps", "2/255", "--workers", "1",
             "--runs", str(runs), "--out", str(report), "--no-progress"]
     assert main(argv) == 0, capsys.readouterr().err
     err = capsys.readouterr().err

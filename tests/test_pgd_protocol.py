@@ -136,5 +136,10 @@ def test_protocol_spec_file_agrees_with_the_code():
     from pathlib import Path
 
     spec = tomllib.loads((Path(__file__).resolve().parents[1] / "protocols" / "pgd.toml").read_text())
-    assert [AttackSetting(**s) for s in spec["paper"]["settings"]] == list(PAPER_SETTINGS) == pgd_settings()
+    # the file in image units (8/255), the conditions in Table 10's 1/255 units
+    from robust_attn.utils.radius import parse_radius
+
+    in_levels = [AttackSetting(round(parse_radius(s["eps"]) * 255, 6), round(parse_radius(s["step"]) * 255, 6),
+                               s["steps"]) for s in spec["paper"]["settings"]]
+    assert in_levels == list(PAPER_SETTINGS) == pgd_settings()
     assert spec["choices"]["random_start"] is False

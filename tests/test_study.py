@@ -130,7 +130,7 @@ def tiny_zoo(tmp_path):
 
 
 def test_study_runs_every_zoo_model_then_resumes_for_free(tmp_path, tiny_zoo):
-    config = StudyConfig(dataset="synthetic", limit=12, angle_step=90, sweep_eps=(2.0, 8.0), sweep_steps=2,
+    config = StudyConfig(dataset="synthetic", limit=12, angle_step=90, sweep_eps=(2 / 255, 8 / 255), sweep_steps=2,
                          batch_size=8, bootstrap=50, protocols=("rotation", "pgd"))
     runs, report = tmp_path / "runs", tmp_path / "report"
     files = run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
@@ -178,7 +178,7 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
     if not {"apgd-ce", "apgd-t", "fab-t", "square", "pgd"} <= set(robust_attn.attacks.list_attacks()):
         pytest.skip("an attack of AutoAttack's ensemble is not registered")
     assert needed <= set(list_study_protocols())
-    config = StudyConfig(dataset="synthetic", limit=8, attack_limit=6, autoattack_eps=(2.0, 8.0), apgd_eps=(1.0, 2.0),
+    config = StudyConfig(dataset="synthetic", limit=8, attack_limit=6, autoattack_eps=(2 / 255, 8 / 255), apgd_eps=(1 / 255, 2 / 255),
                          square_queries=20, attack_steps=3, transfer_steps=2, masking_images=4, batch_size=8,
                          attack_batch_size=3, bootstrap=20,
                          protocols=("apgd", "autoattack", "square", "transfer", "masking"))
@@ -257,7 +257,7 @@ def test_masking_checks_gain_with_eps_on_the_apgd_sweep_when_autoattack_ran_at_o
     APGD-CE's success at its radii, from the apgd runs."""
     from robust_attn.runs.store import load_records
 
-    config = StudyConfig(dataset="synthetic", limit=6, attack_limit=6, autoattack_eps=(8.0,), apgd_eps=(1.0, 4.0),
+    config = StudyConfig(dataset="synthetic", limit=6, attack_limit=6, autoattack_eps=(8 / 255,), apgd_eps=(1 / 255, 4 / 255),
                          square_queries=10, attack_steps=2, masking_images=3, batch_size=6, attack_batch_size=6,
                          bootstrap=10, protocols=("apgd", "autoattack", "masking"))
     runs, report = tmp_path / "runs", tmp_path / "report"
@@ -276,7 +276,7 @@ def test_two_study_workers_share_the_runs_and_equal_one_process(tmp_path, tiny_z
     process, and the report is written once."""
     from robust_attn.runs.store import load_records
 
-    config = StudyConfig(dataset="synthetic", limit=12, angle_step=90, sweep_eps=(2.0,), sweep_steps=1,
+    config = StudyConfig(dataset="synthetic", limit=12, angle_step=90, sweep_eps=(2 / 255,), sweep_steps=1,
                          batch_size=2, bootstrap=20, protocols=("rotation", "pgd"))
     quiet = dict(manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
     run_study(config, tmp_path / "two", tmp_path / "two_report", workers=2, **quiet)
@@ -293,8 +293,12 @@ def test_study_command_names_what_is_wrong(tmp_path, tiny_zoo, capsys):
               "--out", str(tmp_path / "o"), "--no-progress"]
     assert main(["study", "--models", "san10_pairwise", *common]) == 2
     assert "the zoo has ['resnet26', 'sasa_resnet26']" in capsys.readouterr().err
-    assert main(["study", "--sweep-eps", "-1", *common]) == 2
-    assert "sweep_eps are in 1/255 units, in (0, 255]" in capsys.readouterr().err
+    assert main(["study", "--sweep-eps=-1/255", *common]) == 2
+    assert "--sweep-eps -1/255: eps must be >= 0" in capsys.readouterr().err
+    assert main(["study", "--apgd-eps", "1/255,8", *common]) == 2   # a bare number is in image units here too
+    assert "--apgd-eps 8 is more than the whole [0, 1] pixel range" in capsys.readouterr().err
+    assert main(["study", "--square-eps", "16", *common]) == 2
+    assert "for 16 of 255 grey levels write 16/255" in capsys.readouterr().err
     assert main(["study", "--dataset", "cifar100", "--manifest", str(tiny_zoo), "--no-progress"]) == 2
     assert "no model trained on 'cifar100'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists() and not (tmp_path / "o").exists()   # nothing half-written
@@ -314,7 +318,7 @@ def test_study_under_torchrun_gives_the_single_process_records(tmp_path, tiny_zo
                                                              "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
     args = ["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), "--limit", "6", "--batch-size", "2",
-            "--angle-step", "90", "--sweep-eps", "2", "--sweep-steps", "1", "--bootstrap", "20", "--device", "cpu",
+            "--angle-step", "90", "--sweep-eps", "2/255", "--sweep-steps", "1", "--bootstrap", "20", "--device", "cpu",
             "--protocols", "rotation,pgd", "--no-progress"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "robust_attn.cli", *args, "--runs", str(tmp_path / "ddp"), "--out", str(tmp_path / "ddp_report")]

@@ -43,13 +43,13 @@ def test_a_study_config_holds_specs_and_model_tables(tmp_path):
 dataset = "imagenet"
 limit = 100
 protocols = ["rotation", "pgd"]
-sweep_eps = [2, 8]
+sweep_eps = ["2/255", 0.03137254901960784]
 baseline = "r18"
 models = ["timm:resnet26t", "zoo:resnet26",
           { spec = "torchvision:resnet18:none", label = "r18", checkpoint = "r18.pth", model_args = { a = 1 } }]
 '''))
     assert (config.dataset, config.limit, config.protocols, config.sweep_eps) == ("imagenet", 100, ("rotation", "pgd"),
-                                                                                 (2.0, 8.0))
+                                                                                 (2 / 255, 8 / 255))
     assert config.models == (StudyModel("timm:resnet26t"), StudyModel("zoo:resnet26"),
                              StudyModel("torchvision:resnet18:none", checkpoint="r18.pth", model_args={"a": 1},
                                         label="r18"))
@@ -62,7 +62,7 @@ models = ["timm:resnet26t", "zoo:resnet26",
 @pytest.mark.parametrize("text, message", [
     ('dataset = "imagenet"\nlimt = 5\nmodels = ["resnet26"]', "unknown key 'limt'. Did you mean 'limit'?"),
     ('dataset = "imagenet"\nlimit = "ten"\nmodels = ["resnet26"]', "limit must be an integer, got str 'ten'"),
-    ('dataset = "imagenet"\nsweep_eps = 8\nmodels = ["resnet26"]', "sweep_eps must be a list of numbers"),
+    ('dataset = "imagenet"\nsweep_eps = 8\nmodels = ["resnet26"]', "sweep_eps must be a list of radii"),
     ('dataset = "imagenet"\nmodels = ["tim:resnet26t"]', "models[0]: 'tim:resnet26t': no model source 'tim:' and no "
                                                           "importable module 'tim'. Did you mean 'timm:'?"),
     ('dataset = "imagenet"\nmodels = ["missing.py:net"]', "models[0]: model file missing.py does not exist"),
@@ -78,7 +78,12 @@ models = ["timm:resnet26t", "zoo:resnet26",
     ('models = ["resnet26"]', "lacks 'dataset'"),
     ('dataset = "imagenet"\nmodels = []', "models must be a non-empty list"),
     ('dataset = "imagenet"\nmodels = [', "is not valid TOML"),
-    ('dataset = "imagenet"\nsweep_eps = [1000.0]\nmodels = ["resnet26"]', "sweep_eps are in 1/255 units, in (0, 255]"),
+    ('dataset = "imagenet"\nsweep_eps = [1000.0]\nmodels = ["resnet26"]', "sweep_eps 1000.0 is more than the whole [0, 1] pixel range"),
+        ('dataset = "imagenet"\napgd_eps = [8]\nmodels = ["resnet26"]', "apgd_eps 8 is more than the whole [0, 1] pixel "
+                                                                       "range: every command and config reads a radius "
+                                                                       "in image units (8/255 or 0.031); for 8 of 255 "
+                                                                       "grey levels write 8/255"),
+        ('dataset = "imagenet"\nsquare_eps = "8/256x"\nmodels = ["resnet26"]', "square_eps '8/256x' is not a number"),
     ('dataset = "imagenet"\nattack_steps = -5\nmodels = ["resnet26"]', "attack_steps must be at least 1"),
     ('dataset = "imagenet"\nmasking_images = -1\nmodels = ["resnet26"]', "masking_images must be at least 1"),
     ('dataset = "fashoin_mnist"\nmodels = ["resnet26"]', "unknown dataset 'fashoin_mnist'. Did you mean 'fashion_mnist'?"),

@@ -10,6 +10,7 @@ import torch
 import robust_attn
 from robust_attn.cli import main
 from robust_attn.models.wrapper import NormalizedModel
+from robust_attn.runs.study_file import load_study_file
 from robust_attn.study.config import StudyConfig
 from robust_attn.study.estimate import (Passes, StudyClock, format_plan, format_seconds, plan_rows, probe_model,
                                         protocol_passes, study_total)
@@ -25,13 +26,13 @@ def test_pass_counts_follow_the_protocols_settings():
     assert protocol_passes("rotation", StudyConfig(angle_step=90.0)).forward == 6
     # pgd: Table 10 (eps 8: 2 steps of 4, 4 steps of 2) and the sweep 2/255 and 8/255 at 4 steps, where
     # 8/255 at 4 steps is Table 10's second setting again: 3 settings, 2 + 4 + 4 iterations
-    pgd = protocol_passes("pgd", StudyConfig(sweep_eps=(2.0, 8.0), sweep_steps=4))
+    pgd = protocol_passes("pgd", StudyConfig(sweep_eps=(2 / 255, 8 / 255), sweep_steps=4))
     assert (pgd.forward, pgd.backward, pgd.bound) == (1 + 3, 10, False)
     # APGD-CE: 100 iterations per radius unless attack_steps says otherwise, on the attack subset
-    apgd = protocol_passes("apgd", StudyConfig(apgd_eps=(1.0, 2.0), attack_steps=7))
+    apgd = protocol_passes("apgd", StudyConfig(apgd_eps=(1 / 255, 2 / 255), attack_steps=7))
     assert (apgd.backward, apgd.images, apgd.bound) == (14, "attack", True)
     # AutoAttack per radius: APGD-CE, APGD-T and FAB-T on 9 targets each, Square's queries
-    aa = protocol_passes("autoattack", StudyConfig(autoattack_eps=(4.0, 8.0), square_queries=50))
+    aa = protocol_passes("autoattack", StudyConfig(autoattack_eps=(4 / 255, 8 / 255), square_queries=50))
     assert (aa.backward, aa.forward) == (2 * 100 * 19, 1 + 2 * 51)
     # ... of which APGD-CE runs on every image whatever the others do
     assert (aa.least.backward, aa.least.forward) == (2 * 100, 1 + 2)
@@ -64,11 +65,11 @@ def test_plan_lists_every_protocol_and_model_with_its_arithmetic():
 
 
 def test_attack_bounds_and_unknown_protocols_are_said():
-    config = StudyConfig(protocols=("apgd",), apgd_eps=(8.0,))
+    config = StudyConfig(protocols=("apgd",), apgd_eps=(8 / 255,))
     rows = plan_rows(config, ["a"], {"a": (0.001, 0.002)}, 50, 20)
     assert rows[0].bound and rows[0].seconds == pytest.approx(20 * (2 * 0.001 + 100 * 0.002))
     assert "at most" in "\n".join(format_plan(rows, device="cpu", workers=1))
-    aa = plan_rows(StudyConfig(protocols=("autoattack",), autoattack_eps=(8.0,), square_queries=10), ["a"],
+    aa = plan_rows(StudyConfig(protocols=("autoattack",), autoattack_eps=(8 / 255,), square_queries=10), ["a"],
                    {"a": (0.001, 0.002)}, 50, 20)[0]
     assert aa.seconds == pytest.approx(20 * (12 * 0.001 + 1900 * 0.002))
     assert aa.least == pytest.approx(20 * (2 * 0.001 + 100 * 0.002))
@@ -124,7 +125,7 @@ def test_full_preset_is_the_committed_reports_study(dataset):
     study = ROOT / "reports" / f"study-{dataset}" / "study.json"
     if not study.is_file():
         pytest.skip(f"{study} is not in this checkout")
-    committed = json.loads(study.read_text())["config"]
+    committed = load_study_file(study)["config"]   # an older study.json migrated to today's units
     config = StudyConfig(dataset=dataset, **preset_values("full", dataset)).describe()
     for key, value in committed.items():
         if key in config:
@@ -147,7 +148,7 @@ def test_study_plan_prints_every_protocol_and_model_and_runs_nothing(tmp_path, t
 def test_study_runs_the_preset_with_options_over_it_and_says_the_time_left(tmp_path, tiny_zoo, capsys):
     runs = tmp_path / "runs"
     assert main(["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), "--limit", "6", "--attack-limit", "2",
-                 "--protocols", "rotation,apgd", "--attack-steps", "2", "--apgd-eps", "8", "--batch-size", "3",
+                 "--protocols", "rotation,apgd", "--attack-steps", "2", "--apgd-eps", "8/255", "--batch-size", "3",
                  "--bootstrap", "20", "--device", "cpu", "--workers", "1", "--runs", str(runs), "--out",
                  str(tmp_path / "out"), "--no-progress"]) == 0
     out = capsys.readouterr().out

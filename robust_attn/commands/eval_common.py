@@ -47,8 +47,7 @@ def parse_list(text: str | None, kind=float, option: str = "") -> list | None:
     try:
         values = [kind(v) for v in items]
     except ValueError:
-        hint = (" (in 1/255 units: 8 means 8/255)" if "/" in str(text) and kind is float else "")
-        raise UserError(f"{option} takes a comma-separated list of {kind.__name__}s{hint}, got {text!r}") from None
+        raise UserError(f"{option} takes a comma-separated list of {kind.__name__}s, got {text!r}") from None
     if kind is float and not all(math.isfinite(v) for v in values):
         raise UserError(f"{option} takes finite numbers, got {text!r}")
     return values

@@ -260,26 +260,31 @@ def study_attack(ctx, entry, model, protocol: str, configs: list[AttackConfig]):
     return out
 
 
+def _levels(radii) -> str:
+    """Radii in image units as the report names them: ``1, 2, 4`` (in 1/255)."""
+    return ", ".join(f"{round(e * 255, 6):g}" for e in radii)
+
+
 def _describe_autoattack(config) -> str:
-    eps = ", ".join(f"{e:g}" for e in config.autoattack_eps)
+    eps = _levels(config.autoattack_eps)
     steps = f" with {config.attack_steps} iterations per member" if config.attack_steps else ""
     return f"AutoAttack's standard ensemble, untargeted L-inf, at eps {{{eps}}}/255{steps}"
 
 
 def _describe_apgd(config) -> str:
-    eps = ", ".join(f"{e:g}" for e in config.apgd_eps)
+    eps = _levels(config.apgd_eps)
     steps = config.attack_steps or 100
     return (f"APGD-CE alone (AutoAttack's first member), untargeted L-inf, {steps} iterations, at eps {{{eps}}}/255: "
             f"an upper bound on robust accuracy at radii where the whole ensemble is beyond a CPU")
 
 
 def _describe_square(config) -> str:
-    return f"Square alone at {config.square_eps:g}/255 with {config.square_queries} queries"
+    return f"Square alone at {_levels([config.square_eps])}/255 with {config.square_queries} queries"
 
 
 def _check_eps(name: str, eps) -> None:
-    if any(not 0 < e <= 255 for e in eps):
-        raise ValueError(f"{name} are in 1/255 units, in (0, 255]; got {list(eps)}")
+    if any(not 0 < e <= 1 for e in eps):
+        raise ValueError(f"{name} are radii in image units, in (0, 1] (e.g. 8/255); got {list(eps)}")
 
 
 @dataclass(frozen=True)
@@ -295,7 +300,8 @@ class AttackStepSettings(ProtocolSettings):
 
 @dataclass(frozen=True)
 class AutoAttackSettings(AttackStepSettings):
-    autoattack_eps: tuple[float, ...] = setting((1.0, 2.0, 4.0, 8.0), "AutoAttack L-inf radii in 1/255, comma list")
+    autoattack_eps: tuple[float, ...] = setting((1 / 255, 2 / 255, 4 / 255, 8 / 255), "AutoAttack L-inf radii, comma "
+                                                "list", radius="linf")
 
     def check(self, study) -> None:
         super().check(study)
@@ -304,7 +310,8 @@ class AutoAttackSettings(AttackStepSettings):
 
 @dataclass(frozen=True)
 class APGDSettings(AttackStepSettings):
-    apgd_eps: tuple[float, ...] = setting((1.0, 2.0, 4.0), "APGD-CE (protocol apgd) L-inf radii in 1/255, comma list")
+    apgd_eps: tuple[float, ...] = setting((1 / 255, 2 / 255, 4 / 255), "APGD-CE (protocol apgd) L-inf radii, comma "
+                                          "list", radius="linf")
 
     def check(self, study) -> None:
         super().check(study)
@@ -313,7 +320,7 @@ class APGDSettings(AttackStepSettings):
 
 @dataclass(frozen=True)
 class SquareSettings(ProtocolSettings):
-    square_eps: float = setting(8.0, "Square's L-inf radius in 1/255")
+    square_eps: float = setting(8 / 255, "Square's L-inf radius", radius="linf")
     square_queries: int = setting(5000, "Square's budget")
 
     def check(self, study) -> None:
@@ -326,9 +333,9 @@ class SquareSettings(ProtocolSettings):
                 describe=_describe_autoattack, attack_subset=True, default_order=3,
                 settings=AutoAttackSettings)
 def study_autoattack(ctx, entry, model):
-    """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps`` (1/255)."""
+    """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps``."""
     return study_attack(ctx, entry, model, "autoattack", [
-        AttackConfig("autoattack", eps=e / 255, steps=ctx.config.attack_steps, seed=ctx.config.seed)
+        AttackConfig("autoattack", eps=e, steps=ctx.config.attack_steps, seed=ctx.config.seed)
         for e in ctx.config.autoattack_eps])
 
 
@@ -342,7 +349,7 @@ def study_apgd(ctx, entry, model):
     fooled each image first). It ranks the models at radii where some images survive a strong
     attack, which 8/255 does not on an undefended zoo."""
     return study_attack(ctx, entry, model, "apgd", [
-        AttackConfig("apgd-ce", eps=e / 255, steps=ctx.config.attack_steps, seed=ctx.config.seed)
+        AttackConfig("apgd-ce", eps=e, steps=ctx.config.attack_steps, seed=ctx.config.seed)
         for e in ctx.config.apgd_eps])
 
 
@@ -351,5 +358,5 @@ def study_apgd(ctx, entry, model):
 def study_square(ctx, entry, model):
     """The black-box reference: Square alone on every image, ``config.square_queries`` queries."""
     return study_attack(ctx, entry, model, "square", [
-        AttackConfig("square", eps=ctx.config.square_eps / 255, queries=ctx.config.square_queries,
+        AttackConfig("square", eps=ctx.config.square_eps, queries=ctx.config.square_queries,
                      seed=ctx.config.seed)])

@@ -13,11 +13,13 @@ model: :mod:`robust_attn.shifts.metrics`, in the report (:mod:`robust_attn.repor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.nn as nn
 
+from robust_attn.protocols.eval_step import eval_protocol
 from robust_attn.protocols.study_step import study_protocol
-from robust_attn.protocols.settings import ProtocolSettings, setting
+from robust_attn.protocols.settings import ProtocolSettings, is_eval, setting
 from robust_attn.runs.store import RunStore
 from robust_attn.shifts.cache import CorruptionCache, OnTheFly, to_float
 from robust_attn.shifts.corruptions import SEVERITIES, check_severity, corruption_names
@@ -89,11 +91,39 @@ def _describe(config) -> str:
 
 @dataclass(frozen=True)
 class CorruptionSettings(ProtocolSettings):
-    corruptions: str = setting("common", "corruption protocol: common, extra, all, families or names, comma list")
-    severities: tuple[int, ...] = setting((1, 2, 3, 4, 5), "corruption severities, comma list")
+    """The study makes the corrupted images once per study, in ``<runs>/corruptions``, with its
+    ``shift_seed``; ``eval corruption`` makes them on the fly, in ``--cache`` or reads the
+    published ones, and may print mCE against a baseline run."""
+
+    corruptions: str = setting("common", "common (the 15 of ImageNet-C), extra (speckle_noise, gaussian_blur, "
+                                         "spatter, saturate), all, a family (noise, blur, weather, digital) or names, "
+                                         "comma list (frost needs `pip install imagecorruptions` for its photographs)")
+    severities: tuple[int, ...] = setting(SEVERITIES, "corruption severities 1-5, comma list")
+    shift_seed: int = setting(0, "seed of the per-image corruptions (the study's: shift_seed)", scope="eval")
+    cache: str | None = setting(None, "make the corrupted images once in this folder and read them from there "
+                                      "(reused by every model evaluated with the same folder, data and seed)",
+                                scope="eval")
+    published: str | None = setting(None, "read the corrupted images from the published CIFAR-10-C .npy files or the "
+                                          "ImageNet-C folder tree in this folder instead of making them", scope="eval")
+    baseline: str | None = setting(None, "a finished corruption run of the baseline model: print CE and mCE against "
+                                         "it", scope="eval")
 
     def check(self, study) -> None:
-        corruption_conditions(self.corruptions, self.severities)   # ValueError naming what is wrong
+        conditions = corruption_conditions(self.corruptions, self.severities)   # ValueError naming what is wrong
+        if not is_eval(study):
+            return   # the study checks frost where it makes the images
+        if self.published and self.cache:
+            raise ValueError("--published reads the published files; --cache is for images made here: give one")
+        if self.published:
+            from robust_attn.shifts.published import published_reader
+
+            if not Path(self.published).is_dir():
+                raise ValueError(f"--published {self.published} is not a folder")
+            published_reader(study.dataset, self.published)
+        else:
+            check_frost(conditions)
+        if self.baseline and not (Path(self.baseline) / "run.json").is_file():
+            raise ValueError(f"--baseline {self.baseline} is not a run directory (no run.json)")
 
 
 @study_protocol("corruption", summary="Hendrycks & Dietterich's common corruptions at severities 1-5 (mCE against "
@@ -120,3 +150,56 @@ def study_corruption(ctx, entry, model):
                    batch_size=config.batch_size, device=ctx.device, run_info=run_info,
                    progress=ctx.progress, **ctx.shard)
     return out
+
+
+def _images(ctx, settings) -> tuple:
+    """The corrupted-image source of ``eval corruption`` and its name in run.json."""
+    data = ctx.data
+    if settings.published:
+        from robust_attn.data import build_dataset
+        from robust_attn.data.splits import subset_indices
+        from robust_attn.shifts.published import PublishedCorruptions, published_reader
+
+        reader = published_reader(data["name"], settings.published)
+        full = len(build_dataset(data["name"], root=data["root"], split=data["split"])) if data["limit"] else None
+        positions = subset_indices(full, data["limit"]) if full else None
+        return PublishedCorruptions(reader, positions), ("imagenet-c" if data["name"] == "imagenet"
+                                                         else f"{data['name']}-c")
+    if settings.cache:
+        key = {k: data[k] for k in ("name", "split", "limit")}
+        return CorruptionCache(settings.cache, ctx.dataset, key, seed=settings.shift_seed,
+                               batch_size=ctx.batch_size), "generated"
+    return OnTheFly(settings.shift_seed), "generated"
+
+
+def _summary(ctx, settings, store) -> str:
+    from robust_attn.runs.store import load_records
+    from robust_attn.shifts.baseline import mce_line
+
+    conditions = corruption_conditions(settings.corruptions, settings.severities)
+    records = load_records(store.root)
+    summary = summarize_corruption(records, conditions)
+    corrupted = summary[summary["severity"] > 0]
+    per_severity = corrupted.groupby("severity")["top1"].mean()
+    line = (f"clean top-1 {summary.loc[0, 'top1']:.1f}; mean top-1 over {corrupted['corruption'].nunique()} "
+            f"corruption(s): " + ", ".join(f"s{s} {v:.1f}" for s, v in per_severity.items()))
+    if settings.baseline:
+        line += "\n" + mce_line(records, conditions, Path(settings.baseline))
+    return line
+
+
+@eval_protocol("corruption", settings=CorruptionSettings, summary=_summary,
+               help="common corruptions (Hendrycks & Dietterich 2019) at severities 1-5")
+def eval_corruption(ctx, model, settings):
+    """``robust-attn eval corruption`` on one model."""
+    from robust_attn.shifts.baseline import check_baseline
+
+    conditions = corruption_conditions(settings.corruptions, settings.severities)
+    source, images = _images(ctx, settings)
+    if settings.baseline:
+        check_baseline(Path(settings.baseline), ctx.run_info, images, settings.shift_seed)
+    if hasattr(source, "ensure"):
+        source.ensure([(c["corruption"], c["severity"]) for c in conditions[1:]], repair=ctx.repair,
+                      log=print if ctx.rank == 0 else None)
+    return run_corruption(model, ctx.dataset, ctx.out, conditions=conditions, seed=settings.shift_seed,
+                          source=source, images=images, **ctx.loop)

@@ -4,9 +4,17 @@ A protocol module decorates ``step(ctx, model, settings) -> RunStore`` with :fun
 ``robust-attn eval NAME`` then exists with the options every ``eval`` subcommand has (model,
 data, output: :func:`robust_attn.commands.eval_common.add_common_options`) plus one per field of
 its :class:`~robust_attn.protocols.settings.ProtocolSettings` (``--name-with-dashes``; checked by
-its ``check``). The step gets an :class:`EvalContext` (the model's images, its run directory and
-description, the device and this process's shard) and the settings, and writes a resumable run
-directory, as every protocol does.
+its ``check`` before the model loads). These are the same settings the protocol's study step
+takes, so ``eval`` and the study share every default. The step gets an :class:`EvalContext`
+(the model's images, its run directory and description, the device and this process's shard)
+and the settings, and writes a resumable run directory, as every protocol does; ``summary``
+says the finished run in one line (default: top-1 per condition).
+
+Every built-in subcommand is registered so (``eval rotation`` in
+:mod:`robust_attn.protocols.rotation`, ...). A protocol that evaluates several models at once
+(``eval transfer``) says ``models="sources-targets"``: its settings then hold ``source`` and
+``target`` model specs, which the command loads, and ``model`` is the pair
+``(sources, targets)``, each a list of ``(name, model, description)``.
 """
 from __future__ import annotations
 
@@ -35,6 +43,9 @@ class EvalContext:
     batch_size: int = 64
     num_workers: int = 0
     progress: bool = True
+    seed: int = 0
+    data: dict = field(default_factory=dict)   # the command's dataset, root, split and limit
+    repair: bool = False
 
     @property
     def loop(self) -> dict:
@@ -49,19 +60,26 @@ class EvalProtocol:
     step: Callable
     settings: type
     help: str = ""
-    extra: dict = field(default_factory=dict)
+    summary: Callable | None = None      # (ctx, settings, store) -> the line printed when it finished
+    run_name: Callable | None = None     # (settings) -> the run's name in the default --out (default: name)
+    models: str = "one"                  # "one" (--model ...) or "sources-targets" (the settings' specs)
 
 
 #: every eval step a protocol registered, from the modules of robust_attn.protocols
 EVAL_PROTOCOLS: Registry[EvalProtocol] = Registry("eval protocol", package="robust_attn.protocols", error=ValueError)
 
 
-def eval_protocol(name: str, *, settings: type, help: str = ""):
+def eval_protocol(name: str, *, settings: type, help: str = "", summary: Callable | None = None,
+                  run_name: Callable | None = None, models: str = "one"):
     """Decorator: register ``step(ctx, model, settings) -> RunStore`` as ``robust-attn eval
-    NAME``, its options the fields of ``settings``; ``help``: the subcommand's one line."""
+    NAME``, its options the fields of ``settings``; ``help``: the subcommand's one line;
+    ``summary``, ``run_name`` and ``models``: see :class:`EvalProtocol` and the module docstring."""
+    if models not in ("one", "sources-targets"):
+        raise ValueError(f"models must be 'one' or 'sources-targets', got {models!r}")
 
     def add(step: Callable) -> Callable:
-        EVAL_PROTOCOLS.register(name, EvalProtocol(name, step, settings, help or (step.__doc__ or "").split("\n")[0]))
+        EVAL_PROTOCOLS.register(name, EvalProtocol(name, step, settings, help or (step.__doc__ or "").split("\n")[0],
+                                                   summary, run_name, models))
         return step
 
     return add

@@ -75,11 +75,11 @@ def _condition_at(run_dir: Path, attack: str, eps: float) -> str | None:
     return None
 
 
-def _success_by_eps(run_dir: Path, records: pd.DataFrame, attack: str, eps_255, label: str = "") -> dict:
+def _success_by_eps(run_dir: Path, records: pd.DataFrame, attack: str, radii, label: str = "") -> dict:
     """``{"<label><eps>/255": success rate}`` of ``attack``'s untargeted L-inf conditions in a run,
-    from the smallest eps to the largest (the radii the run has)."""
-    conditions = {e: _condition_at(run_dir, attack, e / 255) for e in sorted(eps_255)}
-    return {f"{label}{e:g}/255": float(records.loc[records["condition"] == c, "success"].mean())
+    from the smallest eps to the largest (the radii the run has; ``radii`` in image units)."""
+    conditions = {e: _condition_at(run_dir, attack, e) for e in sorted(radii)}
+    return {f"{label}{round(e * 255, 6):g}/255": float(records.loc[records["condition"] == c, "success"].mean())
             for e, c in conditions.items() if c}
 
 
@@ -182,7 +182,7 @@ def study_masking(ctx, entries, models):
     base = models.get(config.baseline)
     batch = config.attack_batch_size
     baseline = masking.input_gradient_stats(base, images, labels, batch) if base is not None else None
-    eps = max(config.autoattack_eps) / 255
+    eps = max(config.autoattack_eps)
     outs = []
     for entry in entries:
         model = models[entry.name]
@@ -191,14 +191,14 @@ def study_masking(ctx, entries, models):
         if RunStore(aa_dir).exists():
             aa = load_records(aa_dir)
             rates = _success_by_eps(aa_dir, aa, "autoattack", config.autoattack_eps)
-            top = aa[aa["condition"] == _condition_at(aa_dir, "autoattack", max(config.autoattack_eps) / 255)]
+            top = aa[aa["condition"] == _condition_at(aa_dir, "autoattack", eps)]
             white = white_box_records(top)
             black["autoattack's square"] = top.assign(success=top["success"].astype(bool).astype(int))
         apgd_dir = ctx.run_dir("apgd", entry.name)
         if (rates is None or len(rates) < 2) and RunStore(apgd_dir).exists():   # AutoAttack at one radius only
             rates = _success_by_eps(apgd_dir, load_records(apgd_dir), "apgd-ce", config.apgd_eps, "APGD-CE ")
         square_dir = ctx.run_dir("square", entry.name)
-        if white is not None and RunStore(square_dir).exists() and abs(config.square_eps / 255 - eps) < 1e-9:
+        if white is not None and RunStore(square_dir).exists() and abs(config.square_eps - eps) < 1e-9:
             c = _condition_at(square_dir, "square", eps)
             if c:
                 sq = load_records(square_dir)

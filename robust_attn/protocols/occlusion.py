@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from robust_attn.protocols.eval_step import eval_protocol
 from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting, study_image_size
 from robust_attn.protocols.shift_runner import CLEAN, accuracy_by_condition, run_shift
@@ -87,11 +88,41 @@ def _describe(config) -> str:
 
 @dataclass(frozen=True)
 class OcclusionSettings(ProtocolSettings):
+    """The study runs both fills and PatchDrop of 25, 50 and 75% of a 4 x 4 grid; ``eval
+    occlusion`` may change them. The seed: ``--shift-seed`` (the study's ``shift_seed``)."""
+
     occlusion_areas: tuple[float, ...] = setting(DEFAULT_AREAS, "occlusion: percent of the image one square covers, "
-                                                                "comma list")
+                                                                "comma list", eval_option="areas")
+    fill: tuple[str, ...] = setting(FILLS, "zeros and/or mean (the dataset's mean colour), comma list", scope="eval")
+    drop: str = setting(",".join(f"{d:g}" for d in DEFAULT_DROP), "percent of grid cells dropped, comma list; "
+                                                                  "'none' for no PatchDrop", scope="eval")
+    drop_grid: int = setting(DEFAULT_DROP_GRID, "PatchDrop grid: g x g cells", scope="eval")
+    shift_seed: int = setting(0, "seed of the per-image positions (the study's: shift_seed)", scope="eval")
+
+    def drop_percents(self) -> list[float]:
+        text = str(self.drop).strip().lower()
+        if text in ("none", "0", ""):
+            return []
+        try:
+            return [float(d) for d in text.split(",")]
+        except ValueError:
+            raise ValueError(f"--drop takes percents, comma list (e.g. 25,50,75), or 'none'; got {self.drop!r}") \
+                from None
+
+    def conditions(self, image_size) -> list[dict]:
+        return occlusion_conditions(self.occlusion_areas, self.fill, self.drop_percents(), self.drop_grid,
+                                    image_size=image_size)
 
     def check(self, study) -> None:
-        occlusion_conditions(self.occlusion_areas, image_size=study_image_size(study))
+        self.conditions(study_image_size(study))
+
+
+@eval_protocol("occlusion", settings=OcclusionSettings,
+               help="random square occlusion and grid PatchDrop (Naseer et al. 2021)")
+def eval_occlusion(ctx, model, settings):
+    """``robust-attn eval occlusion`` on one model."""
+    return run_occlusion(model, ctx.dataset, ctx.out, conditions=settings.conditions((ctx.info.image_size,) * 2),
+                         mean=ctx.info.mean, seed=settings.shift_seed, **ctx.loop)
 
 
 @study_protocol("occlusion", summary="Naseer et al.'s random occlusion: a square of k% and grid PatchDrop, zero "

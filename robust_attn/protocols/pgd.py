@@ -37,6 +37,7 @@ import json
 import math
 import re
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -48,6 +49,7 @@ from torch.utils.data import DataLoader
 
 from robust_attn.attacks.targeted_pgd import BACKENDS
 from robust_attn.distributed import barrier
+from robust_attn.protocols.eval_step import eval_protocol
 from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
@@ -349,40 +351,97 @@ def load_checks(run_dir) -> list[dict]:
 
 
 def _describe(config) -> str:
-    eps = ", ".join(f"{e:g}" for e in config.sweep_eps)
+    eps = ", ".join(f"{e:g}" for e in _in_levels(config.sweep_eps))
     sweep = f" plus eps {{{eps}}}/255 with {config.sweep_steps} steps of eps/{config.sweep_steps}" if eps else ""
     return (f"PGD: targeted L-inf, Table 10's {{8, 4, 2}} and {{8, 2, 4}}{sweep}, {config.backend} backend; "
             f"every model attacked towards the same targets (seed {config.seed}).")
 
 
+def _in_levels(radii) -> list[float]:
+    """Radii in image units as Table 10 names them, in 1/255 units (to 1e-6)."""
+    return [round(r * 255, 6) for r in radii]
+
+
 @dataclass(frozen=True)
-class PGDStudySettings(ProtocolSettings):
-    sweep_eps: tuple[float, ...] = setting((2.0, 4.0, 8.0, 16.0), "eps sweep in 1/255, comma list")
-    sweep_steps: int = setting(4, "PGD steps of the sweep, with step = eps / steps (the rule of both paper "
-                                  "settings)")
+class PGDSettings(ProtocolSettings):
+    """Table 10's PGD. ``eval pgd`` runs ``eps`` x ``steps`` (x ``step``), by default the paper's
+    two settings; the study runs those two always, plus the sweep ``sweep_eps`` x ``sweep_steps``.
+    Radii in image units (``8/255``), as everywhere; the conditions keep Table 10's names in 1/255
+    units (``pgd_eps8_step2_n4``)."""
+
+    sweep_eps: tuple[float, ...] = setting((2 / 255, 4 / 255, 8 / 255, 16 / 255),
+                                           "the study's eps sweep beside Table 10's settings, comma list",
+                                           scope="study", radius="linf")
+    sweep_steps: int = setting(4, "PGD steps of the study's sweep, with step = eps / steps (the rule of both "
+                                  "paper settings)", scope="study")
     backend: str = setting("native", "PGD backend", choices=BACKENDS)
+    eps: tuple[float, ...] = setting((8 / 255,), "L-inf radius(es), comma list (the study: Table 10's 8/255 and "
+                                                 "its sweep)", scope="eval", radius="linf")
+    steps: tuple[int, ...] = setting((2, 4), "iteration count(s), comma list (with eps 8/255: the paper's {8,4,2} "
+                                             "and {8,2,4})", scope="eval")
+    step: tuple[float, ...] | None = setting(None, "step size(s), comma list, e.g. 2/255 (default: eps/steps, the "
+                                                   "paper's rule)", scope="eval", radius="linf")
+    targets: str | None = setting(None, "reuse another run's targets.csv (same images) instead of drawing",
+                                  scope="eval")
+    no_checks: bool = setting(False, "skip the attack sanity checks (the study runs them)", scope="eval")
+    exact: bool = setting(False, "exact mode: bit-identical images across the native, torchattacks and foolbox "
+                                 "backends at any --batch-size (slower native attack; the study runs the fast "
+                                 "mode)", scope="eval")
 
     def check(self, study) -> None:
-        if self.sweep_steps < 1 or any(not 0 < e <= 255 for e in self.sweep_eps):
-            raise ValueError(f"sweep_eps are in 1/255 units, in (0, 255], and sweep_steps at least 1; got "
-                             f"{list(self.sweep_eps)} and {self.sweep_steps}")
+        if self.sweep_steps < 1 or any(not 0 < e <= 1 for e in self.sweep_eps):
+            raise ValueError(f"sweep_eps are radii in image units, in (0, 1] (e.g. 8/255), and sweep_steps at "
+                             f"least 1; got {list(self.sweep_eps)} and {self.sweep_steps}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.targets and not Path(self.targets).is_file():
+            raise ValueError(f"--targets {self.targets} does not exist; pass another run's targets.csv")
+        self.eval_settings()   # eps x steps x step: a ValueError naming what is wrong
 
     def attack_settings(self) -> list[AttackSetting]:
-        """Table 10's two settings, then the sweep (without repeating a paper setting)."""
+        """The study's: Table 10's two settings, then the sweep (without repeating a paper setting)."""
         settings = list(PAPER_SETTINGS)
         if self.sweep_eps:
-            settings += [s for s in pgd_settings(self.sweep_eps, [self.sweep_steps]) if s not in settings]
+            settings += [s for s in pgd_settings(_in_levels(self.sweep_eps), [self.sweep_steps]) if s not in settings]
         return settings
+
+    def eval_settings(self) -> list[AttackSetting]:
+        """``eval pgd``'s: every combination of ``eps`` x ``steps`` (x ``step``)."""
+        return pgd_settings(_in_levels(self.eps), list(self.steps),
+                            None if self.step is None else _in_levels(self.step))
+
+
+def _summary(ctx, settings, store) -> str:
+    from robust_attn.runs.store import load_records
+
+    summary = summarize_pgd(load_records(store.root)).set_index("condition")
+    parts = [f"{s.name}: success {summary.loc[s.name, 'success_rate']:.1f}, top-1 {summary.loc[s.name, 'top1']:.1f}"
+             for s in settings.eval_settings()]
+    failed = [f"{c['setting']}: {c['name']} ({c['detail']})" for c in load_checks(store.root) if not c["passed"]]
+    if failed:
+        print(f"WARNING: {len(failed)} attack sanity check(s) failed (see {store.root / CHECKS_FILE}): "
+              + "; ".join(failed[:3]), file=sys.stderr)
+    return f"clean top-1 {summary.loc['clean', 'top1']:.1f}; {'; '.join(parts)}"
+
+
+@eval_protocol("pgd", settings=PGDSettings, summary=_summary, help="white-box targeted L-inf PGD (SAN Table 10)")
+def eval_pgd(ctx, model, settings):
+    """``robust-attn eval pgd``: Table 10's targeted PGD on one model."""
+    for e in settings.eps:
+        if e > 32 / 255:
+            warnings.warn(f"--eps {e:g} is {e * 255:g}/255 of the pixel range (Table 10's is 8/255); a radius is in "
+                          f"image units in every command")
+    return run_pgd(model, ctx.dataset, ctx.out, num_classes=ctx.info.num_classes, settings=settings.eval_settings(),
+                   seed=ctx.seed, backend=settings.backend, targets_file=settings.targets,
+                   checks=not settings.no_checks, exact=settings.exact, **ctx.loop)
 
 
 @study_protocol("pgd", summary="SAN Table 10's targeted PGD {8, 4, 2} and {8, 2, 4} plus an eps sweep",
-                describe=_describe, default_order=1, settings=PGDStudySettings)
+                describe=_describe, default_order=1, settings=PGDSettings)
 def study_pgd(ctx, entry, model):
     """The study's Table 10 step: every image of the study, the same targets for every model."""
     out = ctx.run_dir("pgd", entry.name)
-    settings = PGDStudySettings.of(ctx.config).attack_settings()
+    settings = PGDSettings.of(ctx.config).attack_settings()
     run_pgd(model, ctx.dataset, out, num_classes=ctx.info.num_classes, settings=settings,
             seed=ctx.config.seed, backend=ctx.config.backend, batch_size=ctx.config.batch_size, device=ctx.device,
             run_info=ctx.run_info(entry, model), progress=ctx.progress, **ctx.shard)

@@ -11,10 +11,11 @@ import torch
 import torch.nn as nn
 
 from robust_attn.distributed import barrier
+from robust_attn.protocols.eval_step import eval_protocol
 from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
-from robust_attn.shifts.rotation import RotationCondition, apply_condition, rotation_conditions
+from robust_attn.shifts.rotation import DEFAULT_ANGLE_STEP, RotationCondition, apply_condition, rotation_conditions
 
 __all__ = ["make_evaluator", "summarize_rotation", "run_rotation", "PROTOCOL"]
 
@@ -95,7 +96,12 @@ def _describe(config) -> str:
 
 @dataclass(frozen=True)
 class RotationSettings(ProtocolSettings):
-    angle_step: float = setting(30.0, "rotation sweep every this many degrees, 0 for none")
+    """Table 9's conditions always run (90, 180 and 270 degrees, upside-down); the sweep's default
+    of 30 degrees holds them and is the study's and ``eval rotation``'s."""
+
+    angle_step: float = setting(DEFAULT_ANGLE_STEP, "rotation sweep every this many degrees, bilinear with zero fill "
+                                      "(0: none)")
+    no_hflip: bool = setting(False, "leave out the left-right flip (the study always runs it)", scope="eval")
 
     def check(self, study) -> None:
         if not 0 <= self.angle_step < 360:
@@ -111,3 +117,20 @@ def study_rotation(ctx, entry, model):
                  batch_size=ctx.config.batch_size, device=ctx.device, run_info=ctx.run_info(entry, model),
                  progress=ctx.progress, **ctx.shard)
     return out
+
+
+def _summary(ctx, settings, store) -> str:
+    from robust_attn.runs.store import load_records
+
+    summary = summarize_rotation(load_records(store.root)).set_index("condition")
+    parts = [f"{c} {summary.loc[c, 'top1']:.1f}({summary.loc[c, 'top1_drop']:.1f})"
+             for c in ("cw90", "cw180", "cw270", "flip_ud")]
+    return (f"top-1 {summary.loc['none', 'top1']:.1f}, top-1(drop): {', '.join(parts)}")
+
+
+@eval_protocol("rotation", settings=RotationSettings, summary=_summary,
+               help="test-time rotations and flips (SAN Table 9) plus an angle sweep")
+def eval_rotation(ctx, model, settings):
+    """``robust-attn eval rotation``: Table 9's conditions, the flip and the sweep on one model."""
+    conditions = rotation_conditions(settings.angle_step, hflip=not settings.no_hflip)
+    return run_rotation(model, ctx.dataset, ctx.out, conditions=conditions, **ctx.loop)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from robust_attn.protocols.eval_step import eval_protocol
 from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting, study_image_size
 from robust_attn.protocols.shift_runner import CLEAN, accuracy_by_condition, run_shift
@@ -61,10 +62,19 @@ def _describe(config) -> str:
 
 @dataclass(frozen=True)
 class ShuffleSettings(ProtocolSettings):
-    shuffle_grids: tuple[int, ...] = setting(DEFAULT_GRIDS, "patch shuffle: grid sizes g, comma list")
+    shuffle_grids: tuple[int, ...] = setting(DEFAULT_GRIDS, "patch shuffle: grid sizes g, comma list; each must "
+                                                            "divide the image size", eval_option="grids")
+    shift_seed: int = setting(0, "seed of the per-image permutations (the study's: shift_seed)", scope="eval")
 
     def check(self, study) -> None:
         shuffle_conditions(self.shuffle_grids, image_size=study_image_size(study))
+
+
+@eval_protocol("shuffle", settings=ShuffleSettings, help="patch shuffling on a g x g grid (Naseer et al. 2021)")
+def eval_shuffle(ctx, model, settings):
+    """``robust-attn eval shuffle`` on one model."""
+    conditions = shuffle_conditions(settings.shuffle_grids, image_size=(ctx.info.image_size,) * 2)
+    return run_shuffle(model, ctx.dataset, ctx.out, conditions=conditions, seed=settings.shift_seed, **ctx.loop)
 
 
 @study_protocol("shuffle", summary="Naseer et al.'s patch shuffling on g x g grids (g = 1, 2, 4, 8)",

@@ -29,11 +29,13 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from robust_attn.attacks.base import AttackConfig, make_attack
+from robust_attn.attacks.base import AttackConfig, list_attacks, make_attack
 from robust_attn.distributed import barrier
 from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
+from robust_attn.protocols.attack_eval import AttackOptions
+from robust_attn.protocols.eval_step import eval_protocol
 from robust_attn.protocols.study_step import study_protocol
-from robust_attn.protocols.settings import ProtocolSettings, setting
+from robust_attn.protocols.settings import is_eval, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
 from robust_attn.runs.store import RunStore
 
@@ -220,13 +222,49 @@ def _describe(config) -> str:
 
 
 @dataclass(frozen=True)
-class TransferSettings(ProtocolSettings):
-    transfer_steps: int = setting(10, "iterations of the transfer matrix's untargeted PGD (step 2/255), beside "
-                                      "{8, 2, 4}")
+class TransferSettings(AttackOptions):
+    """The study's transfer matrix (every model a source and a target: Table 10's {8, 2, 4} and an
+    untargeted PGD of ``transfer_steps``) and ``eval transfer`` (the attack of the options, from
+    ``source`` to each ``target``)."""
+
+    transfer_steps: int = setting(10, "iterations of the study's transfer matrix's untargeted PGD (step 2/255), "
+                                      "beside {8, 2, 4}", scope="study")
+    attack: str | None = setting("pgd", lambda: f"attack crafted on the sources ({', '.join(list_attacks())})",
+                                 scope="eval")
+    source: tuple[str, ...] = setting((), "zoo entry name (for --dataset), checkpoint .safetensors or any model spec "
+                                          "(timm:NAME, torchvision:NAME[:WEIGHTS], FILE.py:FUNCTION, ...); repeat "
+                                          "for an ensemble (mean of logits)", scope="eval", repeat=True)
+    target: tuple[str, ...] = setting((), "zoo entry name, checkpoint .safetensors or model spec; repeat for "
+                                          "several targets", scope="eval", repeat=True)
 
     def check(self, study) -> None:
         if self.transfer_steps < 1:
             raise ValueError(f"transfer_steps must be positive, got {self.transfer_steps}")
+        if is_eval(study):
+            if not self.source or not self.target:
+                raise ValueError("eval transfer needs --source MODEL and --target MODEL (each may repeat)")
+            super().check(study)
+
+
+def _summary(ctx, settings, store) -> str:
+    from robust_attn.runs.store import load_records
+
+    summary = summarize_transfer(load_records(store.root))
+    return "\n".join(f"{row['source']} -> {row['target_model']} [{row['attack']}]: top-1 {row['top1']:.1f}, "
+                     f"success {row['success_rate']:.1f} (on the source {row['source_success_rate']:.1f})"
+                     for _, row in summary.iterrows())
+
+
+@eval_protocol("transfer", settings=TransferSettings, summary=_summary, models="sources-targets",
+               run_name=lambda s: "transfer", help="craft adversarial images on --source model(s), evaluate them "
+                                                   "on every --target model")
+def eval_transfer(ctx, models, settings):
+    """``robust-attn eval transfer``: ``models`` is (sources, targets), each ``(name, model, description)``."""
+    sources, targets = models
+    name = "+".join(n for n, _, _ in sources)
+    source = sources[0][1] if len(sources) == 1 else EnsembleModel([m for _, m, _ in sources])
+    return run_transfer(name, source, {n: m for n, m, _ in targets}, ctx.dataset, ctx.out,
+                        configs=settings.configs(), seed=ctx.seed, **ctx.loop)
 
 
 @study_protocol("transfer", per_model=False, summary="every model as source against every model as target",

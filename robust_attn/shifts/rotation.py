@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RotationCondition", "PAPER_CONDITIONS", "rotation_conditions", "rotate_clockwise",
+__all__ = ["RotationCondition", "PAPER_CONDITIONS", "rotation_conditions", "DEFAULT_ANGLE_STEP", "rotate_clockwise",
            "flip_upside_down", "flip_left_right", "rotate_angle", "apply_condition"]
 
 
@@ -54,7 +54,12 @@ PAPER_CONDITIONS = (
 )
 
 
-def rotation_conditions(angle_step: float = 15.0, hflip: bool = True) -> list[RotationCondition]:
+#: the angle sweep's step in degrees, the study's and ``eval rotation``'s: its angles hold Table 9's
+#: 90, 180 and 270 (which run as exact rotations, left out of the sweep)
+DEFAULT_ANGLE_STEP = 30.0
+
+
+def rotation_conditions(angle_step: float = DEFAULT_ANGLE_STEP, hflip: bool = True) -> list[RotationCondition]:
     """The paper's five conditions (Table 9), then the left-right flip (if ``hflip``), then the
     sweep ``angle_step, 2 * angle_step, ... < 360`` without multiples of 90 (``angle_step=0``:
     no sweep)."""

@@ -10,6 +10,7 @@ the dataset and the protocols; every other key is a field of
     limit = 1000                         # a fixed-seed subset (default: every image)
     protocols = ["rotation", "pgd"]      # robust-attn study --help lists them
     baseline = "torchvision-resnet50"    # the convolutional reference of the findings: a model's label
+    autoattack_eps = ["8/255"]           # radii in image units: "8/255" or 0.0314 (docs/eps.md)
 
     models = ["timm:resnet26t", "torchvision:resnet50:IMAGENET1K_V1"]   # spec strings, or tables:
 
@@ -39,6 +40,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (a dependency there)
     import tomli as tomllib
 
+from robust_attn.protocols.settings import study_fields
 from robust_attn.protocols.study_step import STUDY_PROTOCOLS, default_study_protocols, list_study_protocols
 
 __all__ = ["StudyConfig", "StudySettings", "study_config_class", "protocol_settings", "protocol_fields", "StudyModel",
@@ -138,7 +140,7 @@ class StudySettings:
         if self.dataset not in list_datasets():
             dataset_info(self.dataset)   # the unknown-dataset error, with the names it could have meant
         for settings in protocol_settings():
-            if all(hasattr(self, f.name) for f in dataclasses.fields(settings)):   # (registered after this class)
+            if all(hasattr(self, f.name) for f in study_fields(settings)):   # (registered after this class)
                 settings.of(self).check(self)
 
     def describe(self) -> dict:
@@ -156,10 +158,11 @@ def protocol_fields() -> list[dataclasses.Field]:
     own = {f.name for f in dataclasses.fields(StudySettings)}
     out: dict[str, dataclasses.Field] = {}
     for settings in protocol_settings():
-        for f in dataclasses.fields(settings):
+        for f in study_fields(settings):
             if f.name in own:
                 raise ValueError(f"{settings.__name__}.{f.name} is a setting of the study itself; rename it")
-            if f.name in out and (out[f.name].default, out[f.name].type) != (f.default, f.type):
+            if f.name in out and (out[f.name].default, out[f.name].type, out[f.name].metadata.get("radius")) != \
+                    (f.default, f.type, f.metadata.get("radius")):
                 raise ValueError(f"two protocols declare the setting {f.name!r} differently")
             out.setdefault(f.name, f)
     return list(out.values())
@@ -170,7 +173,7 @@ def _study_config() -> type:
     cls = dataclasses.make_dataclass("StudyConfig", extra, bases=(StudySettings,), frozen=True)
     cls.__module__ = __name__
     cls.__doc__ = ("What the study runs: :class:`StudySettings` and every registered protocol's settings "
-                   "(eps and steps in 1/255 units, as Table 10).")
+                   "(radii in image units, docs/eps.md).")
     return cls
 
 
@@ -209,11 +212,27 @@ def load_study_config(path: str | Path, overrides: dict | None = None):
     return study_config_from_dict({**read_study_toml(path), **(overrides or {})}, where=str(path))
 
 
-def _field_value(key: str, value, annotation: str, where: str):
+def _field_value(key: str, value, annotation: str, where: str, radius: str | None = None):
     """``value`` checked against the StudyConfig field's annotation (``int``, ``float | None``,
-    ``tuple[float, ...]``, ``tuple[str, ...]``, ...) and converted to it."""
+    ``tuple[float, ...]``, ``tuple[str, ...]``, ...) and converted to it; a radius field takes
+    numbers and ``"8/255"`` strings, in image units (:mod:`robust_attn.utils.radius`)."""
     def wrong(expected: str) -> StudyConfigError:
         return StudyConfigError(f"{where}: {key} must be {expected}, got {type(value).__name__} {value!r}")
+
+    if radius is not None:
+        from robust_attn.utils.radius import RadiusError, parse_radius
+
+        norm = radius if radius in ("linf", "l2") else "linf"
+        many = annotation.startswith("tuple")
+        items = value if many and isinstance(value, list) else [value]
+        if (many and not isinstance(value, list)) or any(not isinstance(v, (int, float, str)) for v in items):
+            raise wrong("a list of radii (8/255 as a string, or numbers in image units)" if many else
+                        "a radius (8/255 as a string, or a number in image units)")
+        try:
+            radii = tuple(parse_radius(v, key, norm) for v in items)
+        except RadiusError as err:
+            raise StudyConfigError(f"{where}: {err}") from None
+        return radii if many else radii[0]
 
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)   # noqa: E731
     base = annotation.replace(" | None", "").strip()
@@ -274,7 +293,7 @@ def study_config_from_dict(raw: dict, where: str = "study config"):
                                        f"tables")
             kwargs[key] = tuple(_model(item, i, where) for i, item in enumerate(value))
         else:
-            kwargs[key] = _field_value(key, value, str(fields[key].type), where)
+            kwargs[key] = _field_value(key, value, str(fields[key].type), where, fields[key].metadata.get("radius"))
     for required in ("dataset", "models"):
         if required not in kwargs:
             raise StudyConfigError(f"{where} lacks {required!r}: name the dataset (e.g. dataset = \"imagenet\") and "

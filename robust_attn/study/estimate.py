@@ -62,9 +62,9 @@ def _rotation(config) -> Passes:
 
 
 def _pgd(config) -> Passes:
-    from robust_attn.protocols.pgd import PGDStudySettings
+    from robust_attn.protocols.pgd import PGDSettings
 
-    settings = PGDStudySettings.of(config).attack_settings()
+    settings = PGDSettings.of(config).attack_settings()
     return Passes(forward=1 + len(settings), backward=sum(s.steps for s in settings))
 
 

@@ -23,12 +23,12 @@ DEFAULT_CPU = "quick"
 DEFAULT_GPU = "gpu"
 
 PRESETS: dict[str, dict] = {
-    "quick": {"limit": 500, "batch_size": 100, "angle_step": 45.0, "sweep_eps": (2.0, 8.0),
+    "quick": {"limit": 500, "batch_size": 100, "angle_step": 45.0, "sweep_eps": (2 / 255, 8 / 255),
               "protocols": ("rotation", "pgd", "apgd", "transfer", "masking"),
-              "attack_limit": 100, "attack_batch_size": 100, "apgd_eps": (1.0, 2.0), "attack_steps": 20,
+              "attack_limit": 100, "attack_batch_size": 100, "apgd_eps": (1 / 255, 2 / 255), "attack_steps": 20,
               "masking_images": 50},
-    "gpu": {"limit": None, "attack_limit": 1000, "attack_batch_size": 500, "autoattack_eps": (8.0,),
-            "apgd_eps": (1.0, 2.0, 4.0),
+    "gpu": {"limit": None, "attack_limit": 1000, "attack_batch_size": 500, "autoattack_eps": (8 / 255,),
+            "apgd_eps": (1 / 255, 2 / 255, 4 / 255),
             "protocols": ("rotation", "pgd", "apgd", "autoattack", "square", "transfer", "masking")},
 }
 
@@ -38,7 +38,7 @@ FULL: dict[str, dict] = {
     "cifar10": {"limit": 2000, "attack_batch_size": 1000,
                 "protocols": ("rotation", "pgd", "corruption", "occlusion", "shuffle", "apgd", "autoattack",
                               "square", "transfer", "masking")},
-    "fashion_mnist": {"limit": None, "attack_batch_size": 1000, "autoattack_eps": (8.0,), "apgd_eps": (2.0, 4.0),
+    "fashion_mnist": {"limit": None, "attack_batch_size": 1000, "autoattack_eps": (8 / 255,), "apgd_eps": (2 / 255, 4 / 255),
                       "protocols": ("rotation", "pgd", "corruption", "apgd", "autoattack", "square", "transfer",
                                     "masking")},
 }

@@ -34,7 +34,6 @@ rank evaluates a disjoint shard of every run's images and rank 0 writes the repo
 from __future__ import annotations
 
 import fcntl
-import json
 import multiprocessing
 import os
 import signal
@@ -50,6 +49,7 @@ from robust_attn.distributed import init_distributed, world_size as process_coun
 from robust_attn.layers.paths import check_attention_path, set_attention_path
 from robust_attn.protocols.study_step import STUDY_PROTOCOLS, StudyContext
 from robust_attn.runs.store import RunStore, library_versions
+from robust_attn.runs.study_file import write_study_file
 from robust_attn.study.batches import WORKER_OUT_OF_MEMORY, dataset_resolution, step_memory
 from robust_attn.study.config import StudyConfig, StudyModel
 from robust_attn.study.estimate import log_plan
@@ -120,7 +120,7 @@ def autoattack_cost_note(config: StudyConfig, num_models: int, runs_dir) -> str:
     member fools, APGD-CE's iterations, APGD-T's and FAB-T's for each of 9 target classes (a
     forward and a backward pass each) and Square's queries (a forward pass each)."""
     steps = config.attack_steps or 100
-    radii = "/".join(f"{e:g}" for e in config.autoattack_eps)
+    radii = "/".join(f"{round(e * 255, 6):g}" for e in config.autoattack_eps)
     images = f"{config.attack_limit:,} images" if config.attack_limit else "every image"
     return (f"study: AutoAttack on a CPU: each image it cannot fool costs about {19 * steps:,} forward-backward "
             f"and {config.square_queries:,} forward passes per radius ({images}, radii {radii}/255, {num_models} "
@@ -258,9 +258,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     with atomic_path(report_dir / TIMINGS_FILE) as tmp:
         tmp.write_bytes((runs_dir / TIMINGS_FILE).read_bytes())
     study_file = report_dir / "study.json"
-    with atomic_path(study_file) as tmp:
-        tmp.write_text(json.dumps({"config": config.describe(), "runs": [str(p) for p in packed],
-                                   "versions": library_versions()}, indent=2) + "\n")
+    write_study_file(study_file, config.describe(), [str(p) for p in packed], library_versions())
     log(f"study of {len(entries)} model(s) on {len(dataset)} images: report in {Path(report_dir) / 'report.md'}")
     return files + [report_dir / TIMINGS_FILE, study_file]
 

@@ -208,13 +208,14 @@ def _unknown(key: str, valid: Sequence[str], where: str) -> RecipeError:
 
 
 def _fraction(text: str, where: str) -> float:
-    """``"8/255"`` -> 8/255 (a radius written as in the papers)."""
-    num, sep, den = text.partition("/")
+    """``"8/255"`` -> 8/255: a radius in image units, read as every command and config reads one
+    (:func:`robust_attn.utils.radius.parse_radius`)."""
+    from robust_attn.utils.radius import RadiusError, parse_radius
+
     try:
-        return float(num) / float(den) if sep else float(num)
-    except (ValueError, ZeroDivisionError):
-        raise RecipeError(f"recipe key {where} must be a number or a fraction such as \"8/255\", "
-                          f"got {text!r}") from None
+        return parse_radius(text, f"recipe key {where}")
+    except RadiusError as err:
+        raise RecipeError(f"{err} (a number or a fraction such as \"8/255\")") from None
 
 
 def _check_type(value: Any, annotation: str, where: str) -> Any:
