@@ -41,6 +41,10 @@ def add_attack_parsers(ev_sub) -> None:
     _add_attack_options(att, None)
     att.add_argument("--targets", help="reuse another run's targets.csv (same images) for --targeted")
     att.add_argument("--no-checks", action="store_true", help="skip the gradient-masking checks")
+    att.add_argument("--attack-copy", default="auto", choices=("auto", "on", "off"),
+                     help="whether the attacks query the attack-time copy of the model (batch norm folded, "
+                          "channels-last input: the same function, faster on a CPU, rounded differently) or the "
+                          "model as given; auto (default): the copy on a CPU; recorded in run.json")
     att.set_defaults(func=run_attack_cmd)
     tra = ev_sub.add_parser("transfer", help="craft adversarial images on --source model(s), evaluate them on "
                                              "every --target model")
@@ -78,7 +82,7 @@ def run_attack_cmd(args) -> int:
     store = run_attack(model, dataset, out, configs=configs, num_classes=info.num_classes, seed=args.seed,
                        targets_file=args.targets, batch_size=args.batch_size, device=device, run_info=run_info,
                        rank=rank, world_size=world_size, num_workers=args.num_workers,
-                       progress=not args.no_progress, checks=not args.no_checks)
+                       progress=not args.no_progress, checks=not args.no_checks, attack_copy=args.attack_copy)
     if rank == 0:
         summary = summarize_attack(load_records(store.root)).set_index("condition")
         parts = [f"{c.name}: robust top-1 {summary.loc[c.name, 'robust_top1']:.1f}" for c in configs]
