@@ -118,6 +118,9 @@ def test_the_setting_picks_the_model_the_attack_queries():
     plain = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10)).eval()
     attack.attack_copy = "on"
     assert attack.attacked_model(plain, x) is plain   # nothing folds: the model itself
+    untraceable = torch.nn.Module()
+    untraceable.forward = model   # a forward fx cannot see (set on the instance)
+    assert attack.attacked_model(untraceable.eval(), x) is untraceable
     with pytest.raises(ValueError, match="auto, on, off"):
         resolve_attack_copy("yes", "cpu")
 

@@ -159,7 +159,10 @@ def fold_batchnorm(model: nn.Module) -> tuple[nn.Module, int]:
         folded, count = _fold_graph(copied, set())
     except Exception:  # find the parts that do not, and keep them whole
         opaque = _opaque_modules(copied)
-        folded, count = (copied, 0) if id(copied) in opaque else _fold_graph(copied, opaque)
+        try:
+            folded, count = (copied, 0) if id(copied) in opaque else _fold_graph(copied, opaque)
+        except Exception:  # a model fx cannot trace at all (e.g. a forward set on the instance)
+            folded, count = copied, 0
     if not count + declared:
         return model, 0
     return folded.eval(), count + declared
