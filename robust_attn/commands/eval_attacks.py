@@ -35,13 +35,15 @@ def _add_attack_options(p: argparse.ArgumentParser, default_attack: str | None) 
 
 
 def add_attack_parsers(ev_sub) -> None:
+    from robust_attn.attacks.fast_model import ATTACK_COPY_MODES
+
     att = ev_sub.add_parser("attack", help="an evaluation attack (PGD, APGD, FAB, Square, AutoAttack) with "
                                            "per-image records and gradient-masking checks")
     add_common_options(att)
     _add_attack_options(att, None)
     att.add_argument("--targets", help="reuse another run's targets.csv (same images) for --targeted")
     att.add_argument("--no-checks", action="store_true", help="skip the gradient-masking checks")
-    att.add_argument("--attack-copy", default="auto", choices=("auto", "on", "off"),
+    att.add_argument("--attack-copy", default="auto", choices=ATTACK_COPY_MODES,
                      help="whether the attacks query the attack-time copy of the model (batch norm folded, "
                           "channels-last input: the same function, faster on a CPU, rounded differently) or the "
                           "model as given; auto (default): the copy on a CPU; recorded in run.json")
