@@ -146,6 +146,23 @@ def machine_description(device: torch.device | str = "cpu") -> str:
            f"{torch.get_num_threads()} threads"
 
 
+def start_one_thread(extra: str = "") -> list[str]:
+    """Set one thread, print the machine and its load average (with ``extra``), return the load."""
+    torch.set_num_threads(1)
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    print(f"{machine_description()}; load average {' '.join(load)}{extra}")
+    return load
+
+
+def cifar10_test_images(root: str | os.PathLike, count: int) -> torch.Tensor:
+    """The first ``count`` CIFAR-10 test images (in [0, 1]) under ``root`` (``cifar10-jpeg/``)."""
+    from robust_attn.data import build_dataset
+
+    data = build_dataset("cifar10", root=root, split="test", limit=count)
+    return torch.stack([data[i][0] for i in range(len(data))])
+
+
 def write_json(path: str | os.PathLike, payload: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

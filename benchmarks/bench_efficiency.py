@@ -107,7 +107,7 @@ class _Bf16Autocast(nn.Module):
 
 
 def _as_is(model: nn.Module, x: torch.Tensor) -> nn.Module:
-    """The eval model itself, contiguous input: what APGD, FAB and Square attack today."""
+    """The eval model itself, contiguous input: what the attacks query with ``attack_copy="off"``."""
     return model
 
 

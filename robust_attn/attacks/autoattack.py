@@ -103,6 +103,11 @@ class AutoAttack(Attack):
     #: (lines for the user: the attack protocol prints them with its progress bar); None: silent
     log: Callable[[str], None] | None = None
 
+    def attacked_model(self, model: nn.Module, images: torch.Tensor) -> nn.Module:
+        """The model as given: the ensemble judges its members' images on it, as the records do;
+        each member queries the model its own :attr:`attack_copy` (the ensemble's) says."""
+        return model
+
     def _state_key(self, images: torch.Tensor, labels: torch.Tensor) -> str:
         digest = hashlib.sha256(images.detach().cpu().contiguous().numpy().tobytes())
         digest.update(labels.cpu().numpy().tobytes())
@@ -183,6 +188,7 @@ class AutoAttack(Attack):
                     continue
                 break
             attack = make_attack(self.member_config(member, position, logits.shape[1]))
+            attack.attack_copy = self.attack_copy
             resumed = saved.get("member") if saved is not None and position == first else None
             if resumed is not None and not torch.equal(robust, member_saw):
                 # images put back in play and not fooled again: the member's progress was made on

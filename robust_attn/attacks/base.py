@@ -147,6 +147,11 @@ class Attack:
     #: whether that progress may be resumed on another device type: its random numbers come from a
     #: CPU generator on every device (:mod:`robust_attn.attacks.rng`), not from the device's own
     portable_progress: ClassVar[bool] = False
+    #: which model the attack's iterations query (:data:`~robust_attn.attacks.fast_model.ATTACK_COPY_MODES`):
+    #: the attack-time copy (batch norm folded, channels-last input; the same function, rounded
+    #: differently) or the model as given; ``auto``: the copy on a CPU. Set per instance by the
+    #: attack protocol; the result is judged by the caller on the model as given.
+    attack_copy: str = "auto"
 
     def __init__(self, config: AttackConfig):
         if config.norm not in self.norms:
@@ -201,10 +206,19 @@ class Attack:
             validate_attack_inputs(model, images, labels)
             targets = None
         with torch.enable_grad(), frozen_parameters(model):
-            out = self._run(model, images.detach(), labels, targets)
+            out = self._run(self.attacked_model(model, images), images.detach(), labels, targets)
         self._check_output(images, out.adv)
         out.adv = out.adv.detach()
         return out
+
+    def attacked_model(self, model: nn.Module, images: torch.Tensor) -> nn.Module:
+        """The model :meth:`_run` queries: :func:`~robust_attn.attacks.fast_model.attack_copy` of
+        ``model`` where :attr:`attack_copy` resolves to it on the images' device, else ``model``."""
+        from robust_attn.attacks.fast_model import attack_copy, resolve_attack_copy
+
+        if not resolve_attack_copy(self.attack_copy, images.device):
+            return model
+        return attack_copy(model, images[:4].detach())
 
     def _run(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
              targets: torch.Tensor | None) -> AttackOutput:

@@ -26,6 +26,13 @@ output and the convolution's output goes nowhere else (the output projection of
 too, the batch norm replaced by an identity. Where nothing folds, or the model's own ``forward``
 cannot be traced and declares nothing, the attack uses the model itself.
 
+:func:`attack_copy` is what an attack runs on: the folded copy behind :class:`ChannelsLastInput`,
+which hands it its input in channels-last layout (oneDNN's convolutions then run without layout
+reorders), the computation :func:`~robust_attn.attacks.targeted_pgd.native_pgd` uses; the model
+itself where nothing folds. :data:`ATTACK_COPY_MODES` name the setting the attacks of
+:mod:`robust_attn.attacks.base` take (``auto``: the copy on a CPU, where it was measured faster,
+``docs/performance.md``; the model as it is elsewhere).
+
 The caller's model is never modified: folding works on a deep copy. Copies are cached per
 model (weakly, so the cache does not keep models alive) and rebuilt when any parameter or
 buffer has been replaced or modified in place since (identity, version counter and sum of
@@ -41,7 +48,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["fold_batchnorm", "attack_model", "fold_conv_bn"]
+__all__ = ["fold_batchnorm", "attack_model", "fold_conv_bn", "ChannelsLastInput", "attack_copy",
+           "ATTACK_COPY_MODES", "resolve_attack_copy"]
 
 
 def fold_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
@@ -151,7 +159,10 @@ def fold_batchnorm(model: nn.Module) -> tuple[nn.Module, int]:
         folded, count = _fold_graph(copied, set())
     except Exception:  # find the parts that do not, and keep them whole
         opaque = _opaque_modules(copied)
-        folded, count = (copied, 0) if id(copied) in opaque else _fold_graph(copied, opaque)
+        try:
+            folded, count = (copied, 0) if id(copied) in opaque else _fold_graph(copied, opaque)
+        except Exception:  # a model fx cannot trace at all (e.g. a forward set on the instance)
+            folded, count = copied, 0
     if not count + declared:
         return model, 0
     return folded.eval(), count + declared
@@ -206,7 +217,7 @@ def attack_model(model: nn.Module, example: torch.Tensor) -> nn.Module:
         scale = want.abs().max().item() if want.numel() else 0.0
         if want.shape != got.shape or not (got - want).abs().max().item() <= _CHECK_RTOL * max(scale, 1.0):
             warnings.warn(f"folding batch norm into the convolutions of {type(model).__name__} changed its "
-                          f"output; the attack uses the model as it is (pass exact=True to silence this)",
+                          f"output; the attack uses the model as it is (exact=True or attack_copy='off' silences this)",
                           RuntimeWarning, stacklevel=3)
             count = 0
     if not count:
@@ -216,3 +227,38 @@ def attack_model(model: nn.Module, example: torch.Tensor) -> nn.Module:
         p.requires_grad_(False)
     _CACHE[model] = (key, folded)
     return folded
+
+
+#: ``auto``: the attack copy on a CPU, the model as it is on other devices; ``on``; ``off``
+ATTACK_COPY_MODES = ("auto", "on", "off")
+
+
+def resolve_attack_copy(mode: str, device: torch.device | str) -> bool:
+    """Whether an attack on ``device`` runs on :func:`attack_copy` under ``mode``
+    (:data:`ATTACK_COPY_MODES`); a ValueError naming the modes for another value."""
+    if mode not in ATTACK_COPY_MODES:
+        raise ValueError(f"attack copy must be one of {', '.join(ATTACK_COPY_MODES)}, got {mode!r}")
+    return mode == "on" or (mode == "auto" and torch.device(device).type == "cpu")
+
+
+class ChannelsLastInput(nn.Module):
+    """``module`` called on its (4-d) input in channels-last layout: the same function; the input
+    gradient comes back in the caller's layout."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.module(x)
+
+
+def attack_copy(model: nn.Module, example: torch.Tensor) -> nn.Module:
+    """What an attack runs on (module docstring): the folded copy of :func:`attack_model` with
+    channels-last input, or ``model`` itself where the copy is the model (nothing folds, or the
+    folded copy failed its check)."""
+    folded = attack_model(model, example)
+    return model if folded is model else ChannelsLastInput(folded)

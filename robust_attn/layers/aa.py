@@ -47,10 +47,10 @@ Implementations of equation 4 (``impl``):
   ``q~_i . k~_j = l_ij`` of equation 3 exactly. On GPUs the fused (flash / memory-efficient)
   kernels then never store an ``L x L`` matrix; the price is ``L^2 (h + w)`` extra multiply-adds
   per head, which counters such as ``FlopCounterMode`` see. On CPU, where SDPA falls back to
-  its math backend, it is *not* lean: ``benchmarks/bench_aa_ea_ops.py`` (56x56, 64 channels,
-  batch 2, one thread) measured forward peaks of 139 MB (einsum), 1368 MB (sdpa) and 2716 MB
-  (an ``(HW)^2 x dkh`` naive table); forward+backward 738 MB, 213 MB with ``checkpoint=True``,
-  1827 MB and 2726 MB. The GPU behaviour of ``"sdpa"`` has not been measured here.
+  its math backend, it is *not* lean: it materializes the ``L x L`` logits and their extended
+  operands, several times the einsum path's peak memory (``benchmarks/bench_aa_ea_ops.py``; the
+  figures and their source are in ``docs/performance.md``, "Why each path exists"). Its GPU
+  behaviour is unknown.
 """
 from __future__ import annotations
 

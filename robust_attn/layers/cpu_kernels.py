@@ -129,8 +129,8 @@ def _window(bpad: torch.Tensor, dy: int, dx: int, height: int, width: int) -> to
 
 def window_dot_torch(a: torch.Tensor, bpad: torch.Tensor, offsets, out: torch.Tensor) -> torch.Tensor:
     """PyTorch loop of :func:`window_dot`. With up to 4 channels per group a chain of fused
-    multiply-adds beats ``(a * b).sum(2)`` on CPU (2.3x at 2 channels, 1.3x at 4: no product
-    tensor); with more the product-and-sum is faster."""
+    multiply-adds beats ``(a * b).sum(2)`` on CPU (no product tensor); with more the
+    product-and-sum is faster (docs/performance.md, "Why each path exists")."""
     h, w = a.shape[-2:]
     for o, (dy, dx) in enumerate(offsets):
         window = _window(bpad, dy, dx, h, w)

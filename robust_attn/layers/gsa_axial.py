@@ -12,7 +12,7 @@ The column layer is ``out[x, y] = sum_i (q_xy . P[x, i]) v[i, y]`` per head (no 
 (``L x (d_v W)``), and the result is ``d_k d_v`` multiply-adds per position. With few channels per
 head (the width-0.25 zoo models have 2-4 on their 16x16 and 8x8 maps) that is less memory traffic
 than the ``L`` weights per position and no per-column matmuls; with many channels on small maps the
-reference order is the cheaper one (:func:`factored_is_cheaper`; measured in docs/performance.md).
+reference order is the cheaper one (:func:`factored_is_cheaper`; timings in docs/performance.md).
 The row layer is the column layer on the transposed maps. :class:`~robust_attn.layers.gsa.GlobalSelfAttention2d`
 picks the order per shape on its lean path.
 """

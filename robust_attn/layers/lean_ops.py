@@ -68,10 +68,10 @@ def matmul1x1(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None =
     """1x1 layer ``weight (O, C)`` on ``x (N, C, ...)`` as a matmul, plus ``bias`` (anything that
     broadcasts to ``(N, O, prod(...))``, e.g. ``(O, 1)``).
 
-    With the few channels of gamma (C/16 and C/32) and many positions a batched matmul is several
-    times faster on CPU than ``F.conv2d`` (oneDNN), forward and backward; on maps of fewer than
-    :data:`BMM_MIN_POSITIONS` positions (8x8 and smaller stages) oneDNN is faster (up to 4x for
-    2048 -> 384 channels at 4x4, batch 16), so those go to ``F.conv2d``."""
+    With the few channels of gamma (C/16 and C/32) and many positions a batched matmul beats
+    ``F.conv2d`` (oneDNN) on CPU, forward and backward; on maps of fewer than
+    :data:`BMM_MIN_POSITIONS` positions (8x8 and smaller stages) oneDNN wins, so those go to
+    ``F.conv2d`` (docs/performance.md, "Why each path exists")."""
     n, c = x.shape[:2]
     positions = x[0, 0].numel()
     if positions < BMM_MIN_POSITIONS:
@@ -82,7 +82,7 @@ def matmul1x1(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None =
             out = out + bias
         return out.view(n, -1, *x.shape[2:])
     # bmm with the weight expanded over the batch: torch.matmul would fold the batch into an mm on
-    # transposed copies, about 5x slower here (forward + backward).
+    # transposed copies, which costs more than it saves (docs/performance.md).
     wt, xm = weight.expand(n, *weight.shape), x.reshape(n, c, -1)
     out = torch.bmm(wt, xm) if bias is None else torch.baddbmm(bias, wt, xm)
     return out.view(n, -1, *x.shape[2:])
@@ -96,8 +96,8 @@ def matmul1x1_weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tens
 
 
 def channel_moments(t: torch.Tensor, dims) -> torch.Tensor:
-    """Per-channel sum and sum of squares over ``dims`` (two plain reductions: several times
-    faster on CPU than ``Tensor.var`` over non-adjacent dims)."""
+    """Per-channel sum and sum of squares over ``dims`` (two plain reductions, which CPU kernels
+    run as contiguous passes, where ``Tensor.var`` over non-adjacent dims does not)."""
     t = t.to(accumulation_dtype(t.dtype))
     return torch.stack([t.sum(dims), (t * t).sum(dims)])
 
@@ -112,6 +112,6 @@ def position_chunks(area: int, size: int) -> list[list[int]]:
 
 
 def conv1x1(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
-    """``conv(x)`` for a 1x1, stride-1, ungrouped ``conv``, computed as a batched matmul (faster on CPU
-    than oneDNN's convolution for the narrow layers of SAN, forward and backward)."""
+    """``conv(x)`` for a 1x1, stride-1, ungrouped ``conv``, computed as a batched matmul (on CPU the
+    faster choice for the narrow layers of SAN, forward and backward: :func:`matmul1x1`)."""
     return matmul1x1(conv.weight.flatten(1), x, None if conv.bias is None else conv.bias[:, None])

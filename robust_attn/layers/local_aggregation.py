@@ -80,7 +80,7 @@ def _runs(offsets):
 def _stack_shifted(xpad: torch.Tensor, offsets, height: int, width: int) -> torch.Tensor:
     """The views of :func:`shifted` copied into one new tensor. A run of offsets (:func:`_runs`) forms
     a single strided view (``Tensor.unfold`` along the width), so a run costs one copy, not one per
-    offset (measured up to 2x faster than ``torch.stack`` of the single views)."""
+    offset (``torch.stack`` of the single views copies per offset; docs/performance.md)."""
     n, c = xpad.shape[:2]
     out = xpad.new_empty(n, c, len(offsets), height, width)
     for start, end, dy, dx in _runs(offsets):
@@ -122,8 +122,8 @@ class _StreamAggregate(torch.autograd.Function):
     narrower than :data:`FLAT_ROWS_BELOW_WIDTH` the rows are flattened at the padded width ``Wp``:
     offset ``(dy, dx)`` is then the contiguous range ``[dy Wp + dx, dy Wp + dx + H Wp)`` of the
     flattened ``vpad`` (extended by ``k - 1`` zeros) and the weights get ``Wp - W`` zero columns, so
-    each multiply-add runs over one contiguous range instead of ``H`` rows of a few elements
-    (measured 1.4-2.5x faster on 8x8 and 4x4 maps, slower from 16x16 on); the extra columns are dropped.
+    each multiply-add runs over one contiguous range instead of ``H`` rows of a few elements (the
+    faster form on small maps, not from 16x16 on: docs/performance.md); the extra columns are dropped.
     """
 
     @staticmethod
@@ -323,9 +323,10 @@ def footprint_aggregate(v: torch.Tensor, weight: torch.Tensor, footprint: int,
 
     ``kernel``: ``"stream"`` (:class:`_StreamAggregate`), ``"unfold"`` (:class:`_UnfoldAggregate`)
     or ``None``: unfold for maps no wider than the padding (``min(H, W) <= k // 2``, e.g. 2x2 maps
-    under a 7x7 footprint, where each streamed slice is a couple of elements wide and the unfold
-    kernel measured 3.5x faster) while the unfolded copy has at most :data:`UNFOLD_AGGREGATE_ELEMENTS`
-    elements; streaming otherwise (on 4x4 and larger maps it measured as fast or up to 8x faster).
+    under a 7x7 footprint, where each streamed slice is a couple of elements wide and one unfold
+    kernel call costs less) while the unfolded copy has at most :data:`UNFOLD_AGGREGATE_ELEMENTS`
+    elements; streaming otherwise (as fast or faster on 4x4 and larger maps; the timings behind
+    both thresholds are in docs/performance.md, "Why each path exists").
     Both compute the same function.
     """
     s, groups = _check(v, weight, footprint)

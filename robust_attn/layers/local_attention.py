@@ -41,10 +41,9 @@ __all__ = ["local_attention", "local_attention_reference"]
 def _exp_floor(dtype: torch.dtype) -> float:
     """Largest ``x`` below which ``exp(x)`` leaves the normal range of ``dtype``.
 
-    Shifted logits below it are raised to it before ``exp``: CPUs compute subnormal results about
-    10x slower (measured: 0.19 s against 0.02 s for 12.8M float32 ``exp`` when a fifth of them
-    underflow), and such weights are below ``1e-37`` of the largest (``exp(0) = 1``), so the
-    softmax changes by less than float32 resolution.
+    Shifted logits below it are raised to it before ``exp``: CPUs compute subnormal results on a
+    slow path (docs/performance.md, "Why each path exists"), and such weights are below ``1e-37``
+    of the largest (``exp(0) = 1``), so the softmax changes by less than float32 resolution.
     """
     return math.log(torch.finfo(dtype).tiny) + 1.0
 
@@ -94,8 +93,8 @@ def _offset_last(t: torch.Tensor) -> torch.Tensor:
 
 # Batch chunk of the streaming and dense Functions: about this many bytes of logits per chunk (the
 # largest per-chunk buffers: logits, then their gradient), so that a chunk's q, padded k and v and
-# logits stay in cache across the k*k offsets (about 2x faster on this CPU than whole-batch passes
-# at batch 128 on 16x16 maps, where every offset's pass went to main memory) and the transient
+# logits stay in cache across the k*k offsets (whole-batch passes at batch 128 on 16x16 maps send
+# every offset's pass to main memory; docs/performance.md) and the transient
 # memory stays a few of these; but never fewer than _CHUNK_MIN_PIXELS (batch x heads x positions)
 # per offset slice, so that each op still splits across threads. Chunks are whole samples, so
 # chunking changes no number.
@@ -121,8 +120,8 @@ def _stream_logits(qc: torch.Tensor, kp: torch.Tensor, rel: torch.Tensor, offset
     if qc.shape[2] > 4:
         _offset_last(logits).add_(torch.matmul(rel.transpose(1, 2), qc.flatten(3)))    # + q . r_o
         return logits
-    # + q . r_o; a batched matmul with an inner dimension of at most 4 is 2-4x slower on CPU than
-    # these fused multiply-adds into the logits in their own layout
+    # + q . r_o; with an inner dimension of at most 4 a batched matmul costs more on CPU than
+    # these fused multiply-adds into the logits in their own layout (docs/performance.md)
     flat = logits.flatten(3)                                                            # (k*k, b, heads, HW)
     for c in range(qc.shape[2]):
         flat.addcmul_(qc[:, :, c].flatten(2), rel[:, c].t()[:, None, :, None])
@@ -150,7 +149,7 @@ class _LocalAttention(torch.autograd.Function):
     attention weights.
 
     The logits are kept offset-major, ``(k*k, B, heads, H, W)``, so each offset's slice is
-    contiguous (2-3x faster on CPU than ``(B, heads, k*k, H, W)``). Forward and backward run over
+    contiguous (on CPU the faster layout than ``(B, heads, k*k, H, W)``: docs/performance.md). Forward and backward run over
     chunks of the batch (:func:`_batch_chunks`), so logits, padded copies and temporaries exist
     for one chunk at a time. Saved for backward: q, k, v, rel, the output and one log-normaliser
     per pixel and head; the ``heads * k*k`` attention weights per pixel (24.5x the feature map at
@@ -324,8 +323,8 @@ class _DenseLocalAttention(torch.autograd.Function):
 
 def _use_dense(height: int, width: int, kernel_size: int) -> bool:
     # Dense attends to N + 1 columns per query instead of k*k offsets, in batched matmuls: on CPU
-    # it wins while N + 1 <= 1.5 k*k (maps up to 8x8 for a 7x7 footprint; measured 2.8-9x faster
-    # at 8x8 and 4x4). Its autograd-saved tensors are a few N x N per head, small on such maps.
+    # it wins while N + 1 <= 1.5 k*k (maps up to 8x8 for a 7x7 footprint; the timings are in
+    # docs/performance.md). Its autograd-saved tensors are a few N x N per head, small on such maps.
     return height * width + 1 <= 1.5 * kernel_size * kernel_size
 
 

@@ -8,16 +8,15 @@ axial positional layers on the lean path, on CPU, in the cheaper order of their 
 (:mod:`robust_attn.layers.gsa_axial`), on the reference path in the paper's order:
 
 * ``"lean"`` (default): loops over the footprint's offsets, a few operators per offset, so no
-  ``k^2``-expanded activation is kept. On a CPU it is the faster path as well, 1.2-5x
-  (``benchmarks/results/layer_paths_cpu.json``).
+  ``k^2``-expanded activation is kept. On a CPU it is the faster path as well
+  (``benchmarks/results/layer_paths_cpu.json``; docs/performance.md, "Why each path exists").
 * ``"reference"``: SAN's ``unfold``, SASA's ``reference``: the same work in fewer, larger operators,
-  at 3-8x the memory. On a GPU the lean paths are launch-bound, and there the reference paths are
-  the faster for what attacks cost: on a lent H200, batch 512 of 32x32 images, an attack step
-  (forward and input gradient) 2.0x (san10_pairwise), 1.5x (san10_patchwise) and 10.8x
-  (sasa_resnet26) faster, an eval forward 0.44x, 0.47x and 5.0x
-  (``benchmarks/results/layer_paths_cuda.json``, ``benchmarks/bench_layer_paths.py``).
+  at several times the memory. On a GPU the lean paths are launch-bound (thousands of small
+  operators per forward), and there the reference paths were the faster for an attack step
+  (``benchmarks/results/layer_paths_cuda.json``, ``benchmarks/bench_layer_paths.py``; the
+  figures, per family, in docs/performance.md, "Why each path exists").
 
-The path changes float rounding only (largest logit difference there 1.2e-3 to 3.3e-3), as a
+The path changes float rounding only, as a
 device does, so a run records it as how it ran, not what it computes (``attention_path`` in
 ``run.json``, among :data:`robust_attn.runs.store.VOLATILE_KEYS`): a run started on one path resumes on
 the other.

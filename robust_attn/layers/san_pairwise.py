@@ -36,7 +36,8 @@ def _window_counts(n: int, k: int, like: torch.Tensor) -> torch.Tensor:
 
 def _window_sum(x: torch.Tensor, k: int) -> torch.Tensor:
     """Sum over every k x k window (stride 1, no padding) of ``x``'s last two dims, as k shifted adds
-    along rows, then k along columns (measured 3-8x faster on CPU than ``avg_pool2d`` times ``k^2``)."""
+    along rows, then k along columns (on CPU the faster form than ``avg_pool2d`` times ``k^2``:
+    docs/performance.md)."""
     h, w = x.shape[-2] - k + 1, x.shape[-1] - k + 1
     rows = x[..., :, :w].clone()
     for d in range(1, k):
@@ -178,8 +179,8 @@ class _PairwiseAttention(torch.autograd.Function):
     differentiated in closed form (batch statistics in training, the running ones in eval). Each chunk
     is recomputed once; with several chunks and batch statistics twice, as BN2's gradient needs sums
     over the whole footprint first (the logits' gradients of the first pass are kept for the second).
-    Compared with activation checkpointing, which replays the forward's autograd graph per chunk, this
-    measured 1.9x faster forward+backward on a 256-channel 32x32 stage.
+    Activation checkpointing would replay the forward's autograd graph per chunk instead; this is
+    the cheaper of the two (docs/performance.md, "Why each path exists").
 
     Inputs: ``w1`` ``(hidden, d)`` and ``w1p`` ``(hidden, 2)`` (the relation and position columns of
     gamma's first 1x1 layer), ``pos`` ``(1, 2, K, H, W)`` or None (the position channels after BN1-ReLU,

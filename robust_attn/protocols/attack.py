@@ -53,7 +53,7 @@ from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
 
 __all__ = ["PROTOCOL", "CLEAN", "attack_records", "computation_order", "logit_margin", "make_evaluator",
-           "resume_order", "run_attack", "saved_states", "state_path", "summarize_attack", "config_from_condition"]
+           "resume_order", "run_attack", "describe_attack_copy", "saved_states", "state_path", "summarize_attack", "config_from_condition"]
 
 PROTOCOL = "attack"
 CLEAN = "clean"
@@ -109,12 +109,13 @@ def _log_line(line: str) -> None:
 
 
 def make_evaluator(model: nn.Module, configs: Sequence[AttackConfig], targets: torch.Tensor | None,
-                   device: torch.device, state_dir: Path | None = None, log=None):
+                   device: torch.device, state_dir: Path | None = None, log=None, attack_copy: str = "auto"):
     """The ``evaluate`` callback of :func:`robust_attn.protocols.runner.run_chunks`: the clean
     forward once per chunk, then every missing attack condition. ``state_dir``: where an attack
     that can save its state within a chunk (AutoAttack, after each member) keeps it, one file per
     condition and chunk, deleted once the chunk's records are written. ``log``: where such an
-    attack's lines on its progress go (None: nowhere)."""
+    attack's lines on its progress go (None: nowhere). ``attack_copy``: which model the attacks
+    query (:attr:`robust_attn.attacks.base.Attack.attack_copy`); the records judge the model as given."""
     by_name = {c.name: c for c in configs}
 
     def evaluate(images, labels, indices, todo) -> Iterator[tuple[str, pd.DataFrame]]:
@@ -128,6 +129,7 @@ def make_evaluator(model: nn.Module, configs: Sequence[AttackConfig], targets: t
                 continue
             config = by_name[name]
             attack = make_attack(dataclasses.replace(config, seed=config.seed * 2 ** 32 + start))
+            attack.attack_copy = attack_copy
             state = None
             if state_dir is not None and hasattr(attack, "state_path"):
                 state = attack.state_path = state_path(state_dir, name, start)
@@ -176,7 +178,7 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
                seed: int = 0, targets_file: str | Path | None = None, batch_size: int = 64,
                device: str | torch.device = "cpu", run_info: dict | None = None, rank: int = 0,
                world_size: int = 1, num_workers: int = 0, progress: bool = True, checks: bool = True,
-               targets: torch.Tensor | None = None, model_info=None):
+               targets: torch.Tensor | None = None, model_info=None, attack_copy: str = "auto"):
     """Run (or resume) the clean condition and every attack of ``configs`` into ``out_dir``.
 
     ``seed`` draws the targets of targeted attacks (each attack's own random draws follow its
@@ -184,7 +186,10 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
     (another run's ``targets.csv``) give them instead. With ``checks`` the gradient-masking
     checks of :mod:`robust_attn.attacks.masking` that the records allow are computed after the
     run and saved in ``checks.json``. ``model_info``: where the model came from, as for
-    :func:`robust_attn.protocols.rotation.run_rotation`. Returns the RunStore.
+    :func:`robust_attn.protocols.rotation.run_rotation`. ``attack_copy``: whether the attacks query
+    the attack-time copy (batch norm folded, channels-last input; ``auto``: on a CPU), recorded
+    in run.json (``attack_copy``) as how the run computed, not what: a run may resume on the
+    other setting. Returns the RunStore.
     """
     from robust_attn.sources.provenance import with_provenance
 
@@ -198,6 +203,7 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
         make_attack(c)
     device = torch.device(device)
     model = model.to(device).eval()
+    run_info = dict(run_info or {}, attack_copy=describe_attack_copy(attack_copy, device))
     given, targets, source = targets, None, None
     labels = dataset_labels(dataset)
     if any(c.targeted for c in configs):
@@ -211,7 +217,7 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
         save_targets(out_dir, labels, targets)
     run_chunks(store, dataset, resume_order(computation_order(configs), store.root / STATE_DIR),
                make_evaluator(model, configs, targets, device, state_dir=store.root / STATE_DIR,
-                              log=_log_line if progress and rank == 0 else None),
+                              log=_log_line if progress and rank == 0 else None, attack_copy=attack_copy),
                chunk_size=batch_size, rank=rank, world_size=world_size, num_workers=num_workers,
                progress=progress and rank == 0, desc="attack",
                claim_each_condition=True)   # an attack's radii are split among processes sharing the run
@@ -221,6 +227,15 @@ def run_attack(model: nn.Module, dataset, out_dir, *, configs: Sequence[AttackCo
 
         attack_run_checks(store.root, model, dataset, configs, device, batch_size=batch_size)
     return store
+
+
+def describe_attack_copy(mode: str, device: torch.device) -> str:
+    """run.json's ``attack_copy``: what the attacks of a run query under ``mode`` on ``device``."""
+    from robust_attn.attacks.fast_model import resolve_attack_copy
+
+    if resolve_attack_copy(mode, device):
+        return f"{mode}: the attack copy (batch norm folded where it folds, channels-last input)"
+    return f"{mode}: the model as given"
 
 
 def config_from_condition(condition: dict) -> AttackConfig:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from robust_attn.attacks.base import NORMS, AttackConfig, list_attacks
+from robust_attn.attacks.fast_model import ATTACK_COPY_MODES
 from robust_attn.protocols.attack import run_attack, summarize_attack
 from robust_attn.protocols.eval_step import eval_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
@@ -52,6 +53,10 @@ class AttackOptions(ProtocolSettings):
 class AttackSettings(AttackOptions):
     targets: str | None = setting(None, "reuse another run's targets.csv (same images) for --targeted", scope="eval")
     no_checks: bool = setting(False, "skip the gradient-masking checks", scope="eval")
+    attack_copy: str = setting("auto", "whether the attacks query the attack-time copy of the model (batch norm "
+                               "folded, channels-last input: the same function, faster on a CPU, rounded "
+                               "differently) or the model as given; auto: the copy on a CPU; recorded in run.json",
+                               choices=ATTACK_COPY_MODES, scope="eval")
 
     def check(self, study) -> None:
         super().check(study)
@@ -85,4 +90,5 @@ def _summary(ctx, settings, store) -> str:
 def eval_attack(ctx, model, settings):
     """``robust-attn eval attack``: the attack at each radius on one model."""
     return run_attack(model, ctx.dataset, ctx.out, configs=settings.configs(), num_classes=ctx.info.num_classes,
-                      seed=ctx.seed, targets_file=settings.targets, checks=not settings.no_checks, **ctx.loop)
+                      seed=ctx.seed, targets_file=settings.targets, checks=not settings.no_checks, attack_copy=settings.attack_copy,
+                      **ctx.loop)

@@ -93,9 +93,11 @@ MANIFEST = "manifest"
 # same data moved, or a clone of the repository elsewhere (the embedded test sets live inside the
 # package), is the same run; what the data is stays compared as ``data_variant`` and ``dataset``.
 # ``attention_path``: the implementation the SAN and SASA layers computed with
-# (:mod:`robust_attn.layers.paths`), the same function on either path, as on any device.
+# (:mod:`robust_attn.layers.paths`), the same function on either path, as on any device; so is
+# ``attack_copy``, the model the attacks queried (:func:`robust_attn.attacks.fast_model.attack_copy`).
 VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_workers", "created",
-                           "host", "data_root", "data_source", "attention_path", "input_contract_from"})
+                           "host", "data_root", "data_source", "attention_path", "input_contract_from",
+                           "attack_copy"})
 # Entries of run.json's "parameters" that record where an input came from rather than what it is:
 # the PGD targets may be drawn from a seed or read from another run's targets.csv; the targets
 # themselves are compared by content (the run's targets.csv) when a run is resumed.

@@ -33,7 +33,7 @@ inline void check_windows(const std::vector<int64_t>& dy, const std::vector<int6
 }
 
 // Row stride of a tile of T pixels: T, padded on large maps so that rows do not fall 4 KiB apart
-// (the same L1 sets; measured 2x on 32 x 32 maps).
+// (the same L1 sets; docs/performance.md, "Why each path exists").
 inline int64_t tile_stride(int64_t T) { return T >= 256 ? (T + 15) / 16 * 16 + 16 : T; }
 
 // sum_a += sum(a[0:n]) and sum_ab += sum(a * b) over n contiguous values, as a vectorized reduction

@@ -39,7 +39,7 @@ inline void nn_block(int64_t K, const S* W, int64_t ldw, const S* X, int64_t ldx
     for (int v = 0; v < NV; ++v) V::store(Y + r * ldy + v * V::lanes, a[r][v]);
 }
 
-// 8 rows at a time (16 accumulators with NV = 2: measured 1.3-1.6x faster than 4 rows), then 4, then 1
+// 8 rows at a time (16 accumulators with NV = 2, which beat 4 rows: docs/performance.md), then 4, then 1
 template <typename S, int NV>
 inline void nn_columns(int64_t M, int64_t K, const S* W, int64_t ldw, const S* X, int64_t ldx, S* Y, int64_t ldy,
                        bool acc) {
@@ -99,7 +99,7 @@ inline void nt_rows(int64_t N, int64_t T, const S* A, int64_t lda, const S* B, i
 
 // Y (M x N, row stride ldy) += A (M x T, row stride lda) B (N x T, row stride ldb)^T.
 // With at least a vector of columns N and few pixels T (or many rows M), as gemm_nn on a transposed
-// copy of B (up to 6x faster at T = 16: no horizontal sums); else as dot products over T.
+// copy of B (no horizontal sums: the faster form there, docs/performance.md); else as dot products over T.
 template <typename S>
 void gemm_nt(int64_t M, int64_t N, int64_t T, const S* A, int64_t lda, const S* B, int64_t ldb, S* Y, int64_t ldy) {
   if (N >= Vec<S>::lanes && (T < 512 || M >= 16)) {
