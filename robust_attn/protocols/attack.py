@@ -30,7 +30,7 @@ The random draws of an attack on chunk ``[start, stop)`` are seeded with
 ``seed * 2**32 + start``, so a resumed or sharded run computes the same images as an
 uninterrupted one, while the records depend on the batch size (recorded in run.json as the
 chunk size). Targets for targeted attacks are drawn like Table 10's
-(:func:`robust_attn.protocols.pgd.prepare_targets`) and saved in ``targets.csv``.
+(:func:`robust_attn.protocols.targets.prepare_targets`) and saved in ``targets.csv``.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from robust_attn.attacks.base import AttackConfig, make_attack
 from robust_attn.distributed import barrier
-from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
+from robust_attn.protocols.targets import dataset_labels, prepare_targets, save_targets
 from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks

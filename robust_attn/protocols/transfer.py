@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from robust_attn.attacks.base import AttackConfig, list_attacks, make_attack
 from robust_attn.distributed import barrier
-from robust_attn.protocols.pgd import dataset_labels, prepare_targets, save_targets
+from robust_attn.protocols.targets import dataset_labels, prepare_targets, save_targets
 from robust_attn.protocols.attack_eval import AttackOptions
 from robust_attn.protocols.eval_step import eval_protocol
 from robust_attn.protocols.study_step import study_protocol
