@@ -1,4 +1,4 @@
-"""Cost of making the common corruptions against the cost of evaluating a model on them (issue #17).
+"""Cost of making the common corruptions against the cost of evaluating a model on them.
 
 A study makes the corrupted images once (:class:`robust_attn.shifts.cache.CorruptionCache`) and
 evaluates every model on them; the goal is that making them for a 10,000-image CIFAR study costs

@@ -1,4 +1,4 @@
-"""The attack and transfer protocols (issue #14): records, resumption, sharding, the AutoAttack
+"""The attack and transfer protocols: records, resumption, sharding, the AutoAttack
 ensemble's worst case, transfer matrices, and the CLI's errors."""
 from __future__ import annotations
 

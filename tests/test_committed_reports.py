@@ -1,6 +1,5 @@
 """The study reports committed in ``reports/`` say what their packed runs say, and were computed
-from the checkpoints the zoo ships (issue #16: "commit the report with its packed runs"; issue
-#18: nothing silently wrong on disk).
+from the checkpoints the zoo ships, with their packed runs (nothing silently wrong on disk).
 
 The numbers are recomputed here from the per-image records with plain pandas means, independent
 of the report code, and compared with the committed CSV tables."""

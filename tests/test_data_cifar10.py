@@ -1,4 +1,4 @@
-"""CIFAR-10 readers on real bytes, the embedded test sets, and where data is looked for (issue #18).
+"""CIFAR-10 readers on real bytes, the embedded test sets, and where data is looked for.
 
 Real bytes: the project's shared CIFAR-10-JPEG copy (``../shared/data/cifar10/cifar10-jpeg.tar.gz`` or
 its extraction ``../data/cifar10-jpeg``, both beside the checkout); the tests that need it skip on a
@@ -312,7 +312,7 @@ def test_partial_pickle_root(tmp_path, jpegs):
     assert len(build_dataset("cifar10", root=tmp_path, split="test")) == 10 * PER_CLASS
 
 
-# --- data roots: explicit roots are searched alone, default locations are announced (issue #18) --
+# --- data roots: explicit roots are searched alone, default locations are announced --
 
 def _tiny_cifar100(root: Path) -> Path:
     folder = root / "cifar-100-python"

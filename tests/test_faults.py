@@ -1,4 +1,4 @@
-"""Issue #18, "nothing silently wrong": bad checkpoints, sidecars and manifests are clear errors
+"""Nothing silently wrong: bad checkpoints, sidecars and manifests are clear errors
 that name the fix (exit code 2 through the CLI, no traceback); reports tell apart runs of one
 model and show top-5 only where it means something; long silent phases say what they do; a
 model whose output does not fit the dataset is refused whatever its source."""

@@ -1,4 +1,4 @@
-"""Issue #16: after the README's install, the study on the shipped zoo runs from the test sets
+"""After the README's install, the study on the shipped zoo runs from the test sets
 embedded in the package: no data root, no Debian package, no download, no ../shared.
 
 The short form of ``robust-attn study --dataset DATASET`` (a few images, one model, the SAN

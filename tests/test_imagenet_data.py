@@ -1,4 +1,4 @@
-"""ImageNet as users hold it (class folders, flat val + ground truth) and the generic image folder (issue #15)."""
+"""ImageNet as users hold it (class folders, flat val + ground truth) and the generic image folder."""
 from __future__ import annotations
 
 import hashlib

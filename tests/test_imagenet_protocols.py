@@ -1,4 +1,4 @@
-"""Every protocol on ImageNet as users hold it (issue #15): rotation, Table 10 PGD and an
+"""Every protocol on ImageNet as users hold it: rotation, Table 10 PGD and an
 evaluation attack with ``--limit`` on a tiny 224 px ImageNet folder, in both layouts (class
 folders; flat val + LOC_val_solution.csv), with a user's file model that brings its own
 preprocessing. The images the model sees are checked against an independent PIL pipeline."""

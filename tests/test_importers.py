@@ -1,4 +1,4 @@
-"""Importers (issue #15): the SAN authors' checkpoints and torchvision-layout ResNets.
+"""Importers: the SAN authors' checkpoints and torchvision-layout ResNets.
 
 The SAN tests fill a state dict in the authors' layout (hszhao/SAN ``model/san.py``), written
 here from their architecture, with random values, convert it, and compare our model's forward

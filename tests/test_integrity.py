@@ -1,4 +1,4 @@
-"""Issue #18, integrity of stored results and concurrency: checksummed chunks and packed runs,
+"""Integrity of stored results and concurrency: checksummed chunks and packed runs,
 damage is a clear error naming the file and the fix (exit code 2 through the CLI), ``--repair``
 recomputes only damaged chunks, claims keep processes sharing a run folder from computing a
 chunk twice, and a killed claimant's claim is taken over."""

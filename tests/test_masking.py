@@ -1,4 +1,4 @@
-"""Gradient-masking checks (issue #14): hand-made masked models trigger each check, a plain
+"""Gradient-masking checks: hand-made masked models trigger each check, a plain
 (tiny, random) ResNet triggers none."""
 from __future__ import annotations
 

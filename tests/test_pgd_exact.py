@@ -1,4 +1,4 @@
-"""Exact mode of targeted PGD (issue #14, "backend agreement"): native, torchattacks and foolbox
+"""Exact mode of targeted PGD: native, torchattacks and foolbox
 give bit-identical images at any batch size, and ``run_pgd`` / ``eval pgd --exact`` reach it."""
 from __future__ import annotations
 

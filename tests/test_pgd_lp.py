@@ -1,4 +1,4 @@
-"""The registered evaluation attack "pgd" (L-inf / L2 PGD of Madry et al. 2018, issue #14)."""
+"""The registered evaluation attack "pgd" (L-inf / L2 PGD of Madry et al. 2018)."""
 from __future__ import annotations
 
 

@@ -1,4 +1,4 @@
-"""Where a run's model came from (issue #15): the Python API's runs record it (``model_info=``),
+"""Where a run's model came from: the Python API's runs record it (``model_info=``),
 reports say it per model and label random weights only when they are known to be random; a
 user's own PGD targets as a tensor."""
 from __future__ import annotations
@@ -104,7 +104,7 @@ def test_a_loaded_spec_passes_its_description(tmp_path, data):
 
 
 def test_runs_recorded_before_provenance_keys_resume(tmp_path, data):
-    """run.json written before issue #15 lacks source/spec/...: such a run still resumes."""
+    """run.json written by earlier versions lacks source/spec/...: such a run still resumes."""
     model = Tiny().eval()
     out = tmp_path / "rot"
     run_rotation(model, data, out, conditions=rotation_conditions(0), run_info={"model": "old"}, **QUIET)

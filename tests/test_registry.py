@@ -4,7 +4,7 @@ import torch
 import robust_attn
 from robust_attn.models.registry import MODELS, register_model
 
-# Every architecture the zoo promises (issue 2).
+# Every architecture the zoo promises.
 EXPECTED = """resnet26 resnet38 resnet50 san10_pairwise san15_pairwise san19_pairwise san10_patchwise
 san15_patchwise san19_patchwise sasa_resnet26 sasa_resnet38 sasa_resnet50 gsa_resnet26 gsa_resnet38
 gsa_resnet50 gsa_resnet101 aa_resnet26 aa_resnet34 aa_resnet38 aa_resnet50 aa_resnet101 aa_wrn28_10

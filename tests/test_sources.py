@@ -1,4 +1,4 @@
-"""Model specs (issue #15): every source builds, gives its preprocessing, records where the model
+"""Model specs: every source builds, gives its preprocessing, records where the model
 came from; bad specs are clear errors. CPU, random weights, no network."""
 from __future__ import annotations
 

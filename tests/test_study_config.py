@@ -1,4 +1,4 @@
-"""``robust-attn study CONFIG.toml`` (issue #15): models from any source, validated on load, each
+"""``robust-attn study CONFIG.toml``: models from any source, validated on load, each
 evaluated through its own preprocessing on the same images; the report says where each came from."""
 from __future__ import annotations
 

@@ -125,8 +125,8 @@ def test_torchvision_entry_names_are_checked_when_added(tmp_path, capsys):
 
 
 def test_eval_of_a_torchvision_entry_uses_torchvision_weights_not_a_file(tmp_path, monkeypatch, capsys):
-    """Issue #15: `zoo add NAME --torchvision ...` then `eval --zoo --model NAME` failed with
-    `checkpoint <manifest folder> does not exist`. torchvision's download is replaced here by a
+    """`zoo add NAME --torchvision ...` then `eval --zoo --model NAME` loads torchvision's weights, not
+    a checkpoint file in the manifest's folder. torchvision's download is replaced here by a
     random-init state dict (no network)."""
     from urllib.error import URLError
 
@@ -265,7 +265,7 @@ def test_shipped_checkpoint_reproduces_its_stated_test_accuracy(entry):
     assert count == size
     assert abs(top1 - entry.metrics["eval_top1"]) < 0.02 and abs(top5 - entry.metrics["eval_top5"]) < 0.02
     if entry.dataset == "fashion_mnist":
-        assert top1 >= 90.0          # issue 5: every zoo model reaches 90% top-1 on the test set
+        assert top1 >= 90.0
 
 
 @pytest.mark.parametrize("entry", _ZOO, ids=lambda e: f"{e.name}-{e.dataset}")
@@ -286,7 +286,7 @@ def test_shipped_checkpoint_on_a_seeded_fifth_of_the_test_set_gets_the_recorded_
     se = (p * (1 - p) / n * (total - n) / (total - 1)) ** 0.5
     assert abs(entry.metrics["seeded_fifth_top1_correct"] / n - p) <= 4 * se
     if entry.dataset == "fashion_mnist":
-        assert entry.metrics["eval_top1"] >= 90.0   # issue 5, of the stated figure the test above checks with -m slow
+        assert entry.metrics["eval_top1"] >= 90.0
 
 
 def test_a_manifest_entry_with_an_unknown_key_names_it(tmp_path, capsys):
