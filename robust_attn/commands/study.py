@@ -21,6 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from robust_attn.layers.paths import ATTENTION_PATH_HELP, ATTENTION_PATHS
     from robust_attn.data import SPLITS
     from robust_attn.protocols.settings import add_options
+    from robust_attn.study.batches import DEFAULT_BATCHES
     from robust_attn.study.config import protocol_fields, study_config_class
 
     d = study_config_class()()
@@ -37,14 +38,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                   "system copy)")
     p.add_argument("--split", choices=SPLITS, help=f"default {d.split}")
     p.add_argument("--limit", type=int, help="a fixed-seed subset of this many images (default: all)")
-    p.add_argument("--batch-size", type=int, help=f"images per batch and record chunk (default {d.batch_size})")
+    p.add_argument("--batch-size", type=int,
+                   help=f"images per batch and record chunk (default {DEFAULT_BATCHES['cifar'].batch_size} at 32 px, "
+                        f"{DEFAULT_BATCHES['imagenet'].batch_size} at ImageNet resolution)")
     p.add_argument("--protocols", help=f"comma list of the protocols to run, in order (default {','.join(d.protocols)}; "
                                        f"separate processes may share --runs)")
     p.add_argument("--attack-limit", type=int,
                    help=f"seeded subset of images for apgd, autoattack, square and transfer "
                         f"(default {d.attack_limit})")
     p.add_argument("--attack-batch-size", type=int,
-                   help=f"images per batch and record chunk of the attacks (default {d.attack_batch_size})")
+                   help=f"images per batch and record chunk of the attacks (default "
+                        f"{DEFAULT_BATCHES['cifar'].attack_batch_size} at 32 px, {DEFAULT_BATCHES['imagenet'].attack_batch_size} at "
+                        f"ImageNet resolution)")
     p.add_argument("--shift-seed", type=int, help=f"seed of the corruptions, occlusions and shuffles "
                                                   f"(default {d.shift_seed})")
     p.add_argument("--seed", type=int, help=f"attack targets and bootstrap seed (default {d.seed})")
