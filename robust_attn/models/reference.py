@@ -1,4 +1,4 @@
-"""The published numbers (SAN Tables 3, 9, 10; SASA, GSA, AA tables), shipped in
+"""The published numbers (SAN Tables 3, 9, 10; SASA, GSA, AA tables; Bai et al. 2021), shipped in
 ``reports/reference`` of the source tree and as package data."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ REFERENCE_DIR = Path(__file__).resolve().parents[2] / "reports" / "reference"
 
 def reference_table(name: str) -> pd.DataFrame:
     """One of ``imagenet_params_flops``, ``san_table9_rotation``, ``san_table10_pgd``,
-    ``cifar100_reference`` as a DataFrame."""
+    ``cifar100_reference``, ``bai2021_adversarial`` as a DataFrame."""
     path = REFERENCE_DIR / f"{name}.csv"
     if not path.is_file():
         raise FileNotFoundError(f"reference table {path} is missing; it ships in the repository's "

@@ -2,7 +2,9 @@
 ``$ROBUST_ATTN_ZOO_MANIFEST`` or the request's ``manifest``), sha256-checked by
 :func:`robust_attn.models.manifest.load_entry`.
 
-A checkpoint entry takes the dataset's images as they are (preprocessing ``None``). A torchvision
+A checkpoint entry takes the dataset's images as they are (preprocessing ``None``); its
+description carries the entry's ``adversarial`` record (``{}``: standard training), so every
+run of it says how it was trained. A torchvision
 entry (``robust-attn zoo add NAME --torchvision MODEL --weights WEIGHTS``) has no weights file:
 it is the spec ``torchvision:MODEL:WEIGHTS`` (:mod:`robust_attn.sources.torchvision_source`,
 with that source's preprocessing and its clear error when the weights cannot be fetched).
@@ -40,4 +42,4 @@ def load_zoo(request: SourceRequest) -> LoadedModel:
     return LoadedModel(model, None, {
         "source": "zoo", "model": (arch or {}).get("name", entry.name), "zoo_entry": entry.name, "arch": arch,
         "checkpoint": {"path": entry.weights, "sha256": entry.sha256}, "weights_origin": "zoo",
-        "weights_sha256": entry.sha256})
+        "weights_sha256": entry.sha256, "adversarial": dict(entry.adversarial)})

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from robust_attn.study.config import StudyModel
 
-__all__ = ["StudyEntry", "study_models", "load_models", "model_inputs"]
+__all__ = ["StudyEntry", "study_models", "missing_zoo_models", "load_models", "model_inputs"]
 
 
 @dataclass
@@ -45,10 +45,22 @@ def study_models(config, manifest) -> list[StudyModel]:
     return [StudyModel(f"zoo:{m}", label=m) if isinstance(m, str) else m for m in chosen]
 
 
+def missing_zoo_models(chosen: list[StudyModel], manifest, dataset: str) -> list[str]:
+    """The labels of the ``zoo:NAME`` models the manifest lacks for ``dataset``."""
+    return [m.name for m in chosen if m.spec.startswith("zoo:") and (m.spec[4:], dataset) not in manifest.entries]
+
+
 def load_models(chosen: list[StudyModel], info, device, manifest, seed: int, log) -> dict:
-    """name -> LoadedModel of every study model (errors name the model and the fix)."""
+    """name -> LoadedModel of every study model (errors name the model and the fix; every zoo
+    model the manifest lacks is named at once, before any model is loaded)."""
     from robust_attn.sources import load_model_spec
 
+    missing = missing_zoo_models(chosen, manifest, info.name)
+    if missing:
+        raise ValueError(f"the zoo at {manifest.path} lacks {len(missing)} of the study's {len(chosen)} models for "
+                         f"{info.name}: {', '.join(missing)}. Train each with its recipe (zoo/recipes) and register "
+                         f"it with `robust-attn zoo add NAME --dataset {info.name} --checkpoint RUN/model.safetensors`, "
+                         f"or study the others now (--models LABEL,...)")
     loaded = {}
     for i, m in enumerate(chosen, start=1):
         log(f"[{i}/{len(chosen)}] {m.name}: loading {m.spec}")
