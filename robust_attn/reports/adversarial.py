@@ -246,7 +246,7 @@ def adversarial_findings(runs, ctx: ReportContext) -> tuple[list[str], pd.DataFr
         text = f"**Most robust under {label}:** {best['model']} ({best['family']})"
         if len(ranked) > 1:
             text += (f"; not resolved from {', '.join(tied)}, so its lead is not established on these images." if tied
-                     else f"; its lead over every other family is resolved.")
+                     else "; its lead over every other family is resolved.")
         if best["model"].endswith(MARK):
             text += (" A gradient-masking check flagged it: its robust accuracy may only say that the attack "
                      "failed.")
