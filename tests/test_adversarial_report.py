@@ -226,3 +226,30 @@ def test_a_zoo_model_records_how_it_was_trained(tmp_path):
                                  device="cpu")
         assert loaded.description["adversarial"] == training
 
+
+
+def test_make_report_writes_the_section_from_run_directories(study, tmp_path):
+    """The section is registered: `robust-attn report` over run directories whose run.json records
+    the training (as a zoo model's runs do) writes it, with its CSV."""
+    from robust_attn.protocols.runner import open_run
+    from robust_attn.reports import make_report
+
+    runs, _ = study
+    dirs = []
+    for run in (r for r in runs if r.protocol == "attack"):
+        info = {k: run.description[k] for k in ("model", "arch", "adversarial", "dataset", "checkpoint")}
+        store = open_run(tmp_path / "runs" / run.path.name, dict(info, weights_origin="zoo"), protocol="attack",
+                         parameters={}, conditions=run.description["conditions"], num_images=N, chunk_size=N)
+        for condition, group in run.records.groupby("condition"):
+            hit = group["top1"].to_numpy()
+            store.write_chunk(condition, 0, N, pd.DataFrame({
+                "index": np.arange(N), "label": 0, "target": -1, "clean_pred": 0, "pred": 1 - hit, "top1": hit,
+                "success": 1 - hit, "margin": hit - 0.5, "linf": 0.0, "l2": 0.0, "queries": -1,
+                "by": np.where(hit == 1, "none", "apgd-ce")}))
+        dirs.append(store.root)
+    make_report(dirs, tmp_path / "report", n_boot=50, plots=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "## Adversarial training: which family is most robust" in md
+    assert "**Most robust under adversarial fgsm, eps 8/255, 1 step:** san10_pairwise_adv (san)" in md
+    table = pd.read_csv(tmp_path / "report" / "adversarial_training.csv")
+    assert set(table["question"]) == {"most_robust", "weakness", "gain"}
