@@ -181,6 +181,12 @@ def test_no_section_without_adversarial_runs_and_notes_on_what_cannot_be_paired(
     assert next(m for m in models if m["model"] == "resnet26_adv")["standard"] is None
     assert any(n.startswith("resnet26_adv: 2 standard models of resnet26") for n in notes)
     assert any(n.startswith("mystery: its runs do not say how it was trained") for n in notes)
+    wider = next(r for r in runs if r.model == "sasa_resnet26_adv")
+    wider.description["arch"] = {"name": "sasa_resnet26", "overrides": {"width": 0.5}}
+    notes = pair_models(runs)[1]
+    assert notes == ["sasa_resnet26_adv and sasa_resnet26 differ in their architecture arguments ({'name': "
+                     "'sasa_resnet26', 'overrides': {'width': 0.5}} against {'name': 'sasa_resnet26'}): its gains mix "
+                     "adversarial training with that difference"]
 
 
 def test_the_adversarial_study_config_pairs_every_family_and_names_missing_models_at_once(tmp_path):

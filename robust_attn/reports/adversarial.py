@@ -10,7 +10,8 @@ model registry names) and its training.
 Pairing: an adversarially trained model pairs with the standard model of the same architecture
 among the report's runs (the study config lists one standard model per architecture, so the
 config is the explicit choice); two standard models of one architecture are a pairing the
-section refuses to guess, and it says so.
+section refuses to guess, and it says so. A pair whose architecture arguments differ (run.json's
+``arch``: another width, say) is paired, with a note that its gains mix the two differences.
 
 The answers, each from per-image hits on the same images (the study's seeded subset), with
 percentile bootstrap intervals over images, paired (one resample serves both models):
@@ -157,7 +158,7 @@ def pair_models(runs) -> tuple[list[dict], list[str]]:
             models[name] = {}
             continue
         models[name] = {"model": name, "arch": _arch(run), "family": _family(_arch(run)), "training": training,
-                        "standard": None}
+                        "standard": None, "arguments": run.description.get("arch") or {}}
     models = {k: v for k, v in models.items() if v}
     standard: dict[str, list[str]] = {}
     for m in models.values():
@@ -168,6 +169,10 @@ def pair_models(runs) -> tuple[list[dict], list[str]]:
             have = standard.get(m["arch"], [])
             if len(have) == 1:
                 m["standard"] = have[0]
+                if m["arguments"] != models[have[0]]["arguments"]:
+                    notes.append(f"{m['model']} and {have[0]} differ in their architecture arguments "
+                                 f"({m['arguments']} against {models[have[0]]['arguments']}): its gains mix "
+                                 "adversarial training with that difference")
             elif have:
                 notes.append(f"{m['model']}: {len(have)} standard models of {m['arch']} ({', '.join(have)}); report one "
                              f"of them beside it to pair them")
