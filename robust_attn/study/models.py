@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from robust_attn.study.config import StudyModel
 
-__all__ = ["StudyEntry", "study_models", "load_models", "model_inputs"]
+__all__ = ["StudyEntry", "study_models", "missing_zoo_models", "missing_zoo_message", "load_models", "model_inputs"]
 
 
 @dataclass
@@ -43,6 +43,23 @@ def study_models(config, manifest) -> list[StudyModel]:
         raise ValueError(f"no zoo model {unknown} for {config.dataset!r}; the zoo has {sorted(by_name)}")
     chosen = config.models or tuple(by_name)
     return [StudyModel(f"zoo:{m}", label=m) if isinstance(m, str) else m for m in chosen]
+
+
+def missing_zoo_models(chosen: list[StudyModel], manifest, dataset: str) -> list[str]:
+    """The zoo entries (``zoo:NAME`` specs) among ``chosen`` that ``manifest`` lacks for ``dataset``."""
+    from robust_attn.sources import parse_spec
+
+    named = [parse_spec(m.spec) for m in chosen]
+    return [target for source, target in named if source == "zoo" and (target, dataset) not in manifest.entries]
+
+
+def missing_zoo_message(missing: list[str], chosen: list[StudyModel], manifest, dataset: str) -> str:
+    """What to do when the zoo lacks some of the study's models (:func:`missing_zoo_models`)."""
+    have = sorted(name for name, d in manifest.entries if d == dataset)
+    return (f"the zoo at {manifest.path} has no {dataset} entry for {len(missing)} of the study's {len(chosen)} "
+            f"models: {', '.join(missing)}. Train each with its recipe (`robust-attn train zoo/recipes/RECIPE.toml "
+            f"model=ARCH ...`) and register it under that name (`robust-attn zoo add NAME --dataset {dataset} "
+            f"--checkpoint FILE`), or leave them out of the study. Its {dataset} entries: {', '.join(have) or 'none'}")
 
 
 def load_models(chosen: list[StudyModel], info, device, manifest, seed: int, log) -> dict:
