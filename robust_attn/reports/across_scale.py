@@ -298,7 +298,7 @@ def compare_zoos(reference: list[Run], other: list[Run], findings=FINDINGS, n_bo
             classes = next((r.num_classes for r in runs if r.num_classes), 10)
             result = check_finding(finding, losses, n_boot=n_boot, seed=seed, level=level, num_classes=classes)
             verdicts[zoo] = result["verdict"]
-            rows.append({"finding": finding.key, "claim": finding.claim, "zoo": zoo, **result})
+            rows.append({"finding": finding.key, "claim": finding.claim, "kind": finding.kind, "zoo": zoo, **result})
         for row in rows[-2:]:
             row["across"] = across_verdict(verdicts["reference"], verdicts["other"])
     return pd.DataFrame(rows)
@@ -307,7 +307,7 @@ def compare_zoos(reference: list[Run], other: list[Run], findings=FINDINGS, n_bo
 def _cell(row) -> str:
     if row["verdict"] == "not measured":
         return "not measured"
-    digits = 2 if "tau" in row["detail"] else 1
+    digits = 2 if row["kind"] == "rank" else 1   # Kendall's tau, else points
     return (f"{row['verdict']}: {row['value']:+.{digits}f} [{row['low']:+.{digits}f}, {row['high']:+.{digits}f}] "
             f"({row['detail']}; {row['n']:,} images)")
 
@@ -335,11 +335,13 @@ def write_across_scale(reference_paths, other_paths, out_dir, n_boot: int = 1000
     out.mkdir(parents=True, exist_ok=True)
     files = [write_csv(table, out / "across_scale.csv")]
     names = {"reference": _label(reference_paths), "other": _label(other_paths)}
+    if names["reference"] == names["other"]:   # the table's two columns need two names
+        names = {zoo: f"{name} ({zoo})" for zoo, name in names.items()}
     rows = []
     for finding in dict.fromkeys(table["finding"]):
         pair = table[table["finding"] == finding].set_index("zoo")
-        rows.append({"finding": pair["claim"].iloc[0], f"{names['reference']}": _cell(pair.loc["reference"]),
-                     f"{names['other']}": _cell(pair.loc["other"]), "across scale": pair["across"].iloc[0]})
+        rows.append({"finding": pair["claim"].iloc[0], names["reference"]: _cell(pair.loc["reference"]),
+                     names["other"]: _cell(pair.loc["other"]), "across scale": pair["across"].iloc[0]})
     counts = table.drop_duplicates("finding")["across"].value_counts()
     md = ["# What survives across scale", "",
           f"The findings of **{names['reference']}** ({_zoo_summary(reference)}) tested again in "
