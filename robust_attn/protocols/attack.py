@@ -52,8 +52,8 @@ from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
 
-__all__ = ["PROTOCOL", "CLEAN", "attack_records", "autoattack_images", "computation_order", "logit_margin", "make_evaluator",
-           "resume_order", "run_attack", "describe_attack_copy", "saved_states", "state_path", "summarize_attack", "config_from_condition"]
+__all__ = ["PROTOCOL", "CLEAN", "attack_records", "autoattack_images", "computation_order", "logit_margin",
+           "make_evaluator", "resume_order", "run_attack", "describe_attack_copy", "saved_states", "state_path", "summarize_attack", "config_from_condition"]
 
 PROTOCOL = "attack"
 CLEAN = "clean"
