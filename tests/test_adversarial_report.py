@@ -208,7 +208,7 @@ def test_the_adversarial_study_config_pairs_every_family_and_names_missing_model
         load_models(list(config.models), SimpleNamespace(name="cifar10"), "cpu", Manifest(tmp_path / "none.json"),
                     0, log=lambda *_: None)
     message = str(err.value)
-    assert "lacks 14 of the study's 14 models for cifar10" in message and "robust-attn zoo add" in message
+    assert "has no cifar10 entry for 14 of the study's 14 models" in message and "robust-attn zoo add" in message
     assert all(label in message for label in labels)
 
 

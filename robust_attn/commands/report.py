@@ -4,7 +4,9 @@ the published numbers beside ours, bootstrap intervals and plots, from stored ru
 ``--pack`` first copies the runs, packed and checksummed, under ``OUT/runs/``, so that a report
 committed with its runs can be re-derived from what was committed (the study does the same).
 ``--partial`` reports what is finished (an unfinished attack run's finished radii; other
-unfinished runs are left out), naming what it leaves out."""
+unfinished runs are left out), naming what it leaves out. ``--compare-zoo OTHER...`` writes,
+instead of the report, the findings of the zoo at OTHER tested in the zoo of the runs given
+(:mod:`robust_attn.reports.across_scale`)."""
 from __future__ import annotations
 
 import argparse
@@ -32,12 +34,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="report what is finished: unfinished attack runs from their finished conditions (each "
                           "radius on all of its images), other unfinished runs left out; the report names what it "
                           "leaves out")
+    rep.add_argument("--compare-zoo", nargs="+", metavar="OTHER",
+                     help="instead of the report: test the findings of the zoo at OTHER (report folders, study runs "
+                          "folders or run directories; e.g. reports/study-cifar10 reports/study-cifar10-full) again "
+                          "in the zoo of RUN_DIR (the same kinds of path), each with its paired bootstrap interval, "
+                          "and say which hold, flip or stay unresolved (OUT/report.md, OUT/across_scale.csv)")
     rep.set_defaults(func=run_report)
 
 
 def run_report(args) -> int:
     from robust_attn.reports import make_report
 
+    if args.compare_zoo:
+        return _compare_zoos(args)
     # a study's runs folder (`--runs`, its timings.csv beside the runs) is taken as the study wrote
     # it: given whole, it stands for its runs; given as FOLDER/*, its own files are passed over
     given, args.runs = args.runs, []
@@ -62,6 +71,20 @@ def run_report(args) -> int:
     if args.pack:
         print(f"runs packed into {Path(args.out) / 'runs'}")
     print(f"report of {len(args.runs)} run(s): {len(files)} files in {args.out} (see {Path(args.out) / 'report.md'})")
+    return 0
+
+
+def _compare_zoos(args) -> int:
+    """``--compare-zoo``: the findings of one zoo tested in another (:mod:`robust_attn.reports.across_scale`)."""
+    from robust_attn.reports.across_scale import write_across_scale
+
+    if args.pack or args.partial:
+        raise UserError("--compare-zoo reads finished runs as they are: drop --pack and --partial")
+    if args.level <= 0 or args.level >= 1 or args.bootstrap < 1:
+        raise UserError("--level takes a confidence level in (0, 1) and --bootstrap a positive number of resamples")
+    files = write_across_scale(args.compare_zoo, args.runs, args.out, n_boot=args.bootstrap, seed=args.seed,
+                               level=args.level)
+    print(f"findings across zoos: {len(files)} files in {args.out} (see {Path(args.out) / 'report.md'})")
     return 0
 
 

@@ -42,7 +42,7 @@ from robust_attn.data.base import DATA_ENV, DATASETS, DatasetInfo, TensorImageDa
 from robust_attn.data.splits import holdout_split, subset_indices
 from robust_attn.data.transforms import SeededAugment
 
-__all__ = ["DatasetInfo", "dataset_info", "build_dataset", "locate_dataset", "list_datasets",
+__all__ = ["DatasetInfo", "dataset_info", "build_dataset", "locate_dataset", "list_datasets", "subset_dataset",
            "SeededAugment", "TensorImageDataset", "default_data_root", "DATA_ENV", "takes_transform"]
 
 SPLITS = ("train", "val", "test")
@@ -119,20 +119,21 @@ def build_dataset(name: str, root: str | Path | None = None, split: str = "test"
         dataset = module.build(root, "train", augment, download=download, verify=verify, **kwargs)
         if split == "val" or holdout:
             train_idx, val_idx = holdout_split(_labels(dataset), module.INFO.val_per_class)
-            dataset = _subset(dataset, val_idx if split == "val" else train_idx)
+            dataset = subset_dataset(dataset, val_idx if split == "val" else train_idx)
     if root is None and getattr(dataset, "source", None):
         print(f"data: {name} {split} read from {dataset.source} (default location; pass root / --root to choose)",
               file=sys.stderr)
     keep = subset_indices(len(dataset), limit)
-    return dataset if keep is None else _subset(dataset, keep)
+    return dataset if keep is None else subset_dataset(dataset, keep)
 
 
 #: attributes a subset keeps: where the images came from and what the labels index
 _CARRIED = ("variant", "source", "num_classes", "classes", "class_to_idx")
 
 
-def _subset(dataset: Dataset, indices: list[int]) -> Dataset:
-    """A ``Subset`` that keeps ``targets`` (so a subset can be split or sampled per class again)."""
+def subset_dataset(dataset: Dataset, indices: list[int]) -> Dataset:
+    """The images ``indices`` of ``dataset``, in that order: a ``Subset`` that keeps ``targets`` (so a
+    subset can be split or sampled per class again) and where the images came from."""
     if isinstance(dataset, TensorImageDataset):
         subset = TensorImageDataset(dataset.images[indices], dataset.labels[indices], dataset.transform)
         for key in _CARRIED:  # where the images came from (see e.g. robust_attn.data.cifar10)

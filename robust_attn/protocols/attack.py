@@ -52,8 +52,8 @@ from robust_attn.protocols.study_step import study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
 
-__all__ = ["PROTOCOL", "CLEAN", "attack_records", "computation_order", "logit_margin", "make_evaluator",
-           "resume_order", "run_attack", "describe_attack_copy", "saved_states", "state_path", "summarize_attack", "config_from_condition"]
+__all__ = ["PROTOCOL", "CLEAN", "attack_records", "autoattack_images", "computation_order", "logit_margin",
+           "make_evaluator", "resume_order", "run_attack", "describe_attack_copy", "saved_states", "state_path", "summarize_attack", "config_from_condition"]
 
 PROTOCOL = "attack"
 CLEAN = "clean"
@@ -283,7 +283,8 @@ def _levels(radii) -> str:
 def _describe_autoattack(config) -> str:
     eps = _levels(config.autoattack_eps)
     steps = f" with {config.attack_steps} iterations per member" if config.attack_steps else ""
-    return f"AutoAttack's standard ensemble, untargeted L-inf, at eps {{{eps}}}/255{steps}"
+    images = f" on a seeded {config.autoattack_limit:,} of them" if config.autoattack_limit else ""
+    return f"AutoAttack's standard ensemble, untargeted L-inf, at eps {{{eps}}}/255{steps}{images}"
 
 
 def _describe_apgd(config) -> str:
@@ -317,10 +318,27 @@ class AttackStepSettings(ProtocolSettings):
 class AutoAttackSettings(AttackStepSettings):
     autoattack_eps: tuple[float, ...] = setting((1 / 255, 2 / 255, 4 / 255, 8 / 255), "AutoAttack L-inf radii, comma "
                                                 "list", radius="linf")
+    autoattack_limit: int | None = setting(None, "AutoAttack on a seeded subset of this many of the attack subset's "
+                                                 "images (the others' attacks run on all of them; default: all)",
+                                           scope="study")
 
     def check(self, study) -> None:
         super().check(study)
         _check_eps("autoattack_eps", self.autoattack_eps)
+        if self.autoattack_limit is not None and self.autoattack_limit < 1:
+            raise ValueError(f"autoattack_limit must be positive (or unset for the whole attack subset), got "
+                             f"{self.autoattack_limit}")
+
+
+def autoattack_images(dataset, limit: int | None):
+    """The images AutoAttack runs on: a seeded ``limit`` of ``dataset`` (the study's attack subset,
+    so they are among the images APGD-CE, Square and transfer run on), or all of it. Its records'
+    ``index`` is the position in that subset."""
+    from robust_attn.data import subset_dataset
+    from robust_attn.data.splits import subset_indices
+
+    keep = subset_indices(len(dataset), limit)
+    return dataset if keep is None else subset_dataset(dataset, keep)
 
 
 @dataclass(frozen=True)
@@ -348,8 +366,10 @@ class SquareSettings(ProtocolSettings):
                 describe=_describe_autoattack, attack_subset=True, default_order=3,
                 settings=AutoAttackSettings)
 def study_autoattack(ctx, entry, model):
-    """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps``."""
-    return study_attack(ctx, entry, model, "autoattack", [
+    """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps``, on
+    ``config.autoattack_limit`` of the attack subset's images (:func:`autoattack_images`)."""
+    images = autoattack_images(ctx.attack_dataset, ctx.config.autoattack_limit)
+    return study_attack(dataclasses.replace(ctx, attack_dataset=images), entry, model, "autoattack", [
         AttackConfig("autoattack", eps=e, steps=ctx.config.attack_steps, seed=ctx.config.seed)
         for e in ctx.config.autoattack_eps])
 

@@ -25,7 +25,7 @@ from typing import Callable
 from robust_attn.utils.durations import format_seconds
 
 __all__ = ["Passes", "PlanRow", "protocol_passes", "probe_model", "plan_rows", "format_plan", "format_seconds",
-           "PASS_COUNTS", "StudyClock", "log_plan", "probe_images", "study_total"]
+           "PASS_COUNTS", "StudyClock", "log_plan", "log_unprobed_plan", "probe_images", "study_total"]
 
 #: AutoAttack's standard members: iterations per image of APGD-CE, APGD-T and FAB-T per target
 #: class (9 targets each), and Square's queries
@@ -36,10 +36,10 @@ _AA_TARGETS = 9
 class Passes:
     """Passes through the model per image of the step's images: ``forward`` (no gradient) and
     ``backward`` (a forward and a backward pass to the input). ``bound``: an upper bound (the
-    attack stops early on fooled images). ``images``: ``"study"`` (every image of the study) or
-    ``"attack"`` (the attack subset); ``per_target``: forward passes per image through each
-    *other* model (the transfer matrix's targets); ``least``: for a bound, the passes made even
-    if every image is fooled at once (None: the bound itself)."""
+    attack stops early on fooled images). ``images``: ``"study"`` (every image of the study),
+    ``"attack"`` (the attack subset) or ``"autoattack"`` (AutoAttack's part of it); ``per_target``:
+    forward passes per image through each *other* model (the transfer matrix's targets); ``least``:
+    for a bound, the passes made even if every image is fooled at once (None: the bound itself)."""
 
     forward: float = 0.0
     backward: float = 0.0
@@ -101,8 +101,8 @@ def _autoattack(config) -> Passes:
     radii = len(config.autoattack_eps)
     per_radius_backward = _steps(config) * (1 + 2 * _AA_TARGETS)
     return Passes(forward=1 + radii * (1 + config.square_queries), backward=radii * per_radius_backward,
-                  images="attack", bound=True, least=Passes(forward=1 + radii, backward=radii * _steps(config),
-                                                            images="attack"))
+                  images="autoattack", bound=True, least=Passes(forward=1 + radii, backward=radii * _steps(config),
+                                                                images="autoattack"))
 
 
 def _square(config) -> Passes:
@@ -202,6 +202,7 @@ def plan_rows(config, models: list[str], probes: dict[str, tuple[float, float]],
     for step, model in order:
         passes = protocol_passes(step.name, config)
         count = {"study": num_images, "attack": num_attack_images,
+                 "autoattack": min(config.autoattack_limit or num_attack_images, num_attack_images),
                  "masking": min(config.masking_images, num_attack_images)}[passes.images] if passes else \
             (num_attack_images if step.attack_subset else num_images)
         seconds = least = None
@@ -226,11 +227,13 @@ def format_plan(rows: list[PlanRow], *, device: str, workers: int, header: str =
     def shown(r: PlanRow | None) -> str:
         if r is None:
             return "-"
-        return ("<=" if r.bound else "") + format_seconds(r.seconds)
+        return "?" if r.seconds is None else ("<=" if r.bound else "") + format_seconds(r.seconds)
 
     lines = [header] if header else []
-    lines.append(f"study plan ({device}, {workers} process(es); estimated from a probe of each model on this "
-                 f"machine now; <= is an upper bound):")
+    probed = any(r.seconds is not None for r in rows)
+    lines.append(f"study plan ({device}, {workers} process(es); " + (
+        "estimated from a probe of each model on this machine now; <= is an upper bound):" if probed else
+        "no model could be timed, so no time is estimated):"))
     images = {p: next(r.images for r in rows if r.protocol == p) for p in protocols}
     lines.append(f"  {'model':<{width}}  " + "  ".join(f"{p} ({images[p]} img)" for p in protocols))
     for m in models:
@@ -241,15 +244,16 @@ def format_plan(rows: list[PlanRow], *, device: str, workers: int, header: str =
     for p in protocols:
         known = [r.seconds for r in totals[p] if r.seconds is not None]
         bound = any(r.bound for r in totals[p])
-        total_cells.append(("<=" if bound else "") + (format_seconds(sum(known)) if known else "?"))
+        total_cells.append(("<=" if bound else "") + format_seconds(sum(known)) if known else "?")
     lines.append(f"  {'total':<{width}}  " + "  ".join(f"{c:>{len(p) + len(str(images[p])) + 7}}"
                                                       for c, p in zip(total_cells, protocols)))
     total, bound = study_total(rows)
     least = sum(r.least for r in rows if r.least is not None)
     said = f"between {format_seconds(least)} and {format_seconds(total)}" if bound and least < 0.8 * total else \
         f"{'at most ' if bound else 'about '}{format_seconds(total)}"
-    lines.append(f"  estimated time of the study: {said}"
-                 + (" (protocols of unknown cost not counted)" if any(r.seconds is None for r in rows) else ""))
+    if probed:
+        lines.append(f"  estimated time of the study: {said}"
+                     + (" (protocols of unknown cost not counted)" if any(r.seconds is None for r in rows) else ""))
     return lines
 
 
@@ -299,6 +303,17 @@ def probe_images(dataset, n: int = 16):
     import torch
 
     return torch.stack([dataset[i][0] for i in range(min(n, len(dataset)))])
+
+
+def log_unprobed_plan(config, models: list[str], root, device, workers: int, log) -> None:
+    """Log the plan of a study whose models cannot be loaded: what would run, on how many images,
+    without times (the study's images are counted; no model is built)."""
+    from robust_attn.data import build_dataset
+
+    num_images = len(build_dataset(config.dataset, root=root, split=config.split, limit=config.limit))
+    rows = plan_rows(config, models, {}, num_images, min(num_images, config.attack_limit or num_images), workers)
+    for line in format_plan(rows, device=str(device), workers=workers):
+        log(line)
 
 
 def log_plan(config, loaded: dict, inputs: dict, device, workers: int, log) -> StudyClock:

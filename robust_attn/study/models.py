@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from robust_attn.study.config import StudyModel
 
-__all__ = ["StudyEntry", "study_models", "missing_zoo_models", "load_models", "model_inputs"]
+__all__ = ["StudyEntry", "study_models", "missing_zoo_models", "missing_zoo_message", "load_models", "model_inputs"]
 
 
 @dataclass
@@ -46,8 +46,21 @@ def study_models(config, manifest) -> list[StudyModel]:
 
 
 def missing_zoo_models(chosen: list[StudyModel], manifest, dataset: str) -> list[str]:
-    """The labels of the ``zoo:NAME`` models the manifest lacks for ``dataset``."""
-    return [m.name for m in chosen if m.spec.startswith("zoo:") and (m.spec[4:], dataset) not in manifest.entries]
+    """The zoo entries (``zoo:NAME`` specs) among ``chosen`` that ``manifest`` lacks for ``dataset``."""
+    from robust_attn.sources import parse_spec
+
+    named = [parse_spec(m.spec) for m in chosen]
+    return [target for source, target in named if source == "zoo" and (target, dataset) not in manifest.entries]
+
+
+def missing_zoo_message(missing: list[str], chosen: list[StudyModel], manifest, dataset: str) -> str:
+    """What to do when the zoo lacks some of the study's models (:func:`missing_zoo_models`)."""
+    have = sorted(name for name, d in manifest.entries if d == dataset)
+    return (f"the zoo at {manifest.path} has no {dataset} entry for {len(missing)} of the study's {len(chosen)} "
+            f"models: {', '.join(missing)}. Train each with its recipe (`robust-attn train zoo/recipes/RECIPE.toml "
+            f"model=ARCH ...`) and register it under that name (`robust-attn zoo add NAME --dataset {dataset} "
+            f"--checkpoint FILE`), or leave them out of the study (--models LABEL,...). Its {dataset} entries: "
+            f"{', '.join(have) or 'none'}")
 
 
 def load_models(chosen: list[StudyModel], info, device, manifest, seed: int, log) -> dict:
@@ -57,10 +70,7 @@ def load_models(chosen: list[StudyModel], info, device, manifest, seed: int, log
 
     missing = missing_zoo_models(chosen, manifest, info.name)
     if missing:
-        raise ValueError(f"the zoo at {manifest.path} lacks {len(missing)} of the study's {len(chosen)} models for "
-                         f"{info.name}: {', '.join(missing)}. Train each with its recipe (zoo/recipes) and register "
-                         f"it with `robust-attn zoo add NAME --dataset {info.name} --checkpoint RUN/model.safetensors`, "
-                         f"or study the others now (--models LABEL,...)")
+        raise ValueError(missing_zoo_message(missing, chosen, manifest, info.name))
     loaded = {}
     for i, m in enumerate(chosen, start=1):
         log(f"[{i}/{len(chosen)}] {m.name}: loading {m.spec}")

@@ -52,8 +52,9 @@ from robust_attn.runs.store import RunStore, library_versions
 from robust_attn.runs.study_file import write_study_file
 from robust_attn.study.batches import WORKER_OUT_OF_MEMORY, dataset_resolution, step_memory
 from robust_attn.study.config import StudyConfig, StudyModel
-from robust_attn.study.estimate import log_plan
-from robust_attn.study.models import StudyEntry, load_models, model_inputs, study_models
+from robust_attn.study.estimate import log_plan, log_unprobed_plan
+from robust_attn.study.models import (StudyEntry, load_models, missing_zoo_message, missing_zoo_models, model_inputs,
+                                      study_models)
 from robust_attn.utils.io import atomic_path
 from robust_attn.utils.memory import OutOfMemory, out_of_memory_message
 
@@ -121,7 +122,8 @@ def autoattack_cost_note(config: StudyConfig, num_models: int, runs_dir) -> str:
     forward and a backward pass each) and Square's queries (a forward pass each)."""
     steps = config.attack_steps or 100
     radii = "/".join(f"{round(e * 255, 6):g}" for e in config.autoattack_eps)
-    images = f"{config.attack_limit:,} images" if config.attack_limit else "every image"
+    limit = min(x for x in (config.attack_limit, config.autoattack_limit, float("inf")) if x is not None)
+    images = f"{limit:,} images" if limit != float("inf") else "every image"
     return (f"study: AutoAttack on a CPU: each image it cannot fool costs about {19 * steps:,} forward-backward "
             f"and {config.square_queries:,} forward passes per radius ({images}, radii {radii}/255, {num_models} "
             f"model(s)); at radii where most images survive (1-4/255) that is hours per model and radius on one "
@@ -167,6 +169,11 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     locate_dataset(config.dataset, root, config.split)   # the data is there before any model is loaded
     steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
     rank, world_size, device = init_distributed(device)   # under torchrun: each rank a shard of the images
+    missing = missing_zoo_models(chosen, manifest, config.dataset)
+    if missing:   # said before anything is loaded; --plan still shows what would run
+        if plan_only and rank == 0 and not _worker:
+            log_unprobed_plan(config, [m.name for m in chosen], root, device, workers, log)
+        raise ValueError(missing_zoo_message(missing, chosen, manifest, config.dataset))
     loaded = load_models(chosen, info, device, manifest, config.seed, log)
     for name, entry in loaded.items():
         if set_attention_path(entry.model, attention_path) and attention_path != "lean":

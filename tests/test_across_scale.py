@@ -1,0 +1,141 @@
+"""The findings of one zoo tested in another (robust_attn/reports/across_scale.py, `robust-attn
+report --compare-zoo`), on two hand-made zoos whose answers are known by construction:
+
+* rotation: in both zoos SAN10 pairwise loses nothing and ResNet-26 half of its images -> holds;
+* Table 10's PGD: SAN10 pairwise loses more than ResNet-26 in zoo A, less in zoo B -> flips;
+* APGD-CE at 1/255: the two models have the same hits image by image in zoo A (a difference of
+  exactly 0, whose interval covers 0) and SAN10 pairwise is worse in zoo B -> unresolved.
+
+Zoo B labels its models differently (``*-efficient``); they are matched by architecture. Runs are
+written with the run store and read back as the command reads them; no model is evaluated.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from robust_attn.cli import main
+from robust_attn.protocols.pgd import PAPER_SETTINGS
+from robust_attn.reports.across_scale import (FINDINGS, across_verdict, check_finding, compare_zoos, load_zoo,
+                                              measure_losses)
+from robust_attn.reports.comparison import ROTATED
+from robust_attn.reports.stats import bootstrap_mean_ci
+from robust_attn.runs.store import RunStore
+
+N = 200
+TABLE10 = PAPER_SETTINGS[1].name
+MODELS = ("resnet26", "san10_pairwise", "sasa_resnet26")
+HALF = (np.arange(N) < N // 2).astype(int)             # hit on the first half of the images only
+QUARTER = (np.arange(N) < N // 4).astype(int)
+THREE_QUARTERS = (np.arange(N) < 3 * N // 4).astype(int)
+EVERY, NONE = np.ones(N, dtype=int), np.zeros(N, dtype=int)
+
+
+def _write(root, protocol: str, model: str, label: str, hits: dict[str, np.ndarray]):
+    """A finished run of ``protocol``: per condition, top-1 hits per image (labels all 0)."""
+    store = RunStore(root)
+    conditions = [{"name": name} for name in hits]
+    store.open({"model": label, "arch": {"name": model}, "dataset": {"name": "synthetic", "split": "test",
+                                                                      "limit": None},
+                "protocol": protocol, "parameters": {}, "conditions": conditions, "num_images": N,
+                "chunk_size": N, "checkpoint": {"path": f"{label}.safetensors", "sha256": label}})
+    for name, top1 in hits.items():
+        frame = pd.DataFrame({"index": np.arange(N), "label": 0, "pred": 1 - top1, "top1": top1})
+        store.write_chunk(name, 0, N, frame)
+
+
+def _zoo(root, table10: dict[str, np.ndarray], apgd: dict[str, np.ndarray], suffix: str = ""):
+    """Rotation, Table 10 and APGD-CE runs of the three models; ``table10`` and ``apgd``: each
+    model's hits under the attack (clean: every image)."""
+    rotation = {"resnet26": HALF, "san10_pairwise": EVERY, "sasa_resnet26": THREE_QUARTERS}
+    for model in MODELS:
+        label = model + suffix
+        _write(root / f"rotation-{label}", "rotation", model, label,
+               {"none": EVERY, **{c: rotation[model] for c in ROTATED}})
+        _write(root / f"pgd-{label}", "pgd", model, label, {"clean": EVERY, TABLE10: table10[model]})
+        _write(root / f"apgd-{label}", "attack", model, label, {"clean": EVERY, "apgd-ce_linf_eps1": apgd[model]})
+    return root
+
+
+@pytest.fixture(scope="module")
+def zoos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoos")
+    shuffled = np.random.default_rng(0).permutation(HALF)   # half the images, not the same half as HALF
+    a = _zoo(root / "a", table10={"resnet26": HALF, "san10_pairwise": QUARTER, "sasa_resnet26": HALF},
+             apgd={"resnet26": shuffled, "san10_pairwise": shuffled, "sasa_resnet26": QUARTER})
+    b = _zoo(root / "b", table10={"resnet26": QUARTER, "san10_pairwise": HALF, "sasa_resnet26": HALF},
+             apgd={"resnet26": HALF, "san10_pairwise": NONE, "sasa_resnet26": QUARTER}, suffix="-efficient")
+    return a, b
+
+
+def _finding(key: str):
+    return next(f for f in FINDINGS if f.key == key)
+
+
+def test_measures_are_per_image_losses_named_by_architecture(zoos):
+    runs = load_zoo([zoos[1]])
+    rotation = measure_losses(runs, _finding("rotation_vs_resnet26").measures[0])
+    assert list(rotation.columns) == sorted(MODELS) and len(rotation) == N   # labels "-efficient" dropped
+    # the drop from the upright image to the mean over Table 9's four rotations, image by image
+    np.testing.assert_array_equal(rotation["resnet26"].to_numpy(), 1 - HALF)
+    np.testing.assert_array_equal(rotation["san10_pairwise"].to_numpy(), NONE)
+    # an attack's loss is its error: one minus the attacked top-1
+    apgd = measure_losses(runs, _finding("apgd1_vs_resnet26").measures[0])
+    np.testing.assert_array_equal(apgd["san10_pairwise"].to_numpy(), EVERY)
+
+
+def test_one_finding_holds_one_flips_one_is_unresolved(zoos):
+    table = compare_zoos(load_zoo([zoos[0]]), load_zoo([zoos[1]]), n_boot=300)
+    verdict = table.drop_duplicates("finding").set_index("finding")["across"]
+    assert verdict["rotation_vs_resnet26"] == "holds"
+    assert verdict["table10_vs_resnet26"] == "flips"
+    assert verdict["apgd1_vs_resnet26"] == "unresolved"
+    by = table.set_index(["finding", "zoo"])
+    assert by.loc[("table10_vs_resnet26", "reference"), "verdict"] == "yes"
+    assert by.loc[("table10_vs_resnet26", "other"), "verdict"] == "no"
+    assert by.loc[("apgd1_vs_resnet26", "reference"), "verdict"] == "unresolved"
+    assert by.loc[("apgd1_vs_resnet26", "other"), "verdict"] == "yes"
+    # the statistic: resnet26's rotation drop minus san10_pairwise's, in points (0.5 - 0), with the
+    # interval of the PAIRED per-image difference
+    row = by.loc[("rotation_vs_resnet26", "other")]
+    paired = bootstrap_mean_ci((1 - HALF) - NONE, n_boot=300)
+    assert (row["value"], row["low"], row["high"]) == pytest.approx((50.0, paired.low, paired.high))
+    assert row["detail"] == "resnet26 minus san10_pairwise" and row["n"] == N
+    # zoo A's APGD-CE: the same hits image by image, so exactly 0 with the interval [0, 0]
+    row = by.loc[("apgd1_vs_resnet26", "reference")]
+    assert (row["value"], row["low"], row["high"]) == (0.0, 0.0, 0.0)
+    # a finding on protocols the zoos did not run is said to be not measured, in both
+    assert (by.loc[("noise_jpeg_most", "other"), "verdict"], verdict["noise_jpeg_most"]) == ("not measured",) * 2
+
+
+def test_a_group_is_compared_at_its_closest_pair(zoos):
+    runs = load_zoo([zoos[1]])
+    # "SAN10 pairwise loses the least to rotation of all": against the runner-up, sasa (drop 0.25),
+    # not resnet26 (drop 0.5)
+    finding = _finding("rotation_least")
+    result = check_finding(finding, {m: measure_losses(runs, m) for m in finding.measures}, n_boot=100)
+    assert result["detail"] == "sasa_resnet26 minus san10_pairwise"
+    assert result["value"] == pytest.approx(25.0) and result["verdict"] == "yes"
+
+
+def test_across_verdicts():
+    assert across_verdict("yes", "yes") == "holds"
+    assert across_verdict("no", "no") == "holds (false in both)"
+    assert across_verdict("yes", "no") == across_verdict("no", "yes") == "flips"
+    assert across_verdict("yes", "unresolved") == across_verdict("unresolved", "no") == "unresolved"
+    assert across_verdict("not measured", "yes") == "not measured"
+
+
+def test_report_compare_zoo_writes_the_table(zoos, tmp_path, capsys):
+    out = tmp_path / "across"
+    assert main(["report", str(zoos[1]), "--compare-zoo", str(zoos[0]), "--out", str(out), "--bootstrap", "200"]) == 0
+    table = pd.read_csv(out / "across_scale.csv")
+    assert set(table["zoo"]) == {"reference", "other"} and len(table) == 2 * len(FINDINGS)
+    md = (out / "report.md").read_text()
+    claim = _finding("table10_vs_resnet26").claim
+    assert next(line for line in md.splitlines() if line.startswith(f"| {claim} |")).endswith("| flips |")
+    assert (out / "report.html").is_file()
+    # a path holding no runs is an error naming it, not a traceback
+    assert main(["report", str(zoos[1]), "--compare-zoo", str(tmp_path / "empty"), "--out", str(out)]) == 2
+    assert "holds no runs" in capsys.readouterr().err
