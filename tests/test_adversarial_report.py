@@ -201,7 +201,7 @@ def test_the_adversarial_study_config_pairs_every_family_and_names_missing_model
     assert config.limit == config.attack_limit == 1000
     assert {"autoattack", "rotation", "corruption", "masking"} <= set(config.protocols)
     labels = [m.name for m in config.models]
-    adversarial = [label for label in labels if label.endswith("_adv")]
+    adversarial = [label for label in labels if label.endswith("-adv")]
     assert sorted(label[:-4] for label in adversarial) == sorted(set(labels) - set(adversarial))
     assert len(adversarial) == 7 and config.baseline in labels
     with pytest.raises(ValueError) as err:

@@ -33,7 +33,7 @@ def test_the_study_config_says_what_the_zoo_is_studied_with():
     assert config.apgd_eps == pytest.approx((1 / 255, 2 / 255, 4 / 255))
     assert config.autoattack_eps == pytest.approx((2 / 255,)) and config.square_eps == pytest.approx(8 / 255)
     # the new zoo's entries, labelled by family so its rows read as the width-0.25 zoo's
-    assert [(m.spec, m.name) for m in config.models] == [(f"zoo:{f}-cifar10-efficient", f) for f in FAMILIES]
+    assert [(m.spec, m.name) for m in config.models] == [(f"zoo:{f}-efficient", f) for f in FAMILIES]
     assert config.baseline == "resnet26"
 
 
@@ -87,6 +87,6 @@ def test_plan_of_a_study_whose_models_are_not_trained_yet(tmp_path, capsys):
     assert all(f"  {family} " in said.out for family in FAMILIES) and "no time is estimated" in said.out
     # then why it stops: every missing entry named, with what to do
     assert "has no cifar10 entry for 7 of the study's 7 models" in said.err
-    assert all(f"{family}-cifar10-efficient" in said.err for family in FAMILIES)
+    assert all(f"{family}-efficient" in said.err for family in FAMILIES)
     assert "robust-attn zoo add NAME --dataset cifar10" in said.err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
