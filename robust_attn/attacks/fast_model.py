@@ -235,10 +235,12 @@ ATTACK_COPY_MODES = ("auto", "on", "off")
 
 def resolve_attack_copy(mode: str, device: torch.device | str) -> bool:
     """Whether an attack on ``device`` runs on :func:`attack_copy` under ``mode``
-    (:data:`ATTACK_COPY_MODES`); a ValueError naming the modes for another value."""
+    (:data:`ATTACK_COPY_MODES`); a ValueError naming the modes for another value. ``auto`` leaves
+    the copy out under autocast: in reduced precision the folded copy cannot pass its check."""
     if mode not in ATTACK_COPY_MODES:
         raise ValueError(f"attack copy must be one of {', '.join(ATTACK_COPY_MODES)}, got {mode!r}")
-    return mode == "on" or (mode == "auto" and torch.device(device).type == "cpu")
+    device = torch.device(device)
+    return mode == "on" or (mode == "auto" and device.type == "cpu" and not torch.is_autocast_enabled(device.type))
 
 
 class ChannelsLastInput(nn.Module):

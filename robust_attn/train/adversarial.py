@@ -161,11 +161,8 @@ def guard_counts(model: nn.Module, loader, eps: float, steps: int, seed: int, de
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
         config = AttackConfig("pgd", norm="linf", eps=eps, steps=steps, step=eps / 4, seed=seed)
-        attack = PGD(config)
-        # the model as given: a folded copy would be rebuilt per batch, and fails its check under autocast
-        attack.attack_copy = "off"
         with autocast():
-            adv = attack.run(model, images, labels).adv
+            adv = PGD(config).run(model, images, labels).adv
             with torch.no_grad():
                 counts[0] += (model(adv).argmax(1) == labels).sum()
         counts[1] += len(labels)
