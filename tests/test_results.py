@@ -12,7 +12,8 @@ from torch.utils.data import TensorDataset
 from robust_attn.distributed import shard_indices
 from robust_attn.protocols.runner import chunk_grid, open_run, run_chunks
 from robust_attn.reports.models import computed_on
-from robust_attn.runs.store import SCHEMA_VERSION, RunMismatchError, RunStore, load_records
+from robust_attn.runs.migrations import SCHEMA_VERSION
+from robust_attn.runs.store import RunMismatchError, RunStore, load_records
 from robust_attn.utils.hardware import cpu_fingerprint
 
 
@@ -287,7 +288,8 @@ def test_run_json_carries_its_schema_version_and_an_unversioned_one_reads_as_ver
     resumes without what MIGRATIONS says later versions added, and compares what it has."""
     import json
 
-    from robust_attn.runs.store import MIGRATIONS, DamagedRecordsError
+    from robust_attn.runs.migrations import MIGRATIONS
+    from robust_attn.runs.store import DamagedRecordsError
 
     assert SCHEMA_VERSION == max(MIGRATIONS)
     base = {"model": "m", "protocol": "rotation", "num_images": 4, "chunk_size": 2, "conditions": ["none"]}

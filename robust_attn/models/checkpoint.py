@@ -181,7 +181,7 @@ def load_checkpoint(weights: str | os.PathLike, expected_sha256: str | None = No
     meta = read_sidecar(weights)
     recorded = meta.get("sha256")
     if recorded and recorded != expected_sha256:
-        actual = sha256_file(weights)
+        actual = expected_sha256 or sha256_file(weights)   # the manifest's, when given, was just checked
         if actual != recorded:
             raise CheckpointError(f"sha256 of {weights} is {actual} but its sidecar {sidecar_path(weights)} "
                                   f"records {recorded}: the weights were replaced, or the .json belongs to "

@@ -74,7 +74,7 @@ from pathlib import Path
 import pandas as pd
 
 from robust_attn.runs.claims import Claim, claim_chunk
-from robust_attn.runs.migrations import (MIGRATIONS, SCHEMA_KEY, SCHEMA_VERSION, Migration, added_after,
+from robust_attn.runs.migrations import (SCHEMA_KEY, SCHEMA_VERSION, added_after,
                                          current_description, current_records, schema_version, to_stored_layout)
 from robust_attn.runs.packing import PACKED, csv_rows, is_packed, packed_computed_on, verify_packed, write_packed
 from robust_attn.utils.differences import describe_difference
@@ -82,7 +82,7 @@ from robust_attn.utils.hardware import hardware_label
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes
 
 __all__ = ["RunStore", "RunMismatchError", "DamagedRecordsError", "Claim", "load_records", "load_description",
-           "library_versions", "VOLATILE_KEYS", "SCHEMA_VERSION", "MIGRATIONS", "Migration"]
+           "library_versions", "VOLATILE_KEYS"]
 
 DESCRIPTION = "run.json"
 RECORDS = "records"
@@ -201,7 +201,7 @@ class RunStore:
 
         A new directory gets ``run.json``; an existing one must describe the same run (all keys
         but :data:`VOLATILE_KEYS` and ``schema`` equal; of an earlier schema version, converted to
-        the current layout, what :data:`MIGRATIONS` added only where it has them), otherwise
+        the current layout, what :data:`~robust_attn.runs.migrations.MIGRATIONS` added only where it has them), otherwise
         :class:`RunMismatchError` names the keys that differ. ``write=False`` (non-main ranks) only
         checks. Returns the stored description (as stored); the chunks this store writes follow its
         layout (:func:`robust_attn.runs.migrations.to_stored_layout`).

@@ -1,6 +1,6 @@
 """A study's ``study.json``, beside its report: the config it ran with, its packed runs and the
 library versions, under a schema version of its own with a migration table, as ``run.json``'s
-(:data:`robust_attn.runs.store.MIGRATIONS`).
+(:data:`robust_attn.runs.migrations.MIGRATIONS`).
 
 :func:`load_study_file` reads a ``study.json`` of any version as the current version holds it,
 so a committed report's config compares with today's configs and presets. A migration converts
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from robust_attn.runs.store import SCHEMA_KEY
+from robust_attn.runs.migrations import SCHEMA_KEY
 from robust_attn.utils.io import atomic_path
 
 __all__ = ["STUDY_SCHEMA_VERSION", "STUDY_MIGRATIONS", "StudyMigration", "load_study_file", "migrate_study",
