@@ -3,6 +3,8 @@ bf16 autocast, channels-last, the stem's downsampling and the width, for one or 
 
     OMP_NUM_THREADS=1 python benchmarks/bench_recipe_options.py --models resnet26 --batch 256
     OMP_NUM_THREADS=1 python benchmarks/bench_recipe_options.py --methods none fgsm pgd trades  # adversarial
+    OMP_NUM_THREADS=1 python benchmarks/bench_recipe_options.py --models san10_pairwise sasa_resnet26 \
+        --amps none bf16 bf16-half --channels-last yes --batch 128   # SAN/SASA under autocast
 
 The cost is this process's CPU time (``time.process_time``), not wall time: on a machine shared with
 other jobs, one thread's CPU seconds are what the step costs alone (up to cache contention), while
@@ -26,9 +28,23 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from robust_attn.layers import precision  # noqa: E402
 from robust_attn.models.registry import create_model  # noqa: E402
 from robust_attn.train.adversarial import adversarial_loss  # noqa: E402
 from robust_attn.train.recipe import AdversarialConfig  # noqa: E402
+
+
+@contextlib.contextmanager
+def _half_attention_autocast():
+    """bf16 autocast with SAN's and SASA's operators in bf16 too (what a GPU's autocast does; on a
+    CPU they run in float32 by default, robust_attn/layers/precision.py)."""
+    saved = precision.CPU_AUTOCAST_FLOAT32
+    precision.CPU_AUTOCAST_FLOAT32 = False
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
+    finally:
+        precision.CPU_AUTOCAST_FLOAT32 = saved
 
 
 def make_step(name: str, width: float, stem: int, amp: str, channels_last: bool, batch: int, method: str = "none"):
@@ -42,7 +58,8 @@ def make_step(name: str, width: float, stem: int, amp: str, channels_last: bool,
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
     criterion = nn.CrossEntropyLoss(label_smoothing=0.2)
 
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if amp == "bf16" else contextlib.nullcontext
+    autocast = {"none": contextlib.nullcontext, "bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                "bf16-half": lambda: _half_attention_autocast()}[amp]
     adversarial = AdversarialConfig(method=method) if method != "none" else None
 
     def step() -> float:
@@ -65,7 +82,9 @@ def main(argv=None) -> None:
     p.add_argument("--models", nargs="+", default=["resnet26"])
     p.add_argument("--widths", nargs="+", type=float, default=[0.25])
     p.add_argument("--stems", nargs="+", type=int, default=[2])
-    p.add_argument("--amps", nargs="+", choices=["none", "bf16"], default=["none", "bf16"])
+    p.add_argument("--amps", nargs="+", choices=["none", "bf16", "bf16-half"], default=["none", "bf16"],
+                   help="bf16: autocast, SAN's and SASA's operators in float32 (the default on a CPU); "
+                        "bf16-half: those operators in bf16 too")
     p.add_argument("--channels-last", nargs="+", choices=["no", "yes"], default=["no"])
     p.add_argument("--methods", nargs="+", choices=["none", "fgsm", "pgd", "trades"], default=["none"],
                    help="training method: standard or adversarial (robust_attn.train.adversarial)")

@@ -346,7 +346,9 @@ def test_patchwise_with_constant_weights_is_a_depthwise_convolution():
         torch.testing.assert_close(m(x), expected)
 
 
-def test_bf16_autocast_runs_and_stays_close():
+def test_bf16_autocast_runs_and_stays_close(monkeypatch):
+    # The half-precision paths a GPU's autocast takes (a CPU's runs the operator in float32).
+    monkeypatch.setattr("robust_attn.layers.precision.CPU_AUTOCAST_FLOAT32", False)
     for attention in ("pairwise", "patchwise"):
         m = _randomize(SelfAttention2d(32, attention=attention, footprint=3)).eval()
         x = torch.randn(2, 32, 6, 6, requires_grad=True)

@@ -209,7 +209,9 @@ def test_lean_operator_saves_under_a_quarter_of_the_unfold_reference(size):
 
 
 @pytest.mark.parametrize("impl,size", [("lean", 8), ("lean", 5), ("reference", 8)])   # lean 5x5: dense
-def test_bfloat16_autocast_runs_and_stays_close(impl, size):
+def test_bfloat16_autocast_runs_and_stays_close(impl, size, monkeypatch):
+    # The half-precision paths a GPU's autocast takes (a CPU's runs the layer in float32).
+    monkeypatch.setattr("robust_attn.layers.precision.CPU_AUTOCAST_FLOAT32", False)
     layer = SASAttention2d(16, 16, kernel_size=5, heads=4, impl=impl)
     x = torch.randn(2, 16, size, size, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):

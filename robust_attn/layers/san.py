@@ -69,6 +69,8 @@ Implementations (``implementation=``), which compute the same function, buffers 
   :mod:`.san_pairwise` and :mod:`.san_patchwise` the lean halves, :mod:`.san_fused` the compiled
   kernels' autograd functions, :mod:`.lean_ops` the matmul and BatchNorm pieces they share.
 
+  Under CPU autocast the operator runs in float32 (:func:`.precision.float32_under_cpu_autocast`).
+
   Each step keeps the function: the tests check outputs, all gradients and running statistics
   against ``"unfold"`` and run ``gradcheck`` in float64.
 """
@@ -83,6 +85,7 @@ import torch.nn.functional as F
 
 from robust_attn.layers.lean_ops import position_chunks, matmul1x1, conv1x1
 from robust_attn.layers.local_aggregation import footprint_offsets, reflect_pad
+from robust_attn.layers.precision import float32_under_cpu_autocast
 from robust_attn.layers.san_relations import pair_relation, position_grid, positions
 
 __all__ = ["PAIRWISE_RELATIONS", "PATCHWISE_RELATIONS", "SelfAttention2d", "position_grid",
@@ -164,6 +167,7 @@ class SelfAttention2d(nn.Module):
                 f"footprint={self.footprint}, groups={self.groups}, position_encoding={self.position_encoding}, "
                 f"implementation={self.implementation}")
 
+    @float32_under_cpu_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"expected input (N, {self.in_channels}, H, W), got {tuple(x.shape)}")

@@ -22,7 +22,8 @@ The layer of SASA section 2.2, Eq. 3, with multi-head attention::
 The attention itself, ``q, k, v, r -> y`` (its reference and its memory-lean implementations),
 is :mod:`.local_attention`. On the ``meta`` device (parameter and multiply-add counting) the layer
 runs the reference, whose einsums ``FlopCounterMode`` sees; the streaming path uses element-wise
-products it cannot count.
+products it cannot count. Under CPU autocast the layer runs in float32
+(:func:`.precision.float32_under_cpu_autocast`).
 
 :class:`AttentionStem` is the spatially-aware attention stem of appendix A.1.
 """
@@ -32,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from robust_attn.layers.local_attention import local_attention, local_attention_reference
+from robust_attn.layers.precision import float32_under_cpu_autocast
 
 __all__ = ["local_attention", "local_attention_reference", "relative_embedding", "SASAttention2d",
            "AttentionStem"]
@@ -95,6 +97,7 @@ class SASAttention2d(nn.Module):
         nn.init.normal_(self.rel_row, std=1.0)
         nn.init.normal_(self.rel_col, std=1.0)
 
+    @float32_under_cpu_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"expected input (B, {self.in_channels}, H, W), got {tuple(x.shape)}")
