@@ -5,6 +5,8 @@ bf16 autocast, channels-last, the stem's downsampling and the width, for one or 
     OMP_NUM_THREADS=1 python benchmarks/bench_recipe_options.py --methods none fgsm pgd trades  # adversarial
     OMP_NUM_THREADS=1 python benchmarks/bench_recipe_options.py --models san10_pairwise sasa_resnet26 \
         --amps none bf16 bf16-half --channels-last yes --batch 128   # SAN/SASA under autocast
+    OMP_NUM_THREADS=1 python benchmarks/bench_recipe_options.py --models gsa_resnet26 --amps bf16 \
+        --channels-last yes --compile no yes                           # torch.compile (runtime.compile)
 
 The cost is this process's CPU time (``time.process_time``), not wall time: on a machine shared with
 other jobs, one thread's CPU seconds are what the step costs alone (up to cache contention), while
@@ -47,7 +49,8 @@ def _half_attention_autocast():
         precision.CPU_AUTOCAST_FLOAT32 = saved
 
 
-def make_step(name: str, width: float, stem: int, amp: str, channels_last: bool, batch: int, method: str = "none"):
+def make_step(name: str, width: float, stem: int, amp: str, channels_last: bool, batch: int, method: str = "none",
+              compiled: bool = False):
     torch.manual_seed(0)
     model = create_model(name, 10, "cifar", width=width, stem_downsample=stem)
     images = torch.rand(batch, 3, 32, 32)
@@ -61,14 +64,15 @@ def make_step(name: str, width: float, stem: int, amp: str, channels_last: bool,
     autocast = {"none": contextlib.nullcontext, "bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
                 "bf16-half": lambda: _half_attention_autocast()}[amp]
     adversarial = AdversarialConfig(method=method) if method != "none" else None
+    forward = torch.compile(model) if compiled else model  # as the trainer's runtime.compile
 
     def step() -> float:
         start = time.process_time()
         if adversarial is not None:  # the trainer's adversarial step (8/255, the method's defaults)
-            loss = adversarial_loss(adversarial, model, model, criterion, images, labels, adversarial.eps, 0, autocast)
+            loss = adversarial_loss(adversarial, forward, model, criterion, images, labels, adversarial.eps, 0, autocast)
         else:
             with autocast():
-                loss = criterion(model(images), labels)
+                loss = criterion(forward(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -88,6 +92,9 @@ def main(argv=None) -> None:
     p.add_argument("--channels-last", nargs="+", choices=["no", "yes"], default=["no"])
     p.add_argument("--methods", nargs="+", choices=["none", "fgsm", "pgd", "trades"], default=["none"],
                    help="training method: standard or adversarial (robust_attn.train.adversarial)")
+    p.add_argument("--compile", nargs="+", choices=["no", "yes"], default=["no"],
+                   help="torch.compile of the training forward (runtime.compile); the first step, which "
+                        "compiles, is reported as compile_cpu_s")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
@@ -96,27 +103,31 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
 
     variants = list(itertools.product(args.models, args.widths, args.stems, args.amps, args.channels_last,
-                                      args.methods))
-    steps = {v: make_step(*v[:4], v[4] == "yes", args.batch, v[5]) for v in variants}
+                                      args.methods, args.compile))
+    steps = {v: make_step(*v[:4], v[4] == "yes", args.batch, v[5], v[6] == "yes") for v in variants}
     times: dict = {v: [] for v in variants}
+    first_step: dict = {}
     for round_ in range(args.repeats + 1):
         for v in variants:
             seconds = steps[v]()
-            if round_:  # the first round warms up
+            if round_:  # the first round warms up (and compiles)
                 times[v].append(seconds)
+            else:
+                first_step[v] = seconds
     rows = []
     first: dict = {}
-    print(f"{'model':16s} {'width':>5s} {'stem':>4s} {'amp':>5s} {'cl':>3s} {'method':>6s} {'cpu s/step':>10s} "
-          f"{'img/cpu-s':>9s} {'ratio':>6s} {'epoch cpu-min':>13s}")
+    print(f"{'model':16s} {'width':>5s} {'stem':>4s} {'amp':>9s} {'cl':>3s} {'method':>6s} {'comp':>4s} {'cpu s/step':>10s} "
+          f"{'img/cpu-s':>9s} {'ratio':>6s} {'epoch cpu-min':>13s} {'first step s':>12s}")
     for v in variants:
         median = statistics.median(times[v])
         first.setdefault(v[0], median)
         row = {"model": v[0], "width": v[1], "stem": v[2], "amp": v[3], "channels_last": v[4] == "yes", "method": v[5],
-               "cpu_s_per_step": median, "images_per_cpu_s": args.batch / median,
+               "compile": v[6] == "yes", "first_step_cpu_s": first_step[v], "cpu_s_per_step": median, "images_per_cpu_s": args.batch / median,
                "ratio_to_first": median / first[v[0]], "epoch_cpu_minutes_50k": 50000 / (args.batch / median) / 60}
         rows.append(row)
-        print(f"{v[0]:16s} {v[1]:5g} {v[2]:4d} {v[3]:>5s} {v[4]:>3s} {v[5]:>6s} {median:10.3f} "
-              f"{row['images_per_cpu_s']:9.1f} {row['ratio_to_first']:6.2f} {row['epoch_cpu_minutes_50k']:13.1f}")
+        print(f"{v[0]:16s} {v[1]:5g} {v[2]:4d} {v[3]:>9s} {v[4]:>3s} {v[5]:>6s} {v[6]:>4s} {median:10.3f} "
+              f"{row['images_per_cpu_s']:9.1f} {row['ratio_to_first']:6.2f} {row['epoch_cpu_minutes_50k']:13.1f} "
+              f"{first_step[v]:12.1f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "batch": args.batch,
                                               "threads": args.threads, "repeats": args.repeats,

@@ -129,6 +129,32 @@ def test_learns_the_synthetic_task(tmp_path):
     assert history[-1]["eval_top1"] >= 50.0  # chance is 10%
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gsa_resnet26", "resnet26"])
+def test_compiled_training_is_the_eager_training(tmp_path, name):
+    # runtime.compile (torch.compile of the training forward; used for gsa_resnet26 on the CPU,
+    # benchmarks/results/calibration/README.md) trains the same weights up to float rounding.
+    # stem 2 and batch 8: batch statistics over enough values that their rounding stays small
+    shape = dict(model=name, epochs=1, model_args={"stem_downsample": 2}, data={"batch_size": 8, "limit_train": 24})
+    raw = tiny_recipe(**shape)
+    eager = train(recipe_from_dict(raw), tmp_path / "eager", progress=False, log=quiet)
+    compiled = train(recipe_from_dict(tiny_recipe(**shape, runtime={"compile": True})),
+                     tmp_path / "compiled", progress=False, log=quiet)
+    a, b = load_file(eager["weights"]), load_file(compiled["weights"])
+    assert a.keys() == b.keys()
+    torch.manual_seed(raw["seed"])  # the trainer's initial weights
+    start = build_model(recipe_from_dict(raw)).state_dict()
+    # Each tensor's difference is float rounding, small against what training moved it by (a layer
+    # left out of the compiled graph, or trained differently, would differ by about its update).
+    for key in a:
+        update = (a[key].double() - start[key].double()).abs().max().item()
+        diff = (b[key].double() - a[key].double()).abs().max().item()
+        assert diff <= 0.05 * update + 1e-6, (key, diff, update)
+    assert max((a[k].double() - start[k].double()).abs().max().item() for k in a) > 1e-3
+    assert "compile" in (tmp_path / "compiled" / "recipe.json").read_text()
+    assert eager["history"][0]["eval_top1"] == pytest.approx(compiled["history"][0]["eval_top1"], abs=100 / 16)
+
+
 # --- checkpoints and resume ---------------------------------------------------------------------
 
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
