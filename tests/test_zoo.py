@@ -383,3 +383,39 @@ def test_a_standard_checkpoint_is_registered_as_standard(tmp_path, checkpoint, c
     assert json.loads(manifest_path.read_text())["models"][0]["adversarial"] == {}
     assert main(["zoo", "verify", "--manifest", str(manifest_path)]) == 0
     assert capsys.readouterr().out.splitlines()[-2].endswith(" standard")
+
+
+def test_add_evaluate_records_the_float32_test_accuracy_and_keeps_the_trainers(tmp_path, checkpoint, capsys):
+    """`zoo add --evaluate` replaces the sidecar's test accuracy (the trainer's, under autocast for a
+    bf16 recipe) by the float32 one of the whole test split and the seeded fifth's correct count,
+    counted here independently; the trainer's figures stay as training_eval_top1/5."""
+    from robust_attn.data import build_dataset
+    from robust_attn.data.splits import subset_indices
+
+    path, model = checkpoint
+    save_checkpoint(path, model.eval(), {"metrics": {"eval_top1": 99.0, "eval_top5": 100.0, "epoch": 3}})
+    manifest_path = tmp_path / "zoo" / "manifest.json"
+    assert main(["zoo", "add", "resnet26", "--dataset", "synthetic", "--checkpoint", str(path),
+                 "--manifest", str(manifest_path), "--evaluate"]) == 0
+    assert "measured on the synthetic test set in float32" in capsys.readouterr().out
+    metrics = json.loads(manifest_path.read_text())["models"][0]["metrics"]
+
+    test = build_dataset("synthetic", split="test")
+    images = torch.stack([test[i][0] for i in range(len(test))])
+    labels = torch.tensor([int(test[i][1]) for i in range(len(test))])
+    with torch.no_grad():
+        logits = model.eval()(images)
+    correct = logits.argmax(1) == labels
+    in_top5 = (logits.topk(5, dim=1).indices == labels[:, None]).any(1)
+    fifth = torch.as_tensor(subset_indices(len(test), len(test) // 5, seed=0))
+    assert metrics["eval_top1"] == round(100 * correct.double().mean().item(), 2)
+    assert metrics["eval_top5"] == round(100 * in_top5.double().mean().item(), 2)
+    assert metrics["seeded_fifth_top1_correct"] == int(correct[fifth].sum())
+    assert metrics["training_eval_top1"] == 99.0 and metrics["training_eval_top5"] == 100.0 and metrics["epoch"] == 3
+    assert main(["zoo", "verify", "--manifest", str(manifest_path)]) == 0
+
+
+def test_add_evaluate_refuses_a_torchvision_entry(tmp_path, capsys):
+    assert main(["zoo", "add", "tv", "--dataset", "imagenet", "--torchvision", "resnet18",
+                 "--manifest", str(tmp_path / "m.json"), "--evaluate"]) != 0
+    assert "--evaluate measures a checkpoint" in capsys.readouterr().err

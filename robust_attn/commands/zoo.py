@@ -37,6 +37,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--log", default="", help="the training log (metrics.csv)")
     add.add_argument("--manifest", default=None, help="manifest file (default zoo/manifest.json)")
     add.add_argument("--force", action="store_true", help="replace an entry of the same name and dataset")
+    add.add_argument("--evaluate", action="store_true",
+                     help="record the float32 test-set accuracy measured now (the whole test split and its "
+                          "seeded fifth) instead of the trainer's, which under a bf16 recipe is under autocast")
+    add.add_argument("--root", default=None, help="data root for --evaluate (default: where the dataset is found)")
     add.set_defaults(func=run_add)
 
     imp = zoo_sub.add_parser("import", help="convert another project's checkpoint into a robust-attn checkpoint")
@@ -108,7 +112,18 @@ def run_add(args: argparse.Namespace) -> int:
     if args.checkpoint:
         entry = entry_from_checkpoint(args.name, args.dataset, args.checkpoint, manifest,
                                       command=args.reproduce_command, log=args.log)
+        if args.evaluate:
+            from robust_attn.models.checkpoint import load_checkpoint
+            from robust_attn.models.zoo_accuracy import test_set_metrics, with_measured_accuracy
+
+            measured = test_set_metrics(load_checkpoint(args.checkpoint), args.dataset, args.root)
+            entry.metrics = with_measured_accuracy(entry.metrics, measured)
+            print(f"measured on the {args.dataset} test set in float32: top-1 {measured['eval_top1']:.2f}%, "
+                  f"top-5 {measured['eval_top5']:.2f}%, {measured['seeded_fifth_top1_correct']} correct on its "
+                  f"seeded fifth")
     else:
+        if args.evaluate:
+            raise UserError("--evaluate measures a checkpoint (--checkpoint); a torchvision entry is not measured here")
         try:
             classes = dataset_info(args.dataset).num_classes
         except ValueError:   # imagefolder: its class count comes from a root, checked when it is loaded

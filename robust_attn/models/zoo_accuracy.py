@@ -1,0 +1,62 @@
+"""The test-set accuracy a zoo entry records, measured as the harness evaluates: float32, no
+autocast (``robust-attn zoo add --evaluate``).
+
+A checkpoint's sidecar carries the accuracy its trainer measured after the selected epoch, which
+under a bf16 recipe (``runtime.amp``) is the accuracy under autocast, not the float32 model the
+protocols attack. ``tests/test_zoo.py`` re-evaluates every shipped entry on the test set, the whole
+set to 0.02 points and a seeded fifth of it to one image, so the manifest records the float32
+figures: ``eval_top1`` and ``eval_top5`` of the whole test split, and
+``seeded_fifth_top1_correct``, the correct top-1 count on ``subset_indices(size, size // 5,
+seed=0)``. The trainer's figures, where they differ, stay beside them as ``training_eval_top1`` and
+``training_eval_top5``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Subset
+
+__all__ = ["test_set_metrics", "with_measured_accuracy"]
+
+
+def _counts(model: nn.Module, dataset, batch_size: int) -> tuple[int, int, int]:
+    top1 = top5 = n = 0
+    with torch.no_grad():
+        for images, labels in DataLoader(dataset, batch_size=batch_size):
+            logits = model(images)
+            top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+            hits = top == labels[:, None]
+            top1 += int(hits[:, 0].sum())
+            top5 += int(hits.any(dim=1).sum())
+            n += len(labels)
+    return top1, top5, n
+
+
+def test_set_metrics(model: nn.Module, dataset: str, root: str | Path | None = None,
+                     batch_size: int = 500) -> dict:
+    """``eval_top1``, ``eval_top5`` (%, rounded to 0.01) on the whole test split of ``dataset`` and
+    ``seeded_fifth_top1_correct``; ``model`` takes [0, 1] images (a zoo or checkpoint model)."""
+    from robust_attn.data import build_dataset
+    from robust_attn.data.splits import subset_indices
+
+    test_set = build_dataset(dataset, root=root, split="test")
+    size = len(test_set)
+    model = model.eval()
+    top1, top5, n = _counts(model, test_set, batch_size)
+    fifth = subset_indices(size, size // 5, seed=0)
+    fifth_top1, _, _ = _counts(model, Subset(test_set, fifth), batch_size)
+    return {"eval_top1": round(100.0 * top1 / n, 2), "eval_top5": round(100.0 * top5 / n, 2),
+            "seeded_fifth_top1_correct": fifth_top1}
+
+
+def with_measured_accuracy(metrics: dict, measured: dict) -> dict:
+    """``metrics`` (a sidecar's) with ``measured`` (:func:`test_set_metrics`) in place of its test
+    accuracy; the trainer's own figures kept as ``training_eval_top1/5`` where they differ."""
+    out = dict(metrics)
+    for key in ("eval_top1", "eval_top5"):
+        if key in metrics and metrics[key] != measured[key]:
+            out[f"training_{key}"] = metrics[key]
+    out.update(measured)
+    return out
