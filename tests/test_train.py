@@ -181,6 +181,22 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     assert state["epoch"] == 2 and len(list((tmp_path / "split" / "checkpoints").glob("epoch_*"))) == 1
 
 
+def test_metrics_record_each_epochs_cpu_time_and_older_rows_without_it_stay_readable(tmp_path):
+    from robust_attn.train.trainer import _write_csv
+
+    history = train(recipe_from_dict(tiny_recipe(epochs=1, data={"limit_train": 8})), tmp_path / "run",
+                    progress=False, log=quiet)["history"]
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        row = next(csv.DictReader(f))
+    assert float(row["epoch_cpu_s"]) == pytest.approx(history[0]["epoch_cpu_s"]) and history[0]["epoch_cpu_s"] > 0
+    # a run resumed from a checkpoint written before the column existed
+    old = {k: v for k, v in history[0].items() if k != "epoch_cpu_s"}
+    _write_csv(tmp_path / "m.csv", [old, history[0]])
+    with open(tmp_path / "m.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["epoch_cpu_s"] == "" and float(rows[1]["epoch_cpu_s"]) > 0
+
+
 def test_resume_refuses_a_changed_recipe_and_a_fresh_start_refuses_an_old_run(tmp_path):
     recipe = recipe_from_dict(tiny_recipe(epochs=1, data={"limit_train": 8}))
     train(recipe, tmp_path, progress=False, log=quiet)

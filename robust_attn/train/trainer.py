@@ -57,7 +57,7 @@ from robust_attn.models.wrapper import NormalizedModel
 
 __all__ = ["train", "evaluate", "build_model", "CSV_COLUMNS", "ResumeError"]
 
-CSV_COLUMNS = ["epoch", "train_loss", "lr", "images_per_s", "eval_top1", "eval_top5", "epoch_seconds"]
+CSV_COLUMNS = ["epoch", "train_loss", "lr", "images_per_s", "eval_top1", "eval_top5", "epoch_seconds", "epoch_cpu_s"]
 GUARD_COLUMNS = ["eps", "guard_pgd_top1"]  # adversarial training: the radius at the epoch's end, the guard
 
 
@@ -146,7 +146,7 @@ def _write_csv(path: Path, history: list[dict]) -> None:
     writer = csv.DictWriter(buf, fieldnames=columns)
     writer.writeheader()
     for row in history:
-        writer.writerow({k: row[k] for k in columns})
+        writer.writerow({k: row.get(k, "") for k in columns})  # a resumed run's older rows may lack a column
     atomic_write_text(path, buf.getvalue())
 
 
@@ -324,7 +324,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
         train_set.set_epoch(epoch)
         model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         bar = None
         if main and progress:
             from tqdm import tqdm
@@ -384,6 +384,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
                     dist.all_reduce(counts)
                 row["guard_pgd_top1"] = 100.0 * counts[0].item() / max(counts[1].item(), 1)
                 improved, stopped = guard.record(row["guard_pgd_top1"])
+        row["epoch_cpu_s"] = time.process_time() - cpu_start  # this process's CPU time: training, test, guard
         history.append(row)
         if main:
             if improved:  # before the epoch's state, which names the best epoch
