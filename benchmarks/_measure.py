@@ -14,7 +14,10 @@ measured anywhere from 34 to 114 MiB.)
 
 Times of several functions compared with each other are taken interleaved
 (:func:`time_interleaved_ms`: one call of each in turn, repeated), so a drift in the shared
-machine's speed moves all of them alike instead of skewing their ratios.
+machine's speed moves all of them alike instead of skewing their ratios. :func:`step_time_ms`
+times one call the way the device calls for: process CPU time on a CPU (steadier than wall time
+when other jobs share the cores), wall time between two synchronizations on CUDA (the GPU runs
+asynchronously, so the host's CPU time says nothing of its work).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import torch
 
 from robust_attn.utils.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc
 
-__all__ = ["time_ms", "time_interleaved_ms", "json_from_fresh_process", "peak_memory_mb", "measure_layer", "run_layer_benchmark", "machine_description", "write_json"]
+__all__ = ["time_ms", "time_interleaved_ms", "step_time_ms", "matmul_tf32", "json_from_fresh_process", "peak_memory_mb", "measure_layer", "run_layer_benchmark", "machine_description", "write_json"]
 
 
 def _sync(device: torch.device) -> None:
@@ -56,6 +59,34 @@ def time_ms(fn: Callable[[], object], device: torch.device | str = "cpu", repeat
         _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def step_time_ms(fn: Callable[[], object], device: torch.device | str = "cpu") -> tuple[float, float]:
+    """``(ms, wall ms)`` of one call of ``fn``: ``ms`` is the process's CPU time on a CPU and the
+    wall time from a synchronization before the call to one after it on CUDA (then both are equal)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        wall = (time.perf_counter() - start) * 1e3
+        return wall, wall
+    start, start_cpu = time.perf_counter(), time.process_time()
+    fn()
+    return (time.process_time() - start_cpu) * 1e3, (time.perf_counter() - start) * 1e3
+
+
+@contextlib.contextmanager
+def matmul_tf32(enabled: bool):
+    """``torch.backends.cuda.matmul.allow_tf32`` set to ``enabled`` inside, restored after (float32
+    matmuls on CUDA round their inputs to TF32's 10-bit mantissa when it is on)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def time_interleaved_ms(fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu",

@@ -25,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _measure import machine_description, write_json  # noqa: E402
-from bench_efficiency import attack_step, build, cpu_time_ms  # noqa: E402
+from _attack_variants import attack_step  # noqa: E402
+from _measure import machine_description, step_time_ms, write_json  # noqa: E402
+from bench_efficiency import build  # noqa: E402
 
 import robust_attn.layers.local_attention as local_attention  # noqa: E402
 from robust_attn.attacks.fast_model import fold_batchnorm  # noqa: E402
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             for key, (module, switch) in paths.items():
                 switch()
-                times[key].append(cpu_time_ms(attack_step(module, xc, labels))[0])
+                times[key].append(step_time_ms(attack_step(module, xc, labels))[0])
         paths["current"][1]()
         ms = {key: statistics.median(t) for key, t in times.items()}
         row = {"family": name, "batch": args.batch, "previous_ms": ms["previous"], "current_ms": ms["current"],

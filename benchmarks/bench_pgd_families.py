@@ -24,9 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _attack_variants import Autocast  # noqa: E402
 from _measure import machine_description, write_json  # noqa: E402
-
-from bench_efficiency import _Bf16Autocast  # noqa: E402
 
 from robust_attn.attacks import PGDConfig, draw_targets, targeted_pgd  # noqa: E402
 from robust_attn.attacks.fast_model import attack_model  # noqa: E402
@@ -40,7 +39,7 @@ BACKENDS = ("native", "torchattacks")
 
 def _bf16_pgd(model, images, targets, config):
     """Native PGD on the attack copy under bf16 autocast (not the default: another function)."""
-    copy = _Bf16Autocast(attack_model(model, images[:4]))
+    copy = Autocast(attack_model(model, images[:4]), "cpu")
     with torch.enable_grad():
         return native_pgd(copy, images, targets, config, fold_bn=False).detach()
 
