@@ -3,7 +3,9 @@
 paths, in channels-last layout, against the model itself on its reference attention paths (SAN's
 unfold, SASA's reference), at the CIFAR zoo's layout (stem_downsample 2: SASA's first stage streams
 over a 16x16 map). In float64, so that float ties cannot hide a wrong function: logits and input
-gradients agree to 1e-9, and native PGD's fast mode ends on the same predictions as the exact mode."""
+gradients agree to 1e-9, and native PGD's fast mode ends on the same predictions as the exact mode.
+On CUDA too where a GPU is present (the lean paths run PyTorch operators there, not the CPU kernels);
+those cases skip without one."""
 import copy
 
 import pytest
@@ -17,6 +19,7 @@ from robust_attn.models.wrapper import NormalizedModel
 
 FAMILIES = ("resnet26", "san10_pairwise", "san10_patchwise", "sasa_resnet26", "gsa_resnet26", "aa_resnet26",
             "ea_resnet26")
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")))
 
 
 def _model(name: str) -> NormalizedModel:
@@ -42,10 +45,11 @@ def _logits_and_input_gradient(model, x):
     return out.detach(), grad
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", FAMILIES)
-def test_attack_copy_on_the_default_paths_computes_the_reference_function(name):
-    model = _model(name)
-    x = torch.rand(2, 3, 32, 32, dtype=torch.double, generator=torch.Generator().manual_seed(2))
+def test_attack_copy_on_the_default_paths_computes_the_reference_function(name, device):
+    model = _model(name).to(device)
+    x = torch.rand(2, 3, 32, 32, dtype=torch.double, generator=torch.Generator().manual_seed(2)).to(device)
     reference = copy.deepcopy(model)
     set_attention_path(reference, "reference")
     fast = attack_model(model, x)
@@ -55,10 +59,11 @@ def test_attack_copy_on_the_default_paths_computes_the_reference_function(name):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", FAMILIES)
-def test_native_pgd_fast_mode_ends_on_the_exact_modes_predictions(name):
-    model = _model(name)
-    x = torch.rand(4, 3, 32, 32, dtype=torch.double, generator=torch.Generator().manual_seed(3))
+def test_native_pgd_fast_mode_ends_on_the_exact_modes_predictions(name, device):
+    model = _model(name).to(device)
+    x = torch.rand(4, 3, 32, 32, dtype=torch.double, generator=torch.Generator().manual_seed(3)).to(device)
     with torch.no_grad():
         labels = model(x).argmax(1)
     targets = draw_targets(labels, 10, seed=0)
