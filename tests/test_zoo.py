@@ -198,6 +198,37 @@ def test_verify_refuses_an_entry_whose_recipe_changed(tmp_path, checkpoint):
     assert "changed since" in error
 
 
+def test_verify_applies_the_overrides_of_the_entrys_command(tmp_path):
+    """A checkpoint trained with command-line overrides (epochs, runtime.compile) verifies through
+    its manifest command; the same entry whose command lost an override does not. The trainer's
+    absolute path of a project recipe (another checkout's) is recorded as zoo/recipes/NAME."""
+    from robust_attn.models.manifest import entry_from_checkpoint
+    from robust_attn.models.zoo_recipe import REPO_ROOT, command_overrides
+    from robust_attn.train.recipe import load_recipe
+
+    recipe_file = "zoo/recipes/cifar10_efficient.toml"
+    overrides = ["model=resnet26", "epochs=3", "runtime.compile=true", "data.root=/some/data"]
+    trained = load_recipe(recipe_file, overrides, check_data=False)
+    model = NormalizedModel(robust_attn.create_model("resnet26", 10, "cifar", width=0.25, stem_downsample=2),
+                            (0.3,) * 3, (0.3,) * 3)
+    path = tmp_path / "zoo" / "ckpt" / "resnet26.safetensors"
+    elsewhere = "/elsewhere/checkout/" + recipe_file    # as a run started in another checkout records it
+    save_checkpoint(path, model.eval(), {"recipe": trained.to_dict(), "recipe_sha256": trained.sha256(),
+                                         "recipe_source": elsewhere})
+    command = f"robust-attn train {recipe_file} " + " ".join(overrides[:3]) + " data.root=DATA --out runs/x --resume"
+    assert command_overrides(command) == overrides[:3]
+    for cmd, ok in ((command, True), (command.replace(" epochs=3", ""), False)):
+        manifest = Manifest(tmp_path / "zoo" / "manifest.json")
+        manifest.entries.clear()
+        manifest.add(entry_from_checkpoint("resnet26", "cifar10", path, manifest, command=cmd))
+        manifest.save()
+        entry = Manifest(manifest.path).get("resnet26", "cifar10")
+        assert entry.recipe == recipe_file and (REPO_ROOT / entry.recipe).is_file()
+        (_, error), = verify_zoo(Manifest(manifest.path))
+        assert (error is None) if ok else ("changed since" in error and "runtime.compile=true" in error), error
+    assert command_overrides("robust-attn eval pgd --model x a=b") == []
+
+
 def test_verify_resolves_the_recipe_with_the_data_root_the_sidecar_records(tmp_path):
     """Where the training data lay (``data.root=DATA``) is part of the trainer's resolved recipe,
     not of the recipe file: an entry trained with a root verifies; a changed setting still fails.

@@ -30,6 +30,7 @@ import torch.nn as nn
 from robust_attn.models.checkpoint import CheckpointError, load_checkpoint, read_sidecar
 from robust_attn.utils.io import atomic_write_json, sha256_file
 from robust_attn.models.wrapper import NormalizedModel
+from robust_attn.models.zoo_recipe import project_recipe, recipe_error
 
 __all__ = ["ZooEntry", "Manifest", "ZOO_DIR", "default_manifest_path", "load_model", "verify_zoo", "training_label"]
 
@@ -167,33 +168,6 @@ def load_model(name: str, dataset: str, manifest: str | os.PathLike | Manifest |
     return load_entry(manifest.get(name, dataset), manifest, device)
 
 
-def _recipe_error(entry: ZooEntry, weights: Path | None = None) -> str | None:
-    """A checkpoint's recipe must still resolve (with ``model=`` its architecture, and
-    ``data.root=`` the data folder its sidecar records: where the data lay is no part of the
-    recipe) to the recipe that trained it, whose hash the trainer wrote into the sidecar;
-    otherwise it cannot be reproduced from the repository."""
-    if not entry.recipe:
-        return None
-    from robust_attn.train.recipe import load_recipe
-
-    recipe_path = (ZOO_DIR.parent / entry.recipe).resolve()
-    if not recipe_path.is_file():
-        return f"recipe {entry.recipe} of {entry.name} is missing"
-    overrides = {"model": entry.arch.get("name", entry.name)}
-    if weights is not None:
-        try:
-            root = read_sidecar(weights).get("recipe", {}).get("data", {}).get("root")
-        except CheckpointError:
-            root = None   # verify names the unreadable sidecar itself
-        if root:
-            overrides["data"] = {"root": root}
-    recipe = load_recipe(recipe_path, overrides, check_data=False)
-    if entry.recipe_sha256 and recipe.sha256() != entry.recipe_sha256:
-        return (f"recipe {entry.recipe} changed since {entry.name} was trained (resolved-recipe sha256 "
-                f"differs); restore it, or retrain and re-add the checkpoint")
-    return None
-
-
 def verify_zoo(manifest: Manifest | None = None) -> list[tuple[ZooEntry, str | None]]:
     """Check every checkpoint entry: file present, sha256, architecture fits the weights.
     Returns ``(entry, error or None)`` per entry; torchvision entries are checked by torchvision."""
@@ -205,7 +179,7 @@ def verify_zoo(manifest: Manifest | None = None) -> list[tuple[ZooEntry, str | N
             continue
         try:
             load_entry(entry, manifest)
-            error = _recipe_error(entry, manifest.resolve(entry.weights)) or _training_error(entry, manifest)
+            error = recipe_error(entry, manifest.resolve(entry.weights)) or _training_error(entry, manifest)
         except (CheckpointError, KeyError, ValueError) as err:
             error = str(err)
         results.append((entry, error))
@@ -249,7 +223,7 @@ def entry_from_checkpoint(name: str, dataset: str, weights: str | os.PathLike, m
             raise ValueError(f"training log {extra['log']} does not exist")
         extra["log"] = _relative_to(manifest, log)
     return ZooEntry(name=name, dataset=dataset, weights=relative, sha256=sha256_file(weights), arch=meta["arch"],
-                    recipe=extra.pop("recipe", meta.get("recipe_source", "")),
+                    recipe=extra.pop("recipe", project_recipe(meta.get("recipe_source", ""))),
                     recipe_sha256=extra.pop("recipe_sha256", meta.get("recipe_sha256", "")),
                     metrics=extra.pop("metrics", meta.get("metrics", {})),
                     adversarial=extra.pop("adversarial", meta.get("adversarial") or {}), **extra)
