@@ -31,7 +31,7 @@
 # with the repository on PYTHONPATH: no install step.
 #
 # What travels: the device tool copies the session's checkout, at most 64 MiB; the repository's tracked
-# files are about 127 MiB, 59 of them reports/ and 21 zoo/checkpoints/fashion_mnist/, which these steps
+# files are about 130 MiB, 59 of them reports/ and 21 zoo/checkpoints/fashion_mnist/, which these steps
 # do not read. See docs/performance.md, "On a GPU", for a checkout small enough to send.
 #
 # Overrides (for a smoke run on a CPU, e.g. GPU_SESSION_DEVICE=cpu with small shapes):
