@@ -38,6 +38,7 @@ measured (``"complete": false`` until the end), so a run stopped by a time limit
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -142,7 +143,7 @@ def _error(err: BaseException) -> str:
 def measure_family(name: str, size: int, batch: int, variants: list[str], repeats: int,
                    profile: bool = False, width: float = 0.25, device: torch.device | str = "cpu") -> dict:
     """One row: every variant's attack step of family ``name``, timed interleaved; a variant that
-    fails to build or to take its first step is recorded with its error."""
+    fails to build or to take a step is recorded with its error."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     model, x = build(name, size, batch, width, device)
@@ -174,8 +175,13 @@ def measure_family(name: str, size: int, batch: int, variants: list[str], repeat
     basis: dict[str, list[float]] = {v: [] for v in timed}
     wall: dict[str, list[float]] = {v: [] for v in timed}
     for _ in range(repeats):
-        for v in timed:
-            ms, w = step_time_ms(steps[v], device)
+        for v in list(timed):
+            try:
+                ms, w = step_time_ms(steps[v], device)
+            except Exception as err:    # e.g. out of memory beside another variant's CUDA graph
+                errors[v] = _error(err)
+                timed.remove(v)
+                continue
             basis[v].append(ms)
             wall[v].append(w)
     row = {"family": name, "size": size, "batch": batch, "step_gflop": flops / 1e9, "variants": {}}
@@ -346,6 +352,9 @@ def main(argv=None) -> int:
     for size, batch, name, vs in plan:
         row = measure_family(name, size, batch, vs, args.repeats, args.profile, args.width_224, device)
         rows.append(row)
+        if cuda:    # the row's CUDA graphs and cached blocks go before the next family
+            gc.collect()
+            torch.cuda.empty_cache()
         add_fractions(rows, peaks_before)
         out.write_text(json.dumps(payload, indent=2) + "\n")     # what is measured so far
         cells = "  ".join(f"{v} {r['images_per_s']:8.1f} img/s {r['gflops']:6.1f} GFLOP/s" if "error" not in r

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_efficiency  # noqa: E402
-from _attack_variants import VARIANTS, Variant, variants_for  # noqa: E402
+from _attack_variants import VARIANTS, Attacked, Variant, variants_for  # noqa: E402
 from _measure import matmul_tf32, step_time_ms  # noqa: E402
 
 SAME_FUNCTION = ("default", "as_is", "copy", "lean", "reference")
@@ -76,13 +76,30 @@ def test_cpu_run_records_every_variant_with_the_path_it_ran(tmp_path):
     assert "cpu_ms" in gsa32["variants"]["default"] and "peak_mb" not in gsa32["variants"]["default"]
 
 
+class _FailsAfterFirstCall(torch.nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.calls = module, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 1:
+            raise MemoryError("out of memory in the second step")
+        return self.module(x)
+
+
 def test_a_failing_variant_is_recorded_and_the_others_measured(monkeypatch):
     def broken(model, x):
         raise RuntimeError("out of memory, say\nsecond line")
 
+    def flaky(model, x):
+        return Attacked(_FailsAfterFirstCall(model), channels_last=False, attack_copy=False)
+
     monkeypatch.setitem(VARIANTS, "broken", Variant(broken, "raises"))
-    row = bench_efficiency.measure_family("resnet26", 32, 2, ["broken", "default"], repeats=1)
+    monkeypatch.setitem(VARIANTS, "flaky", Variant(flaky, "raises after its first step"))
+    row = bench_efficiency.measure_family("resnet26", 32, 2, ["broken", "default", "flaky"], repeats=2)
     assert row["variants"]["broken"] == {"error": "RuntimeError: out of memory, say"}
+    assert row["variants"]["flaky"] == {"error": "MemoryError: out of memory in the second step"}
     assert row["variants"]["default"]["max_logit_diff_vs_first"] == 0    # the first variant that ran
     assert row["variants"]["default"]["images_per_s"] > 0
 
