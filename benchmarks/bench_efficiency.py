@@ -53,7 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _attack_variants import VARIANTS, attack_step, describe, make_step, variants_for  # noqa: E402
+from _attack_variants import VARIANTS, describe, make_step, variants_for  # noqa: E402
 from _measure import machine_description, matmul_tf32, step_time_ms, write_json  # noqa: E402
 
 import robust_attn  # noqa: E402
@@ -61,7 +61,7 @@ from robust_attn.layers.paths import set_attention_path  # noqa: E402
 from robust_attn.models.manifest import load_model  # noqa: E402
 from robust_attn.models.wrapper import NormalizedModel  # noqa: E402
 
-__all__ = ["FAMILIES", "attack_step", "build", "matmul_gflops", "forward_flops", "measure_family", "main"]
+__all__ = ["FAMILIES", "build", "matmul_gflops", "forward_flops", "measure_family", "main"]
 
 FAMILIES = ("resnet26", "san10_pairwise", "san10_patchwise", "sasa_resnet26", "gsa_resnet26", "aa_resnet26",
             "ea_resnet26")
