@@ -114,9 +114,9 @@ def run_add(args: argparse.Namespace) -> int:
                                       command=args.reproduce_command, log=args.log)
         if args.evaluate:
             from robust_attn.models.checkpoint import load_checkpoint
-            from robust_attn.models.zoo_accuracy import test_set_metrics, with_measured_accuracy
+            from robust_attn.models.zoo_accuracy import measure_test_accuracy, with_measured_accuracy
 
-            measured = test_set_metrics(load_checkpoint(args.checkpoint), args.dataset, args.root)
+            measured = measure_test_accuracy(load_checkpoint(args.checkpoint), args.dataset, args.root)
             entry.metrics = with_measured_accuracy(entry.metrics, measured)
             print(f"measured on the {args.dataset} test set in float32: top-1 {measured['eval_top1']:.2f}%, "
                   f"top-5 {measured['eval_top5']:.2f}%, {measured['seeded_fifth_top1_correct']} correct on its "

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Subset
 
-__all__ = ["test_set_metrics", "with_measured_accuracy"]
+__all__ = ["measure_test_accuracy", "with_measured_accuracy"]
 
 
 def _counts(model: nn.Module, dataset, batch_size: int) -> tuple[int, int, int]:
@@ -34,7 +34,7 @@ def _counts(model: nn.Module, dataset, batch_size: int) -> tuple[int, int, int]:
     return top1, top5, n
 
 
-def test_set_metrics(model: nn.Module, dataset: str, root: str | Path | None = None,
+def measure_test_accuracy(model: nn.Module, dataset: str, root: str | Path | None = None,
                      batch_size: int = 500) -> dict:
     """``eval_top1``, ``eval_top5`` (%, rounded to 0.01) on the whole test split of ``dataset`` and
     ``seeded_fifth_top1_correct``; ``model`` takes [0, 1] images (a zoo or checkpoint model)."""
@@ -52,7 +52,7 @@ def test_set_metrics(model: nn.Module, dataset: str, root: str | Path | None = N
 
 
 def with_measured_accuracy(metrics: dict, measured: dict) -> dict:
-    """``metrics`` (a sidecar's) with ``measured`` (:func:`test_set_metrics`) in place of its test
+    """``metrics`` (a sidecar's) with ``measured`` (:func:`measure_test_accuracy`) in place of its test
     accuracy; the trainer's own figures kept as ``training_eval_top1/5`` where they differ."""
     out = dict(metrics)
     for key in ("eval_top1", "eval_top5"):
