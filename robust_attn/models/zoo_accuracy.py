@@ -21,34 +21,21 @@ from torch.utils.data import DataLoader, Subset
 __all__ = ["measure_test_accuracy", "with_measured_accuracy"]
 
 
-def _counts(model: nn.Module, dataset, batch_size: int) -> tuple[int, int, int]:
-    top1 = top5 = n = 0
-    with torch.no_grad():
-        for images, labels in DataLoader(dataset, batch_size=batch_size):
-            logits = model(images)
-            top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-            hits = top == labels[:, None]
-            top1 += int(hits[:, 0].sum())
-            top5 += int(hits.any(dim=1).sum())
-            n += len(labels)
-    return top1, top5, n
-
-
 def measure_test_accuracy(model: nn.Module, dataset: str, root: str | Path | None = None,
-                     batch_size: int = 500) -> dict:
+                          batch_size: int = 500) -> dict:
     """``eval_top1``, ``eval_top5`` (%, rounded to 0.01) on the whole test split of ``dataset`` and
     ``seeded_fifth_top1_correct``; ``model`` takes [0, 1] images (a zoo or checkpoint model)."""
     from robust_attn.data import build_dataset
     from robust_attn.data.splits import subset_indices
+    from robust_attn.train import evaluate
 
     test_set = build_dataset(dataset, root=root, split="test")
-    size = len(test_set)
-    model = model.eval()
-    top1, top5, n = _counts(model, test_set, batch_size)
-    fifth = subset_indices(size, size // 5, seed=0)
-    fifth_top1, _, _ = _counts(model, Subset(test_set, fifth), batch_size)
-    return {"eval_top1": round(100.0 * top1 / n, 2), "eval_top5": round(100.0 * top5 / n, 2),
-            "seeded_fifth_top1_correct": fifth_top1}
+    cpu = torch.device("cpu")
+    top1, top5, _ = evaluate(model, DataLoader(test_set, batch_size=batch_size), cpu)
+    fifth = Subset(test_set, subset_indices(len(test_set), len(test_set) // 5, seed=0))
+    fifth_top1, _, n = evaluate(model, DataLoader(fifth, batch_size=batch_size), cpu)
+    return {"eval_top1": round(top1, 2), "eval_top5": round(top5, 2),
+            "seeded_fifth_top1_correct": round(fifth_top1 * n / 100)}
 
 
 def with_measured_accuracy(metrics: dict, measured: dict) -> dict:

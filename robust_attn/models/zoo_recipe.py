@@ -24,11 +24,10 @@ def project_recipe(source: str) -> str:
     (``.../zoo/recipes/NAME.toml``, e.g. given as an absolute path of another checkout) by its path in
     the repository, ``zoo/recipes/NAME.toml``, where this repository has that file; else as given."""
     parts = Path(source).parts
-    for i in range(len(parts) - 2):
-        if parts[i] == "zoo" and parts[i + 1] == "recipes" and Path(source).is_absolute():
-            inside = Path(*parts[i:])
-            if (REPO_ROOT / inside).is_file():
-                return inside.as_posix()
+    if Path(source).is_absolute() and parts[-3:-1] == ("zoo", "recipes"):
+        inside = Path(*parts[-3:])
+        if (REPO_ROOT / inside).is_file():
+            return inside.as_posix()
     return source
 
 
