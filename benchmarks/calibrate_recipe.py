@@ -29,12 +29,19 @@ top-1, the wall and CPU seconds of the epoch (training and the test-set evaluati
 wall time is the cost because the machine is shared: with one thread, CPU seconds are what the run
 would take alone (up to cache contention). ``--threads`` sets torch's thread count (default 1).
 
+Several workers may share one queue (the same command, started again in another shell): a worker
+claims a run with ``OUT/<run>/worker.lock`` (its process id and start time) and the others pass over
+a run whose lock names a live process, so each run trains in one process at a time. A lock left by
+a killed worker names a dead process and is taken over.
+
 ``benchmarks/plot_calibration.py`` turns the progress files into a CSV and a plot.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import os
 import re
 import sys
 import time
@@ -91,6 +98,44 @@ def write_progress(path: Path, rows: list[dict]) -> None:
     tmp.replace(path)
 
 
+def _process_identity(pid: int) -> str | None:
+    """``PID:START`` with the process's start time in clock ticks since boot (/proc/PID/stat), or
+    None for a process that does not exist: a process id reused after a kill has another start."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return f"{pid}:{stat.rsplit(')', 1)[1].split()[19]}"  # field 22; the name in () may hold spaces
+
+
+@contextlib.contextmanager
+def claim(out: Path):
+    """Yield True while this process holds ``out/worker.lock``, False when a live other process
+    holds it (a lock naming a dead process is replaced). The lock is removed on leaving."""
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / "worker.lock"
+    me = _process_identity(os.getpid())
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            holder = lock.read_text().strip() if lock.is_file() else ""
+            pid = int(holder.split(":")[0]) if holder.split(":")[0].isdigit() else -1
+            if holder and holder != me and _process_identity(pid) == holder:
+                yield False
+                return
+            lock.unlink(missing_ok=True)  # stale: its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        try:
+            yield True
+        finally:
+            lock.unlink(missing_ok=True)
+        return
+    raise RuntimeError(f"{lock}: could not be claimed (another worker took it over at the same time?)")
+
+
 def train_one(recipe_path: Path, run: dict, out_root: Path, data_root: str | None) -> None:
     from robust_attn.train import load_recipe, train
     from robust_attn.train.trainer import _latest_checkpoint
@@ -105,6 +150,21 @@ def train_one(recipe_path: Path, run: dict, out_root: Path, data_root: str | Non
     if data_root:
         overrides.append(f"data.root=\"{data_root}\"")
     recipe = load_recipe(recipe_path, overrides)
+    with claim(out) as mine:
+        if not mine:
+            print(f"[calibrate] {name}: running in another worker ({(out / 'worker.lock').read_text()}), passed over",
+                  flush=True)
+            return
+        if (out / "model.safetensors").is_file():  # finished by another worker since the check above
+            print(f"[calibrate] {name}: finished, skipped", flush=True)
+            return
+        _train_claimed(recipe, name, out, overrides)
+
+
+def _train_claimed(recipe, name: str, out: Path, overrides: list[str]) -> None:
+    from robust_attn.train import train
+    from robust_attn.train.trainer import _latest_checkpoint
+
     resume = _latest_checkpoint(out) is not None
     progress_path = out / "progress.csv"
     rows = read_progress(progress_path) if resume else []
@@ -130,6 +190,7 @@ def train_one(recipe_path: Path, run: dict, out_root: Path, data_root: str | Non
 
     print(f"[calibrate] {name}: {'resuming' if resume else 'starting'} ({' '.join(overrides)})", flush=True)
     train(recipe, out, resume=resume, progress=False, log=log)
+
 
 
 def main(argv=None) -> None:

@@ -80,3 +80,42 @@ def test_progress_adds_the_cpu_time_of_a_resumed_run(tmp_path, monkeypatch):
     plotted = plot_calibration.collect(tmp_path)
     assert [(r["run"], r["epoch"], r["finished"]) for r in plotted] == [(out.name, 1, True), (out.name, 2, True)]
     assert plotted[1]["cum_cpu_hours"] == pytest.approx(8.0 / 3600)
+
+
+def test_a_run_is_trained_by_one_worker_at_a_time(tmp_path, monkeypatch):
+    """Two workers on one queue: a run whose worker.lock names a live other process is passed over;
+    a lock of a killed worker (a dead process id, or a live id with another start time: the id was
+    reused) is taken over and removed when the run ends."""
+    import os
+
+    import robust_attn.train as train_pkg
+
+    run = {"model": "resnet26", "width": 0.25, "stem": 2, "epochs": 1, "overrides": []}
+    out = tmp_path / calibrate_recipe.run_name(run)
+    out.mkdir()
+    lock = out / "worker.lock"
+    other = calibrate_recipe._process_identity(os.getppid())  # a live process that is not this one
+    assert other is not None and other != calibrate_recipe._process_identity(os.getpid())
+    trained = []
+
+    def fake_train(recipe, out_dir, resume, progress, log):
+        assert lock.read_text() == calibrate_recipe._process_identity(os.getpid())  # held while training
+        trained.append(resume)
+
+    monkeypatch.setattr(train_pkg, "train", fake_train)
+    monkeypatch.setattr(train_pkg, "load_recipe", lambda path, overrides: None)
+
+    lock.write_text(other)
+    calibrate_recipe.train_one(REPO / "x.toml", run, tmp_path, None)
+    assert trained == [] and lock.read_text() == other  # passed over, the other worker's lock kept
+
+    pid, start = other.split(":")
+    for stale in (f"{pid}:{int(start) + 1}", "999999999:5"):
+        lock.write_text(stale)
+        calibrate_recipe.train_one(REPO / "x.toml", run, tmp_path, None)
+        assert not lock.exists()
+    assert trained == [False, False]
+
+    with calibrate_recipe.claim(out) as mine:
+        assert mine and lock.is_file()
+    assert not lock.exists()
