@@ -157,6 +157,8 @@ def test_a_weakness_that_survives_and_one_that_is_unresolved(study, tmp_path):
 def test_a_model_flagged_by_a_masking_check_carries_the_mark(study, tmp_path):
     runs, _ = study
     masking = _run(tmp_path, "masking", "san10_pairwise_adv", "san10_pairwise", FGSM, [], {})
+    masking.records = pd.DataFrame({"condition": "loss_sweep", "index": np.arange(10), "success": 1,  # as the
+                                    "clean_success": 0, "start_success": 0})                         # protocol's
     (masking.path / "checks.json").write_text(json.dumps([{"name": "blackbox_beats_whitebox", "verdict": "flag"}]))
     runs = runs + [masking]
     annotate_masking(runs)
