@@ -91,6 +91,8 @@ def _run(parser: argparse.ArgumentParser, args, extra: list[str]) -> int:
     except BrokenPipeError:
         raise   # handled by main: the reader went away, not an input error
     except (UserError, KeyError, ValueError, OSError) as err:
+        if isinstance(err, KeyError) and not (err.args and isinstance(err.args[0], str) and " " in err.args[0]):
+            raise  # a bare missing key ('top1') is a bug, not the input's fault: its traceback says where
         message = err.args[0] if isinstance(err, KeyError) and err.args else _os_message(err)
         print(f"robust-attn {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -187,6 +187,27 @@ def test_python_m_cli_prints_user_errors_without_a_traceback(tmp_path):
     assert result.stderr.startswith("robust-attn study: error: study config") and "does not exist" in result.stderr
 
 
+def test_a_missing_key_inside_the_code_is_a_traceback_not_an_input_error(monkeypatch, capsys):
+    """A KeyError naming what the user asked for (an unknown zoo entry) is printed as the input's
+    error; a bare missing key (a column the code expected) is a bug and keeps its traceback."""
+    import argparse
+
+    from robust_attn import cli
+
+    parser = argparse.ArgumentParser()
+
+    def fails_with(err):
+        def func(args):
+            raise err
+        return argparse.Namespace(command="report", func=func)
+
+    message = "the zoo has no 'x' trained on 'cifar10'; it has: resnet26"
+    assert cli._run(parser, fails_with(KeyError(message)), []) == 2
+    assert capsys.readouterr().err == f"robust-attn report: error: {message}\n"
+    with pytest.raises(KeyError, match="top1"):
+        cli._run(parser, fails_with(KeyError("top1")), [])
+
+
 @pytest.mark.parametrize("text, message", [
     ('dataset = "imagenet"\nlimit = true\nmodels = ["resnet26"]', "limit must be an integer, got bool True"),
     ('dataset = "imagenet"\ncorruptions = 5\nmodels = ["resnet26"]', "corruptions must be a string, got int 5"),
