@@ -130,15 +130,19 @@ def test_learns_the_synthetic_task(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gsa_resnet26", "resnet26"])
-def test_compiled_training_is_the_eager_training(tmp_path, name):
-    # runtime.compile (torch.compile of the training forward; used for gsa_resnet26 on the CPU,
-    # benchmarks/results/calibration/README.md) trains the same weights up to float rounding.
+@pytest.mark.parametrize("name, amp", [("gsa_resnet26", "none"), ("resnet26", "none"), ("gsa_resnet26", "bf16"),
+                                       ("ea_resnet26", "bf16")])
+def test_compiled_training_is_the_eager_training(tmp_path, name, amp):
+    # runtime.compile (torch.compile of the training forward; used for ea_resnet26 and gsa_resnet26
+    # on the CPU under the recipe's bf16, benchmarks/results/calibration/README.md) trains the same
+    # weights up to float rounding (bf16's: a looser bound). ea_resnet26 under bf16 once gave NaN
+    # from its first compiled step while eager trained (layers/external_attention.py).
     # stem 2 and batch 8: batch statistics over enough values that their rounding stays small
-    shape = dict(model=name, epochs=1, model_args={"stem_downsample": 2}, data={"batch_size": 8, "limit_train": 24})
+    shape = dict(model=name, epochs=1, model_args={"stem_downsample": 2}, data={"batch_size": 8, "limit_train": 24},
+                 runtime={"device": "cpu", "amp": amp})
     raw = tiny_recipe(**shape)
     eager = train(recipe_from_dict(raw), tmp_path / "eager", progress=False, log=quiet)
-    compiled = train(recipe_from_dict(tiny_recipe(**shape, runtime={"compile": True})),
+    compiled = train(recipe_from_dict(tiny_recipe(**dict(shape, runtime={**shape["runtime"], "compile": True}))),
                      tmp_path / "compiled", progress=False, log=quiet)
     a, b = load_file(eager["weights"]), load_file(compiled["weights"])
     assert a.keys() == b.keys()
@@ -146,10 +150,22 @@ def test_compiled_training_is_the_eager_training(tmp_path, name):
     start = build_model(recipe_from_dict(raw)).state_dict()
     # Each tensor's difference is float rounding, small against what training moved it by (a layer
     # left out of the compiled graph, or trained differently, would differ by about its update).
-    for key in a:
-        update = (a[key].double() - start[key].double()).abs().max().item()
-        diff = (b[key].double() - a[key].double()).abs().max().item()
-        assert diff <= 0.05 * update + 1e-6, (key, diff, update)
+    # Under bf16 a tensor that moved little (a BN bias) can differ by as much as it moved: there the
+    # bound is bf16's own distance from float32 training, over all the weights.
+    assert all(torch.isfinite(t).all() for t in b.values())
+    if amp == "none":
+        for key in a:
+            update = (a[key].double() - start[key].double()).abs().max().item()
+            diff = (b[key].double() - a[key].double()).abs().max().item()
+            assert diff <= 0.05 * update + 1e-6, (key, diff, update)
+    else:  # compiled bf16 is no further from the float32 training than eager bf16 is, up to 2x
+        fp32 = load_file(train(recipe_from_dict(tiny_recipe(**dict(shape, runtime={"device": "cpu"}))),
+                               tmp_path / "fp32", progress=False, log=quiet)["weights"])
+
+        def distance(x, y):
+            return sum(((x[k].double() - y[k].double()) ** 2).sum() for k in x).sqrt().item()
+
+        assert distance(b, fp32) <= 2 * distance(a, fp32), (distance(b, fp32), distance(a, fp32))
     assert max((a[k].double() - start[k].double()).abs().max().item() for k in a) > 1e-3
     assert "compile" in (tmp_path / "compiled" / "recipe.json").read_text()
     assert eager["history"][0]["eval_top1"] == pytest.approx(compiled["history"][0]["eval_top1"], abs=100 / 16)

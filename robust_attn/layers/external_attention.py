@@ -42,9 +42,13 @@ __all__ = ["double_normalize", "ExternalAttention"]
 
 def double_normalize(logits: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
     """EA section 3.3 on ``(..., S, N)`` logits: softmax over pixels ``N`` (last dim), then L1
-    normalization over slots ``S`` (second to last)."""
-    attn = torch.softmax(logits, dim=-1)
-    return attn / (eps + attn.sum(dim=-2, keepdim=True))
+    normalization over slots ``S`` (second to last).
+
+    Computed in float32 and returned in the logits' dtype: under bf16 autocast the two reductions
+    keep float32 precision, and torch.compile's CPU code for the bf16 version gave NaN in training
+    (torch 2.14; tests/test_train.py's compiled-training test on ea_resnet26 catches it)."""
+    attn = torch.softmax(logits.float(), dim=-1)
+    return (attn / (eps + attn.sum(dim=-2, keepdim=True))).to(logits.dtype)
 
 
 class ExternalAttention(nn.Module):
