@@ -137,8 +137,7 @@ def claim(out: Path):
 
 
 def train_one(recipe_path: Path, run: dict, out_root: Path, data_root: str | None) -> None:
-    from robust_attn.train import load_recipe, train
-    from robust_attn.train.trainer import _latest_checkpoint
+    from robust_attn.train import load_recipe
 
     name = run_name(run)
     out = out_root / name
@@ -190,7 +189,6 @@ def _train_claimed(recipe, name: str, out: Path, overrides: list[str]) -> None:
 
     print(f"[calibrate] {name}: {'resuming' if resume else 'starting'} ({' '.join(overrides)})", flush=True)
     train(recipe, out, resume=resume, progress=False, log=log)
-
 
 
 def main(argv=None) -> None:
