@@ -108,10 +108,21 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         what = f"entries that are not tensors: {_names(bad)}" if bad else "no tensors"
         raise ConversionError(f"{path} is not a state dict: it has {what} (keys: {_names(map(str, obj))}); "
                               f"pass a file holding `model.state_dict()` or {{'state_dict': model.state_dict()}}")
-    state = dict(obj)
-    if all(k.startswith("module.") for k in state):
-        state = {k[len("module."):]: v for k, v in state.items()}
-    return state
+    return strip_module_prefix(dict(obj))
+
+
+def strip_module_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` without the ``module.`` prefix that DataParallel/DDP put on every key."""
+    if state_dict and all(k.startswith("module.") for k in state_dict):
+        return {k[len("module."):]: v for k, v in state_dict.items()}
+    return dict(state_dict)
+
+
+def target_model(state_dict: Mapping[str, torch.Tensor], arch: str, model: torch.nn.Module | None = None
+                 ) -> torch.nn.Module:
+    """``model``, or ``create_model(arch, ...)`` at ImageNet resolution with as many classes as the
+    source's ``fc`` head: the model whose state dict a converter fills."""
+    return model if model is not None else create_model(arch, fc_classes(state_dict), "imagenet")
 
 
 def _optional(key: str) -> bool:

@@ -50,9 +50,10 @@ import re
 
 import torch
 
-from robust_attn.importers import ConversionError, convert_and_save, fc_classes, register_importer, remap
+from robust_attn.importers import (ConversionError, convert_and_save, register_importer, remap, strip_module_prefix,
+                                   target_model)
 from robust_attn.models.san import SAN_LAYERS
-from robust_attn.models.registry import create_model, list_models, model_info
+from robust_attn.models.registry import list_models, model_info
 
 __all__ = ["SAN_ARCHS", "official_key", "convert_san_official", "guess_san_arch", "import_san_official"]
 
@@ -104,10 +105,8 @@ def convert_san_official(state_dict: dict[str, torch.Tensor], arch: str, model: 
     ``state_dict`` may carry the ``module.`` prefix. Unknown, missing or mis-shaped keys raise
     :class:`ConversionError` naming them (and the arch the keys look like, if another)."""
     _check_arch(arch)
-    if all(k.startswith("module.") for k in state_dict):
-        state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
-    if model is None:
-        model = create_model(arch, fc_classes(state_dict), "imagenet")
+    state_dict = strip_module_prefix(state_dict)
+    model = target_model(state_dict, arch, model)
     target = model.state_dict()
     blocks = tuple(len(stage) - 4 for stage in model.stages)  # pool, conv, blocks..., BN, ReLU
     mapping = {k: official_key(k, blocks) for k in target}

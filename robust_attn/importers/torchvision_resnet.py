@@ -23,9 +23,10 @@ import os
 
 import torch
 
-from robust_attn.importers import ConversionError, convert_and_save, fc_classes, register_importer, remap
+from robust_attn.importers import (ConversionError, convert_and_save, register_importer, remap, strip_module_prefix,
+                                   target_model)
 from robust_attn.models.resnet import RESNET_LAYERS
-from robust_attn.models.registry import create_model, list_models, model_info
+from robust_attn.models.registry import list_models, model_info
 
 __all__ = ["RESNET_ARCHS", "convert_torchvision_resnet", "import_torchvision_resnet"]
 
@@ -71,10 +72,8 @@ def convert_torchvision_resnet(state_dict: dict[str, torch.Tensor], arch: str,
     ``num_classes`` comes from ``fc.weight``. Unknown, missing or mis-shaped keys raise
     :class:`ConversionError` naming them, with the likely reason (BasicBlock, block counts, groups)."""
     _check_arch(arch)
-    if all(k.startswith("module.") for k in state_dict):
-        state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
-    if model is None:
-        model = create_model(arch, fc_classes(state_dict), "imagenet")
+    state_dict = strip_module_prefix(state_dict)
+    model = target_model(state_dict, arch, model)
     target = model.state_dict()
     mapping = {k: torchvision_key(k) for k in target}
     return remap(state_dict, mapping, target, f"not a torchvision-layout {arch} state dict", _hint(state_dict, arch))
