@@ -254,7 +254,8 @@ def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
 
 def test_masking_checks_gain_with_eps_on_the_apgd_sweep_when_autoattack_ran_at_one_radius(tmp_path, tiny_zoo):
     """On a CPU the study runs AutoAttack at 8/255 only; the gain-with-strength check then reads
-    APGD-CE's success at its radii, from the apgd runs."""
+    APGD-CE's success at its radii, from the apgd runs, and at 8/255 from AutoAttack's records
+    (its first member, APGD-CE with the same iterations)."""
     from robust_attn.runs.store import load_records
 
     config = StudyConfig(dataset="synthetic", limit=6, attack_limit=6, autoattack_eps=(8 / 255,), apgd_eps=(1 / 255, 4 / 255),
@@ -267,7 +268,12 @@ def test_masking_checks_gain_with_eps_on_the_apgd_sweep_when_autoattack_ran_at_o
         gain = next(c for c in checks if c["name"] == "gain_with_strength")
         apgd = load_records(runs / f"apgd-{model}")
         expected = [apgd.loc[apgd["condition"] == f"apgd-ce_linf_eps{e}_n2", "success"].mean() for e in (1, 4)]
-        assert gain["evidence"]["order"] == ["APGD-CE 1/255", "APGD-CE 4/255"]
+        aa = load_records(runs / f"autoattack-{model}")
+        aa = aa[aa["condition"] == "autoattack_linf_eps8_n2"]
+        first = aa["clean_pred"].ne(aa["label"]) | aa["by"].eq("apgd-ce")   # misclassified, or APGD-CE fooled it
+        assert len(aa) == 6 and first.sum() >= aa["clean_pred"].ne(aa["label"]).sum()
+        expected.append(first.mean())
+        assert gain["evidence"]["order"] == ["APGD-CE 1/255", "APGD-CE 4/255", "APGD-CE 8/255"]
         assert gain["evidence"]["rates"] == pytest.approx(expected)
 
 

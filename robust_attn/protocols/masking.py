@@ -13,8 +13,12 @@ model:
   member in ``by``) against Square alone at the same eps, against AutoAttack's own Square member
   (an image only Square fooled inside AutoAttack is the same evidence), and against the
   untargeted transfer attack from every other model at 8/255;
-* ``gain_with_strength``: AutoAttack's success rate must grow with eps (where it ran at one
-  radius only, e.g. 8/255 on a CPU: APGD-CE's, from the ``apgd`` step's radii);
+* ``gain_with_strength``: AutoAttack's success rate must grow with eps; where it ran at one
+  radius only (e.g. 8/255 on a CPU), APGD-CE's, at the ``apgd`` step's radii and at AutoAttack's
+  radius, read from AutoAttack's records: its first member is APGD-CE with the same iterations,
+  run on every image the model classifies correctly, so the images it fooled (``by``
+  ``apgd-ce``) and the misclassified ones (``clean``) are APGD-CE's success there. The wider ladder matters for an adversarially trained model, which APGD-CE at
+  1-4/255 may fool no more often than its clean errors on a small subset;
 * ``unbounded_attack``: 20-step PGD at eps = 1 on the first ``config.masking_images`` images;
 * ``input_gradients``: compared with the baseline model's (``config.baseline``) on those images;
 * ``loss_saturation``: the loss along the gradient sign and 4 random directions on 4 images,
@@ -81,6 +85,12 @@ def _success_by_eps(run_dir: Path, records: pd.DataFrame, attack: str, radii, la
     conditions = {e: _condition_at(run_dir, attack, e) for e in sorted(radii)}
     return {f"{label}{round(e * 255, 6):g}/255": float(records.loc[records["condition"] == c, "success"].mean())
             for e, c in conditions.items() if c}
+
+
+def _apgd_ce_member_rate(records: pd.DataFrame) -> float:
+    """APGD-CE's success rate inside an AutoAttack condition's records: the images it found
+    misclassified or fooled first (``by``), since AutoAttack runs it first on every image."""
+    return float(records["by"].isin(("clean", "apgd-ce")).mean())
 
 
 def write_checks(out: Path, model, images, labels, indices, eps: float, run_info: dict, *, white=None,
@@ -197,6 +207,8 @@ def study_masking(ctx, entries, models):
         apgd_dir = ctx.run_dir("apgd", entry.name)
         if (rates is None or len(rates) < 2) and RunStore(apgd_dir).exists():   # AutoAttack at one radius only
             rates = _success_by_eps(apgd_dir, load_records(apgd_dir), "apgd-ce", config.apgd_eps, "APGD-CE ")
+            if white is not None and len(top) and eps > max(config.apgd_eps) + 1e-9:   # the same attack
+                rates[f"APGD-CE {round(eps * 255, 6):g}/255"] = _apgd_ce_member_rate(top)   # (both: attack_steps)
         square_dir = ctx.run_dir("square", entry.name)
         if white is not None and RunStore(square_dir).exists() and abs(config.square_eps - eps) < 1e-9:
             c = _condition_at(square_dir, "square", eps)
