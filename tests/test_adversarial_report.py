@@ -137,6 +137,7 @@ def test_most_robust_family_gain_and_flip_are_the_constructed_ones(study, tmp_pa
     # Bai et al. beside the result: their figures, and the verdict of ours (san10_pairwise_adv ahead, resolved)
     assert "DeiT-S 35.50%" in md and "ResNet-50-GELU 35.51%" in md and "Bai et al." in md
     assert "san10_pairwise_adv, minus resnet26_adv: +15.0" in md and "the attention model is resolved ahead" in md
+    assert "the most robust of the 2 attention models, san10_pairwise_adv" in md and "after the fact" in md
 
 
 def test_a_weakness_that_survives_and_one_that_is_unresolved(study, tmp_path):

@@ -364,9 +364,11 @@ def bai_comparison(ranked, measures, ctx, base_arch: str, robust: str) -> list[s
         verdict = ("agrees: no resolved difference" if not _resolved(d) else
                    "differs: the attention model is resolved ahead" if d[1] > 0 else
                    "differs: the convolution is resolved ahead")
-        lines[0] += (f" Here, on CIFAR-10 with local self-attention rather than a ViT: the most robust of the "
-                     f"{len(attention)} attention models, {top['model']}, minus {conv[0]['model']}: {_cell(d)} "
-                     f"points, which {verdict} (chosen as the best after the fact, which favours it).")
+        which = (f"the most robust of the {len(attention)} attention models" if len(attention) > 1
+                 else "the attention model")
+        after = " (chosen as the best after the fact, which favours it)" if len(attention) > 1 else ""
+        lines[0] += (f" Here, on CIFAR-10 with local self-attention rather than a ViT: {which}, {top['model']}, "
+                     f"minus {conv[0]['model']}: {_cell(d)} points, which {verdict}{after}.")
     return lines + [""]
 
 
