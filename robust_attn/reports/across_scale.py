@@ -349,7 +349,9 @@ def write_across_scale(reference_paths, other_paths, out_dir, n_boot: int = 1000
           f"Each cell: the finding's statistic in that zoo (points, or Kendall's tau for a ranking), its "
           f"{level:.0%} paired bootstrap interval over the zoo's images ({n_boot} resamples, seed {seed}) and the "
           "models it compares; positive where the claim is true. yes: the interval lies above 0; no: below; "
-          "unresolved: it covers 0. Across scale a finding holds (both zoos resolve it the same way), flips "
+          "unresolved: it covers 0. A ranking's tau is 1 where the two measures order the models alike, so "
+          "there yes means a pair of models flips order and every resample keeps the flip, no that no pair "
+          "flips and tau's interval is 1. Across scale a finding holds (both zoos resolve it the same way), flips "
           "(opposite ways) or is unresolved (either interval covers 0). Definitions: "
           "`robust_attn/reports/across_scale.py`.", "",
           to_markdown(pd.DataFrame(rows)), "",
