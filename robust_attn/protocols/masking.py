@@ -17,8 +17,9 @@ model:
   radius only (e.g. 8/255 on a CPU), APGD-CE's, at the ``apgd`` step's radii and at AutoAttack's
   radius, read from AutoAttack's records: its first member is APGD-CE with the same iterations,
   run on every image the model classifies correctly, so the images it fooled (``by``
-  ``apgd-ce``) and the misclassified ones (``clean``) are APGD-CE's success there. The wider ladder matters for an adversarially trained model, which APGD-CE at
-  1-4/255 may fool no more often than its clean errors on a small subset;
+  ``apgd-ce``) and the misclassified ones (``clean``) are APGD-CE's success there. The wider
+  ladder matters for an adversarially trained model, which APGD-CE at 1-4/255 may fool no more
+  often than its clean errors on a small subset;
 * ``unbounded_attack``: 20-step PGD at eps = 1 on the first ``config.masking_images`` images;
 * ``input_gradients``: compared with the baseline model's (``config.baseline``) on those images;
 * ``loss_saturation``: the loss along the gradient sign and 4 random directions on 4 images,
@@ -79,11 +80,16 @@ def _condition_at(run_dir: Path, attack: str, eps: float) -> str | None:
     return None
 
 
+def _eps_label(eps: float, label: str = "") -> str:
+    """The ladder's key for radius ``eps`` (image units): ``"<label><eps*255>/255"``."""
+    return f"{label}{round(eps * 255, 6):g}/255"
+
+
 def _success_by_eps(run_dir: Path, records: pd.DataFrame, attack: str, radii, label: str = "") -> dict:
     """``{"<label><eps>/255": success rate}`` of ``attack``'s untargeted L-inf conditions in a run,
     from the smallest eps to the largest (the radii the run has; ``radii`` in image units)."""
     conditions = {e: _condition_at(run_dir, attack, e) for e in sorted(radii)}
-    return {f"{label}{round(e * 255, 6):g}/255": float(records.loc[records["condition"] == c, "success"].mean())
+    return {_eps_label(e, label): float(records.loc[records["condition"] == c, "success"].mean())
             for e, c in conditions.items() if c}
 
 
@@ -208,7 +214,7 @@ def study_masking(ctx, entries, models):
         if (rates is None or len(rates) < 2) and RunStore(apgd_dir).exists():   # AutoAttack at one radius only
             rates = _success_by_eps(apgd_dir, load_records(apgd_dir), "apgd-ce", config.apgd_eps, "APGD-CE ")
             if white is not None and len(top) and eps > max(config.apgd_eps) + 1e-9:   # the same attack
-                rates[f"APGD-CE {round(eps * 255, 6):g}/255"] = _apgd_ce_member_rate(top)   # (both: attack_steps)
+                rates[_eps_label(eps, "APGD-CE ")] = _apgd_ce_member_rate(top)   # (both: attack_steps)
         square_dir = ctx.run_dir("square", entry.name)
         if white is not None and RunStore(square_dir).exists() and abs(config.square_eps - eps) < 1e-9:
             c = _condition_at(square_dir, "square", eps)
