@@ -48,6 +48,7 @@ from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import open_run
 from robust_attn.runs.store import RunStore, load_description, load_records
 from robust_attn.utils.io import atomic_write_json
+from robust_attn.utils.radius import shown_radius
 
 __all__ = ["PROTOCOL", "white_box_records", "attack_run_checks", "write_checks"]
 
@@ -80,16 +81,11 @@ def _condition_at(run_dir: Path, attack: str, eps: float) -> str | None:
     return None
 
 
-def _eps_label(eps: float, label: str = "") -> str:
-    """The ladder's key for radius ``eps`` (image units): ``"<label><eps*255>/255"``."""
-    return f"{label}{round(eps * 255, 6):g}/255"
-
-
 def _success_by_eps(run_dir: Path, records: pd.DataFrame, attack: str, radii, label: str = "") -> dict:
     """``{"<label><eps>/255": success rate}`` of ``attack``'s untargeted L-inf conditions in a run,
     from the smallest eps to the largest (the radii the run has; ``radii`` in image units)."""
     conditions = {e: _condition_at(run_dir, attack, e) for e in sorted(radii)}
-    return {_eps_label(e, label): float(records.loc[records["condition"] == c, "success"].mean())
+    return {label + shown_radius(e): float(records.loc[records["condition"] == c, "success"].mean())
             for e, c in conditions.items() if c}
 
 
@@ -214,7 +210,7 @@ def study_masking(ctx, entries, models):
         if (rates is None or len(rates) < 2) and RunStore(apgd_dir).exists():   # AutoAttack at one radius only
             rates = _success_by_eps(apgd_dir, load_records(apgd_dir), "apgd-ce", config.apgd_eps, "APGD-CE ")
             if white is not None and len(top) and eps > max(config.apgd_eps) + 1e-9:   # the same attack
-                rates[_eps_label(eps, "APGD-CE ")] = _apgd_ce_member_rate(top)   # (both: attack_steps)
+                rates["APGD-CE " + shown_radius(eps)] = _apgd_ce_member_rate(top)   # (both: attack_steps)
         square_dir = ctx.run_dir("square", entry.name)
         if white is not None and RunStore(square_dir).exists() and abs(config.square_eps - eps) < 1e-9:
             c = _condition_at(square_dir, "square", eps)
