@@ -81,7 +81,8 @@ class OptimConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: str = "auto"              # "auto" (cuda if available), "cpu", "cuda"
-    amp: str = "none"                 # "none", "bf16", "fp16" (autocast; GradScaler for fp16)
+    amp: str = "none"                 # "none", "bf16", "fp16" (autocast; GradScaler for fp16), or "auto":
+                                      # bf16 where the device has it in hardware, else none
     channels_last: bool = False
     compile: bool = False             # torch.compile the model
     deterministic: bool = False       # torch.use_deterministic_algorithms (slower on GPU)
@@ -145,8 +146,9 @@ _SECTIONS = {"data": DataConfig, "optim": OptimConfig, "runtime": RuntimeConfig,
 _LATER_KEYS = {("data", "translate"): None, ("data", "flip"): "random", ("optim", "bias_lr_scale"): 1.0,
                ("optim", "ema_decay"): 0.0, ("optim", "ema_every"): 1}
 _CHOICES = {("adversarial", "method"): ADVERSARIAL_METHODS, ("optim", "schedule"): ("cosine", "step", "linear"),
-            ("data", "flip"): ("random", "alternating", "none"), ("runtime", "amp"): ("none", "bf16", "fp16"),
-            ("runtime", "device"): ("auto", "cpu", "cuda"), ("data", "eval_split"): ("test", "val")}
+            ("data", "flip"): ("random", "alternating", "none"),
+            ("runtime", "amp"): ("none", "bf16", "fp16", "auto"), ("runtime", "device"): ("auto", "cpu", "cuda"),
+            ("data", "eval_split"): ("test", "val")}
 
 
 def _merge(base: dict, child: dict) -> dict:

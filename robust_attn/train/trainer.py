@@ -53,6 +53,7 @@ from robust_attn.train.ema import WeightAverage
 from robust_attn.train.optim import build_optimizer, build_scheduler
 from robust_attn.train.recipe import Recipe, RecipeError
 from robust_attn.utils.io import atomic_path, atomic_write_json, atomic_write_text, sha256_file
+from robust_attn.utils.hardware import native_bf16
 from robust_attn.models.wrapper import NormalizedModel
 
 __all__ = ["train", "evaluate", "build_model", "CSV_COLUMNS", "ResumeError"]
@@ -105,6 +106,23 @@ def _data_variant(dataset) -> str | None:
     while dataset is not None and not hasattr(dataset, "variant"):
         dataset = getattr(dataset, "dataset", None)
     return getattr(dataset, "variant", None)
+
+
+def resolve_amp(device: torch.device, amp: str, say=lambda _msg: None) -> str:
+    """The autocast precision a run uses: the recipe's ``runtime.amp``, with "auto" resolved to
+    "bf16" where the device computes bf16 in hardware (:func:`robust_attn.utils.hardware.native_bf16`)
+    and "none" elsewhere. An explicit "bf16" on a CPU without it is kept, with a warning that
+    names the override: emulated bf16 is many times slower than float32 there."""
+    if amp == "auto":
+        resolved = "bf16" if native_bf16(device) else "none"
+        say(f"runtime.amp = auto: {resolved} on this {device.type} "
+            f"({'native bf16' if resolved == 'bf16' else 'no native bf16: float32'})")
+        return resolved
+    if amp == "bf16" and device.type == "cpu" and not native_bf16(device):
+        say(f'warning: runtime.amp = "bf16" on a CPU without native bf16 ({torch.backends.cpu.get_cpu_capability()}, '
+            "no AVX512-BF16 or AMX): autocast is emulated there, resnet26's training step 8.5x slower than "
+            "in float32; override runtime.amp=auto (or none) to train in float32")
+    return amp
 
 
 def _amp_context(device: torch.device, amp: str):
@@ -199,7 +217,8 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     if dcfg.batch_size % world:
         raise RecipeError(f"data.batch_size {dcfg.batch_size} is the global batch and must be divisible by the "
                           f"number of processes ({world})")
-    autocast = _amp_context(device, rt.amp)
+    amp = resolve_amp(device, rt.amp, say)
+    autocast = _amp_context(device, amp)
     if rt.deterministic:
         torch.use_deterministic_algorithms(True)
     elif device.type == "cuda":
@@ -253,7 +272,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     shown = net if average is None else average.module  # what is evaluated and saved
     scheduler = build_scheduler(optimizer, steps_per_epoch, recipe.epochs, ocfg.warmup_epochs, ocfg.schedule,
                                 ocfg.min_lr, ocfg.milestones, ocfg.gamma)
-    scaler = torch.amp.GradScaler(device.type, enabled=rt.amp == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
     criterion = nn.CrossEntropyLoss(label_smoothing=ocfg.label_smoothing)
     model: nn.Module = net
     if world > 1:
@@ -302,7 +321,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     meta_base = {"recipe": recipe.to_dict(), "recipe_sha256": recipe.sha256(), "recipe_source": recipe.source,
                  "dataset": recipe.dataset, "data_variant": _data_variant(train_set.dataset),
                  "versions": _versions(), "git_commit": _git_commit(),
-                 "world_size": world}
+                 "world_size": world, "amp": amp}
     if adversarial:  # recorded in every checkpoint: never to be taken for a standard one
         meta_base["adversarial"] = adv.describe(acfg)
     writer = None
