@@ -175,16 +175,32 @@ def test_fused_operators_equal_the_chunked_path(attention, relation, position_en
     """csrc/pairwise_ops.cpp and csrc/patchwise_ops.cpp against the chunked PyTorch path (float64):
     output, every gradient, running statistics; 17x16 has padded tile rows (more than 256 pixels),
     5x6 is smaller than the footprint."""
+    _check_fused_equals_chunked(monkeypatch, 32, attention, relation, position_encoding, training, size, footprint)
+
+
+@needs_kernel
+@pytest.mark.parametrize("attention,relation,position_encoding", FUSED_CASES[:1] + FUSED_CASES[-1:])
+def test_fused_operators_equal_the_chunked_path_past_every_register_block(attention, relation, position_encoding,
+                                                                          monkeypatch):
+    """15 relation channels and 15 groups: csrc/small_gemm.h's products take their main row block,
+    then the smaller ones (8 + 4 + 2 + 1 rows),
+    and gemm_nt its column blocks and a remainder."""
+    _check_fused_equals_chunked(monkeypatch, 240, attention, relation, position_encoding, True, (17, 16), 7,
+                                share_planes=4)
+
+
+def _check_fused_equals_chunked(monkeypatch, channels, attention, relation, position_encoding, training, size,
+                                footprint, **layer_args):
     torch.manual_seed(4)
-    m = SelfAttention2d(32, attention=attention, relation=relation, position_encoding=position_encoding,
-                        footprint=footprint, chunk_size=5).double()
+    m = SelfAttention2d(channels, attention=attention, relation=relation, position_encoding=position_encoding,
+                        footprint=footprint, chunk_size=5, **layer_args).double()
     for bn in (m.gamma[0], m.gamma[3]):  # running statistics and affine away from their defaults
         bn.running_mean.uniform_(-0.5, 0.5)
         bn.running_var.uniform_(0.5, 2.0)
         bn.weight.data.uniform_(0.5, 1.5)
         bn.bias.data.uniform_(-0.5, 0.5)
     m.train(training)
-    x = torch.randn(3, 32, *size, dtype=torch.float64)
+    x = torch.randn(3, channels, *size, dtype=torch.float64)
     fused_calls = []
     operator = FUSED_OPERATORS[attention]
     apply = operator.apply

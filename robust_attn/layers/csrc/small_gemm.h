@@ -1,8 +1,31 @@
 // Small dense products for tiles that live in cache: a 1x1 layer applied to a (channels x pixels)
 // tile, and the tile's contribution to that layer's weight gradient. Register-blocked over output
-// rows and vector lanes of pixels, with GCC vector extensions (64-byte vectors, -march=native).
-// Used by pairwise_ops.cpp; row-major throughout.
+// rows and vector lanes of pixels, with GCC vector extensions (-march=native). Used by
+// pairwise_ops.cpp and patchwise_ops.cpp; row-major throughout.
+//
+// The vectors are as wide as the target's registers: 64 bytes with AVX-512, 32 elsewhere (AVX2).
+// 64-byte vectors on AVX2 take two registers each, and the blocks below then need about twice the
+// 16 registers there: SAN10 pairwise's training step was 1.8x slower (benchmarks/results/
+// gemm_layout_avx2.json). The blocks are 8 output rows of 2 vectors in gemm_nn and 4 x 4 dot
+// products in gemm_nt on every target (on AVX2, 8 rows beat 6 and 4 rows, which fit its registers
+// without spilling: docs/performance.md). Each output element sums over k in the same order
+// whatever the width; only gemm_nt's dot products and its choice of path depend on it. The
+// SMALL_GEMM_* macros override these choices (benchmarks/bench_gemm_layout.py).
 #pragma once
+
+#ifndef SMALL_GEMM_VECTOR_BYTES
+#  ifdef __AVX512F__
+#    define SMALL_GEMM_VECTOR_BYTES 64
+#  else
+#    define SMALL_GEMM_VECTOR_BYTES 32
+#  endif
+#endif
+#ifndef SMALL_GEMM_NN_ROWS
+#  define SMALL_GEMM_NN_ROWS 8
+#endif
+#ifndef SMALL_GEMM_NT_COLS
+#  define SMALL_GEMM_NT_COLS 4
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -13,10 +36,11 @@ namespace small_gemm {
 
 template <typename S>
 struct Vec {
-  static constexpr int lanes = 64 / sizeof(S);
-  typedef S type __attribute__((vector_size(64)));
-  static type load(const S* p) { type v; std::memcpy(&v, p, 64); return v; }
-  static void store(S* p, type v) { std::memcpy(p, &v, 64); }
+  static constexpr int bytes = SMALL_GEMM_VECTOR_BYTES;
+  static constexpr int lanes = bytes / sizeof(S);
+  typedef S type __attribute__((vector_size(bytes)));
+  static type load(const S* p) { type v; std::memcpy(&v, p, bytes); return v; }
+  static void store(S* p, type v) { std::memcpy(p, &v, bytes); }
   static S sum(type v) { S s = 0; for (int i = 0; i < lanes; ++i) s += v[i]; return s; }
 };
 
@@ -39,13 +63,16 @@ inline void nn_block(int64_t K, const S* W, int64_t ldw, const S* X, int64_t ldx
     for (int v = 0; v < NV; ++v) V::store(Y + r * ldy + v * V::lanes, a[r][v]);
 }
 
-// 8 rows at a time (16 accumulators with NV = 2, which beat 4 rows: docs/performance.md), then 4, then 1
+// SMALL_GEMM_NN_ROWS rows at a time (8 rows of NV = 2 vectors beat 4 rows: docs/performance.md),
+// then 4, 2 and 1
 template <typename S, int NV>
 inline void nn_columns(int64_t M, int64_t K, const S* W, int64_t ldw, const S* X, int64_t ldx, S* Y, int64_t ldy,
                        bool acc) {
+  constexpr int R = SMALL_GEMM_NN_ROWS;
   int64_t m = 0;
-  for (; m + 8 <= M; m += 8) nn_block<S, 8, NV>(K, W + m * ldw, ldw, X, ldx, Y + m * ldy, ldy, acc);
+  for (; m + R <= M; m += R) nn_block<S, R, NV>(K, W + m * ldw, ldw, X, ldx, Y + m * ldy, ldy, acc);
   for (; m + 4 <= M; m += 4) nn_block<S, 4, NV>(K, W + m * ldw, ldw, X, ldx, Y + m * ldy, ldy, acc);
+  for (; m + 2 <= M; m += 2) nn_block<S, 2, NV>(K, W + m * ldw, ldw, X, ldx, Y + m * ldy, ldy, acc);
   for (; m < M; ++m) nn_block<S, 1, NV>(K, W + m * ldw, ldw, X, ldx, Y + m * ldy, ldy, acc);
 }
 
@@ -92,8 +119,9 @@ inline void nt_block(int64_t T, const S* A, int64_t lda, const S* B, int64_t ldb
 
 template <typename S, int RI>
 inline void nt_rows(int64_t N, int64_t T, const S* A, int64_t lda, const S* B, int64_t ldb, S* Y, int64_t ldy) {
+  constexpr int C = SMALL_GEMM_NT_COLS;
   int64_t n = 0;
-  for (; n + 4 <= N; n += 4) nt_block<S, RI, 4>(T, A, lda, B + n * ldb, ldb, Y + n, ldy);
+  for (; n + C <= N; n += C) nt_block<S, RI, C>(T, A, lda, B + n * ldb, ldb, Y + n, ldy);
   for (; n < N; ++n) nt_block<S, RI, 1>(T, A, lda, B + n * ldb, ldb, Y + n, ldy);
 }
 
