@@ -62,3 +62,21 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix(tmp_path, monkeypatch
 def test_an_unknown_precision_is_a_recipe_error_that_lists_the_choices():
     with pytest.raises(RecipeError, match="auto"):
         recipe_from_dict(tiny_recipe(runtime={"device": "cpu", "amp": "bfloat16"}))
+
+
+def test_a_resumed_run_records_a_change_of_precision(tmp_path, monkeypatch):
+    """runtime.amp = "auto" resumed on a machine that resolves it otherwise: a warning, and the
+    sidecar's amp_epochs says which epochs trained under which precision."""
+    recipe = recipe_from_dict(tiny_recipe(epochs=3, runtime={"device": "cpu", "amp": "auto"}))
+    monkeypatch.setattr(trainer, "native_bf16", lambda device: True)
+    train(recipe, tmp_path / "run", progress=False, log=quiet, stop_after=1)
+    assert read_sidecar(tmp_path / "run/checkpoints/epoch_0001/model.safetensors")["amp_epochs"] == {"1": "bf16"}
+    monkeypatch.setattr(trainer, "native_bf16", lambda device: False)
+    messages = []
+    train(recipe, tmp_path / "run", resume=True, progress=False, log=messages.append, stop_after=1)
+    assert any(m.startswith("warning: epochs 1-1 trained under runtime.amp 'bf16'") for m in messages), messages
+    messages.clear()
+    done = train(recipe, tmp_path / "run", resume=True, progress=False, log=messages.append)
+    assert not [m for m in messages if "amp" in m and m.startswith("warning")]   # no change this time
+    meta = read_sidecar(done["weights"])
+    assert meta["amp_epochs"] == {"1": "bf16", "2": "none"} and meta["amp"] == "none"

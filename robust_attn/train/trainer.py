@@ -43,7 +43,7 @@ import torch.nn as nn
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from robust_attn.models.checkpoint import save_checkpoint
+from robust_attn.models.checkpoint import read_sidecar, save_checkpoint
 from robust_attn.data import SeededAugment, build_dataset, dataset_info
 from robust_attn.data.transforms import RandomCropFlip
 from robust_attn.distributed import barrier, init_distributed, is_distributed, shard_indices
@@ -123,6 +123,20 @@ def resolve_amp(device: torch.device, amp: str, say=lambda _msg: None) -> str:
             "no AVX512-BF16 or AMX): autocast is emulated there, resnet26's training step 8.5x slower than "
             "in float32; override runtime.amp=auto (or none) to train in float32")
     return amp
+
+
+def _amp_epochs_on_resume(previous: dict, start_epoch: int, amp: str, say) -> dict:
+    """The sidecar's ``amp_epochs`` carried on by a resumed run: where the precision it resolves to
+    now differs from the one the earlier epochs trained under (``runtime.amp = "auto"`` resumed on
+    another machine), a new stretch starts at the next epoch, with a warning."""
+    before = dict(previous.get("amp_epochs") or {})
+    last = before[max(before, key=int)] if before else previous.get("amp")
+    if last is not None and last != amp:
+        say(f"warning: epochs 1-{start_epoch} trained under runtime.amp {last!r}, this machine resolves it to "
+            f"{amp!r}; the checkpoint records both (amp_epochs)")
+    if last != amp:
+        before[str(start_epoch + 1)] = amp
+    return before
 
 
 def _amp_context(device: torch.device, amp: str):
@@ -283,6 +297,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     # resume
     history: list[dict] = []
     start_epoch = 0
+    amp_epochs = {"1": amp}   # the precision of each stretch of epochs, by its first epoch
     if resume:
         folder = _latest_checkpoint(out)
         if folder is None:
@@ -314,6 +329,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
         if state.get("world_size", world) != world:
             say(f"warning: resuming a run of {state['world_size']} processes with {world}; "
                 f"the data order differs from an uninterrupted run")
+        amp_epochs = _amp_epochs_on_resume(read_sidecar(folder / "model.safetensors"), start_epoch, amp, say)
         say(f"resumed from {folder} (epoch {start_epoch}/{recipe.epochs})")
     elif _latest_checkpoint(out) is not None:
         raise ResumeError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
@@ -321,7 +337,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     meta_base = {"recipe": recipe.to_dict(), "recipe_sha256": recipe.sha256(), "recipe_source": recipe.source,
                  "dataset": recipe.dataset, "data_variant": _data_variant(train_set.dataset),
                  "versions": _versions(), "git_commit": _git_commit(),
-                 "world_size": world, "amp": amp}
+                 "world_size": world, "amp": amp, "amp_epochs": amp_epochs}
     if adversarial:  # recorded in every checkpoint: never to be taken for a standard one
         meta_base["adversarial"] = adv.describe(acfg)
     writer = None
