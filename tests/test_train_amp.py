@@ -80,3 +80,16 @@ def test_a_resumed_run_records_a_change_of_precision(tmp_path, monkeypatch):
     assert not [m for m in messages if "amp" in m and m.startswith("warning")]   # no change this time
     meta = read_sidecar(done["weights"])
     assert meta["amp_epochs"] == {"1": "bf16", "2": "none"} and meta["amp"] == "none"
+
+
+def test_a_checkpoint_without_the_record_starts_it_at_the_next_epoch():
+    from robust_attn.train.trainer import _amp_epochs_on_resume
+
+    messages = []
+    assert _amp_epochs_on_resume({}, 2, "none", messages.append) == {"3": "none"}
+    assert _amp_epochs_on_resume({"amp": "none"}, 2, "none", messages.append) == {"3": "none"}
+    assert not messages
+    assert _amp_epochs_on_resume({"amp": "bf16"}, 2, "none", messages.append) == {"3": "none"}
+    assert _amp_epochs_on_resume({"amp_epochs": {"1": "none"}, "amp": "none"}, 2, "none", messages.append) == \
+        {"1": "none"}
+    assert len(messages) == 1 and "'bf16'" in messages[0]

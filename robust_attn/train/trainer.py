@@ -128,13 +128,14 @@ def resolve_amp(device: torch.device, amp: str, say=lambda _msg: None) -> str:
 def _amp_epochs_on_resume(previous: dict, start_epoch: int, amp: str, say) -> dict:
     """The sidecar's ``amp_epochs`` carried on by a resumed run: where the precision it resolves to
     now differs from the one the earlier epochs trained under (``runtime.amp = "auto"`` resumed on
-    another machine), a new stretch starts at the next epoch, with a warning."""
+    another machine), a new stretch starts at the next epoch, with a warning. A checkpoint written
+    before the sidecar recorded it starts the record at the next epoch."""
     before = dict(previous.get("amp_epochs") or {})
     last = before[max(before, key=int)] if before else previous.get("amp")
     if last is not None and last != amp:
         say(f"warning: epochs 1-{start_epoch} trained under runtime.amp {last!r}, this machine resolves it to "
             f"{amp!r}; the checkpoint records both (amp_epochs)")
-    if last != amp:
+    if not before or last != amp:
         before[str(start_epoch + 1)] = amp
     return before
 
