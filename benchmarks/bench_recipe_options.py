@@ -34,7 +34,7 @@ from robust_attn.layers import precision  # noqa: E402
 from robust_attn.models.registry import create_model  # noqa: E402
 from robust_attn.train.adversarial import adversarial_loss  # noqa: E402
 from robust_attn.train.recipe import AdversarialConfig  # noqa: E402
-from robust_attn.utils.hardware import hardware_label, native_bf16  # noqa: E402
+from robust_attn.utils.hardware import cpu_name, hardware_label, native_bf16  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -132,19 +132,9 @@ def main(argv=None) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "batch": args.batch,
                                               "threads": args.threads, "repeats": args.repeats,
-                                              "torch": torch.__version__, "machine": _cpu_name(),
+                                              "torch": torch.__version__, "machine": cpu_name(),
                                               "hardware": hardware_label("cpu"), "native_bf16": native_bf16("cpu"),
                                               "rows": rows}, indent=1) + "\n")
-
-
-def _cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor name elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -17,18 +17,36 @@ import hashlib
 import platform
 from pathlib import Path
 
-__all__ = ["cpu_fingerprint", "hardware_label", "native_bf16"]
+__all__ = ["cpu_fingerprint", "cpu_name", "hardware_label", "native_bf16"]
+
+
+@functools.lru_cache(maxsize=None)
+def _cpuinfo_lines() -> tuple[str, ...] | None:
+    """The lines of ``/proc/cpuinfo``, or None where there is no such file."""
+    try:
+        return tuple(Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return None
+
+
+def cpu_name() -> str:
+    """This CPU's model name (``AMD EPYC ...``), or the platform's processor name where
+    ``/proc/cpuinfo`` names none."""
+    for ln in _cpuinfo_lines() or ():
+        if ln.startswith("model name"):
+            return ln.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 @functools.lru_cache(maxsize=None)
 def cpu_fingerprint() -> str:
     """Short hash of this CPU's model name and instruction-set flags (the first of each in
     ``/proc/cpuinfo``; elsewhere the processor and machine names)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
-    except OSError:
+    info = _cpuinfo_lines()
+    if info is None:
         lines = [platform.processor(), platform.machine()]
+    else:
+        lines = [ln for ln in info if ln.startswith(("model name", "flags"))][:2]
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
 
 
