@@ -162,9 +162,9 @@ def train_one(recipe_path: Path, run: dict, out_root: Path, data_root: str | Non
 
 def _train_claimed(recipe, name: str, out: Path, overrides: list[str]) -> None:
     from robust_attn.train import train
-    from robust_attn.train.trainer import _latest_checkpoint
+    from robust_attn.train.checkpoints import latest_checkpoint
 
-    resume = _latest_checkpoint(out) is not None
+    resume = latest_checkpoint(out) is not None
     progress_path = out / "progress.csv"
     rows = read_progress(progress_path) if resume else []
     clock = {"cpu": time.process_time(), "wall": time.perf_counter()}

@@ -44,7 +44,7 @@ def test_progress_adds_the_cpu_time_of_a_resumed_run(tmp_path, monkeypatch):
     """A run killed after epoch 1 and resumed: progress.csv keeps epoch 1's row and adds epoch 2's
     CPU seconds to it; the plot CSV has both rows with the cumulative hours."""
     import robust_attn.train as train_pkg
-    import robust_attn.train.trainer as trainer
+    import robust_attn.train.checkpoints as checkpoints
 
     run = {"model": "resnet26", "width": 0.25, "stem": 2, "epochs": 2, "overrides": []}
     out = tmp_path / calibrate_recipe.run_name(run)
@@ -68,7 +68,7 @@ def test_progress_adds_the_cpu_time_of_a_resumed_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_pkg, "train", fake_train)
     monkeypatch.setattr(train_pkg, "load_recipe", lambda path, overrides: None)
-    monkeypatch.setattr(trainer, "_latest_checkpoint", lambda folder: folder if calls else None)
+    monkeypatch.setattr(checkpoints, "latest_checkpoint", lambda folder: folder if calls else None)
     calibrate_recipe.train_one(REPO / "x.toml", run, tmp_path, None)
     calibrate_recipe.train_one(REPO / "x.toml", run, tmp_path, None)
     calibrate_recipe.train_one(REPO / "x.toml", run, tmp_path, None)  # finished: skipped

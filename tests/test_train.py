@@ -20,7 +20,8 @@ from robust_attn.cli import main as cli_main
 from robust_attn.models.registry import list_models, model_info
 from robust_attn.train import build_model, recipe_from_dict, train
 from robust_attn.train.optim import build_optimizer, build_scheduler, lr_factor, param_groups
-from robust_attn.train.trainer import CSV_COLUMNS, ResumeError, _git_commit
+from robust_attn.train.provenance import git_commit
+from robust_attn.train.trainer import CSV_COLUMNS, ResumeError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -298,15 +299,15 @@ def test_git_commit_is_marked_dirty_when_tracked_files_changed(tmp_path):
     (tmp_path / "a.py").write_text("x = 1\n")
     git("add", "a.py")
     git("commit", "-q", "-m", "one")
-    commit = _git_commit(tmp_path)
+    commit = git_commit(tmp_path)
     assert commit is not None and len(commit) == 40
     (tmp_path / "untracked.txt").write_text("not part of the code\n")
-    assert _git_commit(tmp_path) == commit
+    assert git_commit(tmp_path) == commit
     (tmp_path / "a.py").write_text("x = 2\n")
-    assert _git_commit(tmp_path) == commit + "-dirty"
+    assert git_commit(tmp_path) == commit + "-dirty"
     plain = tmp_path.parent / f"{tmp_path.name}_no_git"
     plain.mkdir()
-    assert _git_commit(plain) is None
+    assert git_commit(plain) is None
 
 
 # --- mutation review: what the trainer does with the recipe's optimization settings ----------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import robust_attn.train.trainer as trainer
+import robust_attn.train.precision as precision
 from robust_attn.models.checkpoint import read_sidecar
 from robust_attn.train import recipe_from_dict, train
 from robust_attn.train.recipe import RecipeError
@@ -33,7 +33,7 @@ def test_native_bf16_follows_the_cpu_flags(monkeypatch):
 @pytest.mark.parametrize("native", [False, True])
 def test_auto_trains_as_the_precision_it_resolves_to(tmp_path, monkeypatch, native):
     """With native bf16 "auto" is bf16 autocast, bit for bit; without it, float32."""
-    monkeypatch.setattr(trainer, "native_bf16", lambda device: native)
+    monkeypatch.setattr(precision, "native_bf16", lambda device: native)
     messages = []
     auto = _train(tmp_path, "auto", "auto", messages)
     same = _train(tmp_path, "same", "bf16" if native else "none")
@@ -47,13 +47,13 @@ def test_auto_trains_as_the_precision_it_resolves_to(tmp_path, monkeypatch, nati
 
 
 def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "native_bf16", lambda device: False)
+    monkeypatch.setattr(precision, "native_bf16", lambda device: False)
     messages = []
     result = _train(tmp_path, "bf16", "bf16", messages)
     warning, = [m for m in messages if m.startswith("warning: runtime.amp")]
     assert "emulated" in warning and "runtime.amp=auto" in warning
     assert read_sidecar(result["weights"])["amp"] == "bf16"     # kept as asked
-    monkeypatch.setattr(trainer, "native_bf16", lambda device: True)
+    monkeypatch.setattr(precision, "native_bf16", lambda device: True)
     messages.clear()
     _train(tmp_path, "native", "bf16", messages)
     assert not [m for m in messages if m.startswith("warning")]
@@ -68,10 +68,10 @@ def test_a_resumed_run_records_a_change_of_precision(tmp_path, monkeypatch):
     """runtime.amp = "auto" resumed on a machine that resolves it otherwise: a warning, and the
     sidecar's amp_epochs says which epochs trained under which precision."""
     recipe = recipe_from_dict(tiny_recipe(epochs=3, runtime={"device": "cpu", "amp": "auto"}))
-    monkeypatch.setattr(trainer, "native_bf16", lambda device: True)
+    monkeypatch.setattr(precision, "native_bf16", lambda device: True)
     train(recipe, tmp_path / "run", progress=False, log=quiet, stop_after=1)
     assert read_sidecar(tmp_path / "run/checkpoints/epoch_0001/model.safetensors")["amp_epochs"] == {"1": "bf16"}
-    monkeypatch.setattr(trainer, "native_bf16", lambda device: False)
+    monkeypatch.setattr(precision, "native_bf16", lambda device: False)
     messages = []
     train(recipe, tmp_path / "run", resume=True, progress=False, log=messages.append, stop_after=1)
     assert any(m.startswith("warning: epochs 1-1 trained under runtime.amp 'bf16'") for m in messages), messages
@@ -83,13 +83,13 @@ def test_a_resumed_run_records_a_change_of_precision(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_without_the_record_starts_it_at_the_next_epoch():
-    from robust_attn.train.trainer import _amp_epochs_on_resume
+    from robust_attn.train.precision import amp_epochs_on_resume
 
     messages = []
-    assert _amp_epochs_on_resume({}, 2, "none", messages.append) == {"3": "none"}
-    assert _amp_epochs_on_resume({"amp": "none"}, 2, "none", messages.append) == {"3": "none"}
+    assert amp_epochs_on_resume({}, 2, "none", messages.append) == {"3": "none"}
+    assert amp_epochs_on_resume({"amp": "none"}, 2, "none", messages.append) == {"3": "none"}
     assert not messages
-    assert _amp_epochs_on_resume({"amp": "bf16"}, 2, "none", messages.append) == {"3": "none"}
-    assert _amp_epochs_on_resume({"amp_epochs": {"1": "none"}, "amp": "none"}, 2, "none", messages.append) == \
+    assert amp_epochs_on_resume({"amp": "bf16"}, 2, "none", messages.append) == {"3": "none"}
+    assert amp_epochs_on_resume({"amp_epochs": {"1": "none"}, "amp": "none"}, 2, "none", messages.append) == \
         {"1": "none"}
     assert len(messages) == 1 and "'bf16'" in messages[0]

@@ -29,9 +29,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import platform
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,18 +40,20 @@ import torch.nn as nn
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from robust_attn.models.checkpoint import read_sidecar, save_checkpoint
 from robust_attn.data import SeededAugment, build_dataset, dataset_info
 from robust_attn.data.transforms import RandomCropFlip
 from robust_attn.distributed import barrier, init_distributed, is_distributed, shard_indices
+from robust_attn.models.checkpoint import read_sidecar, save_checkpoint
 from robust_attn.models.registry import create_model
+from robust_attn.models.wrapper import NormalizedModel
 from robust_attn.train import adversarial as adv
+from robust_attn.train.checkpoints import ResumeError, latest_checkpoint, restore, save_best, save_epoch
 from robust_attn.train.ema import WeightAverage
 from robust_attn.train.optim import build_optimizer, build_scheduler
+from robust_attn.train.precision import amp_context, amp_epochs_on_resume, resolve_amp
+from robust_attn.train.provenance import data_variant, git_commit, versions
 from robust_attn.train.recipe import Recipe, RecipeError
-from robust_attn.utils.io import atomic_path, atomic_write_json, atomic_write_text, sha256_file
-from robust_attn.utils.hardware import native_bf16
-from robust_attn.models.wrapper import NormalizedModel
+from robust_attn.utils.io import atomic_write_json, atomic_write_text
 
 __all__ = ["train", "evaluate", "build_model", "CSV_COLUMNS", "ResumeError"]
 
@@ -62,91 +61,10 @@ CSV_COLUMNS = ["epoch", "train_loss", "lr", "images_per_s", "eval_top1", "eval_t
 GUARD_COLUMNS = ["eps", "guard_pgd_top1"]  # adversarial training: the radius at the epoch's end, the guard
 
 
-class ResumeError(RecipeError):
-    """``--resume`` cannot continue from what is in the output directory."""
-
-
 def build_model(recipe: Recipe) -> NormalizedModel:
     info = dataset_info(recipe.dataset)
     model = create_model(recipe.model, info.num_classes, info.resolution, **recipe.model_args)
     return NormalizedModel(model, info.mean, info.std)
-
-
-def _versions() -> dict:
-    import torchvision
-
-    import robust_attn
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
-            "robust_attn": robust_attn.__version__}
-
-
-def _git_commit(folder: Path | None = None) -> str | None:
-    """The commit of the checkout holding ``folder`` (default: this package), with ``-dirty`` appended
-    when tracked files differ from it (as ``git describe --dirty``): the commit alone would not
-    reproduce such a run. None outside a git checkout."""
-    folder = folder or Path(__file__).parent
-
-    def git(*args):
-        try:
-            out = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=5)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    if not commit:
-        return None
-    changes = git("status", "--porcelain", "--untracked-files=no")
-    return commit + ("-dirty" if changes else "")
-
-
-def _data_variant(dataset) -> str | None:
-    """Which form of the data was read (e.g. "cifar10" or "cifar10-jpeg"), where the reader says."""
-    while dataset is not None and not hasattr(dataset, "variant"):
-        dataset = getattr(dataset, "dataset", None)
-    return getattr(dataset, "variant", None)
-
-
-def resolve_amp(device: torch.device, amp: str, say=lambda _msg: None) -> str:
-    """The autocast precision a run uses: the recipe's ``runtime.amp``, with "auto" resolved to
-    "bf16" where the device computes bf16 in hardware (:func:`robust_attn.utils.hardware.native_bf16`)
-    and "none" elsewhere. An explicit "bf16" on a CPU without it is kept, with a warning that
-    names the override: emulated bf16 is many times slower than float32 there."""
-    if amp == "auto":
-        resolved = "bf16" if native_bf16(device) else "none"
-        say(f"runtime.amp = auto: {resolved} on this {device.type} "
-            f"({'native bf16' if resolved == 'bf16' else 'no native bf16: float32'})")
-        return resolved
-    if amp == "bf16" and device.type == "cpu" and not native_bf16(device):
-        say(f'warning: runtime.amp = "bf16" on a CPU without native bf16 ({torch.backends.cpu.get_cpu_capability()}, '
-            "no AVX512-BF16 or AMX): autocast is emulated there, resnet26's training step 8.5x slower than "
-            "in float32; override runtime.amp=auto (or none) to train in float32")
-    return amp
-
-
-def _amp_epochs_on_resume(previous: dict, start_epoch: int, amp: str, say) -> dict:
-    """The sidecar's ``amp_epochs`` carried on by a resumed run: where the precision it resolves to
-    now differs from the one the earlier epochs trained under (``runtime.amp = "auto"`` resumed on
-    another machine), a new stretch starts at the next epoch, with a warning. A checkpoint written
-    before the sidecar recorded it starts the record at the next epoch."""
-    before = dict(previous.get("amp_epochs") or {})
-    last = before[max(before, key=int)] if before else previous.get("amp")
-    if last is not None and last != amp:
-        say(f"warning: epochs 1-{start_epoch} trained under runtime.amp {last!r}, this machine resolves it to "
-            f"{amp!r}; the checkpoint records both (amp_epochs)")
-    if not before or last != amp:
-        before[str(start_epoch + 1)] = amp
-    return before
-
-
-def _amp_context(device: torch.device, amp: str):
-    if amp == "none":
-        return contextlib.nullcontext
-    if amp == "fp16" and device.type != "cuda":
-        raise RecipeError('runtime.amp = "fp16" needs a GPU; use "bf16" or "none" on the CPU')
-    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    return lambda: torch.autocast(device.type, dtype=dtype)
 
 
 @torch.no_grad()
@@ -207,14 +125,6 @@ def _tensorboard(out: Path):
     return SummaryWriter(str(out / "tensorboard"))
 
 
-def _latest_checkpoint(out: Path) -> Path | None:
-    pointer = out / "checkpoints" / "LAST"
-    if not pointer.is_file():
-        return None
-    folder = out / "checkpoints" / pointer.read_text().strip()
-    return folder if (folder / "state.pt").is_file() else None
-
-
 def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: bool = True,
           log: Callable[[str], None] = print, stop_after: int | None = None) -> dict:
     """Train ``recipe`` into ``out_dir``; returns ``{"history": [...], "weights": path or None,
@@ -233,7 +143,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
         raise RecipeError(f"data.batch_size {dcfg.batch_size} is the global batch and must be divisible by the "
                           f"number of processes ({world})")
     amp = resolve_amp(device, rt.amp, say)
-    autocast = _amp_context(device, amp)
+    autocast = amp_context(device, amp)
     if rt.deterministic:
         torch.use_deterministic_algorithms(True)
     elif device.type == "cuda":
@@ -300,28 +210,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     start_epoch = 0
     amp_epochs = {"1": amp}   # the precision of each stretch of epochs, by its first epoch
     if resume:
-        folder = _latest_checkpoint(out)
-        if folder is None:
-            raise ResumeError(f"--resume: no checkpoint in {out / 'checkpoints'}; run without --resume to start")
-        state = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
-        if state["recipe_sha256"] != recipe.sha256():
-            raise ResumeError(f"--resume: the recipe differs from the one {out} was started with "
-                              f"(see {out / 'recipe.json'}); resume with the same recipe and overrides, "
-                              f"or use a new --out")
-        if sha256_file(folder / "model.safetensors") != state["weights_sha256"]:
-            raise ResumeError(f"--resume: {folder} is inconsistent (weights do not match state.pt)")
-        saved = load_file(str(folder / "model.safetensors"), device=str(device))
-        if average is None:
-            net.load_state_dict(saved, strict=True)
-        else:  # model.safetensors holds the average; state.pt the live weights
-            net.load_state_dict(state["live_weights"], strict=True)
-            average.load_state_dict({"weights": saved, "updates": state["ema_updates"]})
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng_cpu"])
-        if device.type == "cuda" and state.get("rng_cuda") is not None:
-            torch.cuda.set_rng_state(state["rng_cuda"], device)
+        folder, state = restore(out, recipe, net, average, optimizer, scheduler, scaler, device)
         history = list(state["history"])
         start_epoch = int(state["epoch"])
         if "guard" in state:
@@ -330,14 +219,14 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
         if state.get("world_size", world) != world:
             say(f"warning: resuming a run of {state['world_size']} processes with {world}; "
                 f"the data order differs from an uninterrupted run")
-        amp_epochs = _amp_epochs_on_resume(read_sidecar(folder / "model.safetensors"), start_epoch, amp, say)
+        amp_epochs = amp_epochs_on_resume(read_sidecar(folder / "model.safetensors"), start_epoch, amp, say)
         say(f"resumed from {folder} (epoch {start_epoch}/{recipe.epochs})")
-    elif _latest_checkpoint(out) is not None:
+    elif latest_checkpoint(out) is not None:
         raise ResumeError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
 
     meta_base = {"recipe": recipe.to_dict(), "recipe_sha256": recipe.sha256(), "recipe_source": recipe.source,
-                 "dataset": recipe.dataset, "data_variant": _data_variant(train_set.dataset),
-                 "versions": _versions(), "git_commit": _git_commit(),
+                 "dataset": recipe.dataset, "data_variant": data_variant(train_set.dataset),
+                 "versions": versions(), "git_commit": git_commit(),
                  "world_size": world, "amp": amp, "amp_epochs": amp_epochs}
     if adversarial:  # recorded in every checkpoint: never to be taken for a standard one
         meta_base["adversarial"] = adv.describe(acfg)
@@ -424,8 +313,8 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
         history.append(row)
         if main:
             if improved:  # before the epoch's state, which names the best epoch
-                _save_best(out, shown, dict(meta_base, epoch=epoch + 1, metrics=row))
-            _save_epoch(out, net, optimizer, scheduler, scaler, device, history, recipe, world, meta_base, average,
+                save_best(out, shown, dict(meta_base, epoch=epoch + 1, metrics=row))
+            save_epoch(out, net, optimizer, scheduler, scaler, device, history, recipe, world, meta_base, average,
                         extra={"guard": guard.state_dict(), "stopped": stopped} if adversarial else None)
             _write_csv(out / "metrics.csv", history)
             if writer is not None:
@@ -464,39 +353,3 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, progress: b
     return {"history": history, "weights": str(weights), "sha256": sha}
 
 
-def _save_best(out: Path, model: nn.Module, meta: dict) -> None:
-    """checkpoints/best/model.safetensors: the model of the guard's best epoch so far."""
-    folder = out / "checkpoints" / "best"
-    folder.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(folder / "model.safetensors", model, meta)
-
-
-def _save_epoch(out: Path, net: NormalizedModel, optimizer, scheduler, scaler, device: torch.device,
-                history: list[dict], recipe: Recipe, world: int, meta_base: dict,
-                average: WeightAverage | None = None, extra: dict | None = None) -> None:
-    """Write checkpoints/epoch_NNNN completely, then point LAST at it, then drop older folders.
-    With a weight average, model.safetensors holds the average and state.pt the live weights."""
-    epoch = len(history)
-    root = out / "checkpoints"
-    name = f"epoch_{epoch:04d}"
-    folder = root / name
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    meta = dict(meta_base, epoch=epoch, metrics=history[-1])
-    weights_sha = save_checkpoint(folder / "model.safetensors", net if average is None else average.module, meta)
-    state = {"epoch": epoch, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "scaler": scaler.state_dict(), "rng_cpu": torch.get_rng_state(),
-             "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-             "history": history, "recipe_sha256": recipe.sha256(), "weights_sha256": weights_sha,
-             "world_size": world}
-    if average is not None:
-        state["live_weights"] = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
-        state["ema_updates"] = average.updates
-    state.update(extra or {})
-    with atomic_path(folder / "state.pt") as tmp:
-        torch.save(state, tmp)
-    atomic_write_text(root / "LAST", name + "\n")
-    for old in root.glob("epoch_*"):  # "best" is kept
-        if old.name != name and old.is_dir():
-            shutil.rmtree(old)
