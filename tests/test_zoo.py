@@ -450,3 +450,64 @@ def test_add_evaluate_refuses_a_torchvision_entry(tmp_path, capsys):
     assert main(["zoo", "add", "tv", "--dataset", "imagenet", "--torchvision", "resnet18",
                  "--manifest", str(tmp_path / "m.json"), "--evaluate"]) != 0
     assert "--evaluate measures a checkpoint" in capsys.readouterr().err
+
+
+def test_add_copy_brings_the_checkpoint_into_the_manifests_folder(tmp_path, checkpoint, capsys):
+    """`zoo add --copy` copies weights, sidecar and log to checkpoints/<dataset>/<name>.*, lists the
+    copies (a clone of the folder has them), and a bad checkpoint copies nothing."""
+    path, model = checkpoint
+    log = tmp_path / "ckpt" / "metrics.csv"
+    log.write_text("epoch,eval_top1\n1,12.5\n")
+    manifest_path = tmp_path / "zoo" / "manifest.json"
+    add = ["zoo", "add", "resnet26", "--dataset", "synthetic", "--checkpoint", str(path),
+           "--manifest", str(manifest_path), "--log", str(log)]
+    assert main(add) == 0
+    out = capsys.readouterr().out
+    assert "lies outside" in out and "add --copy" in out
+    assert Manifest(manifest_path).get("resnet26", "synthetic").weights == "../ckpt/resnet26.safetensors"
+
+    assert main([*add, "--copy", "--force"]) == 0
+    folder = tmp_path / "zoo" / "checkpoints" / "synthetic"
+    entry = json.loads(manifest_path.read_text())["models"][0]
+    assert entry["weights"] == "checkpoints/synthetic/resnet26.safetensors"
+    assert entry["log"] == "checkpoints/synthetic/resnet26_metrics.csv"
+    assert (folder / "resnet26.safetensors").read_bytes() == path.read_bytes()
+    assert (folder / "resnet26.json").read_bytes() == path.with_suffix(".json").read_bytes()
+    assert (folder / "resnet26_metrics.csv").read_text() == log.read_text()
+    moved = tmp_path / "clone"
+    (tmp_path / "zoo").rename(moved)          # the folder alone, elsewhere: the entry still loads
+    loaded = load_model("resnet26", dataset="synthetic", manifest=moved / "manifest.json")
+    x = torch.rand(2, 3, 32, 32)
+    torch.testing.assert_close(loaded(x), model.eval()(x), rtol=0, atol=0)
+
+    other = tmp_path / "other" / "resnet26.safetensors"    # another checkpoint under the same name
+    save_checkpoint(other, NormalizedModel(robust_attn.create_model("resnet26", 10, "cifar", width=0.25),
+                                           (0.5,) * 3, (0.2,) * 3), {})
+    again = ["zoo", "add", "resnet26", "--dataset", "synthetic", "--checkpoint", str(other),
+             "--manifest", str(moved / "manifest.json"), "--copy", "--force"]
+    kept = (moved / "checkpoints" / "synthetic" / "resnet26.safetensors").read_bytes()
+    assert main([*again[:-1]]) == 2                    # without --force: the entry exists
+    capsys.readouterr()
+    broken = tmp_path / "broken" / "resnet26.safetensors"
+    broken.parent.mkdir()
+    broken.write_bytes(b"not a checkpoint")
+    assert main([*again[:6], str(broken), *again[7:]]) == 2
+    assert "pass a .safetensors file" in capsys.readouterr().err
+    assert (moved / "checkpoints" / "synthetic" / "resnet26.safetensors").read_bytes() == kept   # nothing copied
+    assert main(again) == 0
+    assert (moved / "checkpoints" / "synthetic" / "resnet26.safetensors").read_bytes() == other.read_bytes()
+
+
+def test_copy_into_zoo_refuses_to_replace_another_file_without_force(tmp_path, checkpoint):
+    from robust_attn.models.manifest import copy_into_zoo
+
+    path, _ = checkpoint
+    manifest = Manifest(tmp_path / "zoo" / "manifest.json")
+    dest, _ = copy_into_zoo(manifest, "m", "synthetic", path)
+    assert copy_into_zoo(manifest, "m", "synthetic", path)[0] == dest     # the same bytes again: fine
+    dest.write_bytes(b"something else")
+    with pytest.raises(ValueError, match="other contents; pass --force"):
+        copy_into_zoo(manifest, "m", "synthetic", path)
+    assert dest.read_bytes() == b"something else"
+    copy_into_zoo(manifest, "m", "synthetic", path, force=True)
+    assert dest.read_bytes() == path.read_bytes()

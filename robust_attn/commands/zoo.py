@@ -7,7 +7,8 @@ import argparse
 from robust_attn.cli import UserError
 from robust_attn.importers import IMPORTERS
 from robust_attn.models.complexity import model_complexity
-from robust_attn.models.manifest import Manifest, ZooEntry, entry_from_checkpoint, training_label, verify_zoo
+from robust_attn.models.manifest import (Manifest, ZooEntry, copy_into_zoo, entry_from_checkpoint, outside_manifest,
+                                         training_label, verify_zoo)
 from robust_attn.models.reference import imagenet_reference
 from robust_attn.models.registry import list_models, model_info
 
@@ -37,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--log", default="", help="the training log (metrics.csv)")
     add.add_argument("--manifest", default=None, help="manifest file (default zoo/manifest.json)")
     add.add_argument("--force", action="store_true", help="replace an entry of the same name and dataset")
+    add.add_argument("--copy", action="store_true",
+                     help="copy the checkpoint, its sidecar and --log into the manifest's folder "
+                          "(checkpoints/DATASET/NAME.safetensors, .json, _metrics.csv) and list the copies")
     add.add_argument("--evaluate", action="store_true",
                      help="record the float32 test-set accuracy measured now (the whole test split and its "
                           "seeded fifth) instead of the trainer's, which under a bf16 recipe is under autocast")
@@ -110,13 +114,20 @@ def run_add(args: argparse.Namespace) -> int:
         raise UserError(f"{manifest.path} already has {args.name} ({args.dataset}); give the new entry another "
                         f"name, or pass --force to replace it")
     if args.checkpoint:
-        entry = entry_from_checkpoint(args.name, args.dataset, args.checkpoint, manifest,
-                                      command=args.reproduce_command, log=args.log)
+        weights, log = args.checkpoint, args.log
+        if args.copy:
+            weights, log = copy_into_zoo(manifest, args.name, args.dataset, weights, log or None, force=args.force)
+            print(f"copied {args.checkpoint} into {weights}")
+        elif outside_manifest(manifest, weights):
+            print(f"note: {weights} lies outside {manifest.path.parent}, so a copy of that folder (a clone) will "
+                  f"not have it; add --copy to copy it into {manifest.path.parent / 'checkpoints' / args.dataset}")
+        entry = entry_from_checkpoint(args.name, args.dataset, weights, manifest,
+                                      command=args.reproduce_command, log=log)
         if args.evaluate:
             from robust_attn.models.checkpoint import load_checkpoint
             from robust_attn.models.zoo_accuracy import measure_test_accuracy, with_measured_accuracy
 
-            measured = measure_test_accuracy(load_checkpoint(args.checkpoint), args.dataset, args.root)
+            measured = measure_test_accuracy(load_checkpoint(weights), args.dataset, args.root)
             entry.metrics = with_measured_accuracy(entry.metrics, measured)
             print(f"measured on the {args.dataset} test set in float32: top-1 {measured['eval_top1']:.2f}%, "
                   f"top-5 {measured['eval_top5']:.2f}%, {measured['seeded_fifth_top1_correct']} correct on its "

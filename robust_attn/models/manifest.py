@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch.nn as nn
 
-from robust_attn.models.checkpoint import CheckpointError, load_checkpoint, read_sidecar
-from robust_attn.utils.io import atomic_write_json, sha256_file
+from robust_attn.models.checkpoint import CheckpointError, load_checkpoint, read_sidecar, sidecar_path
+from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_file
 from robust_attn.models.wrapper import NormalizedModel
 from robust_attn.models.zoo_recipe import project_recipe, recipe_error
 
-__all__ = ["ZooEntry", "Manifest", "ZOO_DIR", "default_manifest_path", "load_model", "verify_zoo", "training_label"]
+__all__ = ["ZooEntry", "Manifest", "ZOO_DIR", "default_manifest_path", "load_model", "verify_zoo", "training_label",
+           "copy_into_zoo", "outside_manifest"]
 
 ZOO_DIR = Path(__file__).resolve().parents[2] / "zoo"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -203,6 +205,45 @@ def _relative_to(manifest: Manifest, path: Path) -> str:
         return os.path.relpath(path, manifest.path.parent.resolve())
     except ValueError:
         return str(path)
+
+
+def outside_manifest(manifest: Manifest, path: str | os.PathLike) -> bool:
+    """Whether ``path`` lies outside the manifest's folder, where a copy of that folder (a clone of
+    the repository, for the project's zoo) would not have it."""
+    folder = manifest.path.parent.resolve()
+    return folder not in Path(path).resolve().parents
+
+
+def copy_into_zoo(manifest: Manifest, name: str, dataset: str, weights: str | os.PathLike,
+                  log: str | os.PathLike | None = None, force: bool = False) -> tuple[Path, Path | None]:
+    """Copy a checkpoint (weights and sidecar) and its training log into the manifest's folder as
+    ``checkpoints/<dataset>/<name>.safetensors``, ``<name>.json`` and ``<name>_metrics.csv``, the
+    layout of the shipped zoo, and return the copies' paths. The checkpoint is checked first (its
+    sidecar, and weights that fit its architecture), so a bad one copies nothing; each file is
+    written atomically, weights last; an existing different file is replaced only with ``force``."""
+    weights = Path(weights)
+    if not weights.is_file():
+        raise ValueError(f"checkpoint {weights} does not exist; give the .safetensors file `robust-attn train` wrote")
+    load_checkpoint(weights)   # its sidecar, and weights that fit the architecture it names
+    if log and not Path(log).is_file():
+        raise ValueError(f"training log {log} does not exist")
+    folder = manifest.path.parent / "checkpoints" / dataset
+    dest = folder / f"{name}.safetensors"
+    pairs = [(sidecar_path(weights), sidecar_path(dest))]
+    if log:
+        pairs.append((Path(log), folder / f"{name}_metrics.csv"))
+    pairs.append((weights, dest))
+    clashes = [str(d) for src, d in pairs if d.is_file() and d.resolve() != src.resolve()
+               and d.read_bytes() != src.read_bytes()]
+    if clashes and not force:
+        raise ValueError(f"{', '.join(clashes)} already exist with other contents; pass --force to replace them, "
+                         f"or give the entry another name")
+    for src, d in pairs:
+        if d.is_file() and d.resolve() == src.resolve():
+            continue
+        with atomic_path(d) as tmp:
+            shutil.copyfile(src, tmp)
+    return dest, (folder / f"{name}_metrics.csv") if log else None
 
 
 def entry_from_checkpoint(name: str, dataset: str, weights: str | os.PathLike, manifest: Manifest,
