@@ -40,7 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--force", action="store_true", help="replace an entry of the same name and dataset")
     add.add_argument("--copy", action="store_true",
                      help="copy the checkpoint, its sidecar and --log into the manifest's folder "
-                          "(checkpoints/DATASET/NAME.safetensors, .json, _metrics.csv) and list the copies")
+                          "(checkpoints/DATASET/NAME.safetensors, .json, _metrics.csv) and list the copies; "
+                          "other files already there under those names are replaced only with --force")
     add.add_argument("--evaluate", action="store_true",
                      help="record the float32 test-set accuracy measured now (the whole test split and its "
                           "seeded fifth) instead of the trainer's, which under a bf16 recipe is under autocast")

@@ -234,7 +234,7 @@ def copy_into_zoo(manifest: Manifest, name: str, dataset: str, weights: str | os
         pairs.append((Path(log), folder / f"{name}_metrics.csv"))
     pairs.append((weights, dest))
     clashes = [str(d) for src, d in pairs if d.is_file() and d.resolve() != src.resolve()
-               and d.read_bytes() != src.read_bytes()]
+               and sha256_file(d) != sha256_file(src)]
     if clashes and not force:
         raise ValueError(f"{', '.join(clashes)} already exist with other contents; pass --force to replace them, "
                          f"or give the entry another name")
