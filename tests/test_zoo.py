@@ -499,15 +499,22 @@ def test_add_copy_brings_the_checkpoint_into_the_manifests_folder(tmp_path, chec
 
 
 def test_copy_into_zoo_refuses_to_replace_another_file_without_force(tmp_path, checkpoint):
-    from robust_attn.models.manifest import copy_into_zoo
+    from robust_attn.models.manifest import copy_into_zoo, entry_from_checkpoint
 
     path, _ = checkpoint
     manifest = Manifest(tmp_path / "zoo" / "manifest.json")
-    dest, _ = copy_into_zoo(manifest, "m", "synthetic", path)
-    assert copy_into_zoo(manifest, "m", "synthetic", path)[0] == dest     # the same bytes again: fine
+
+    def copied(force=False):
+        entry = entry_from_checkpoint("m", "synthetic", path, manifest)
+        copy_into_zoo(manifest, entry, force=force)
+        return manifest.resolve(entry.weights)
+
+    dest = copied()
+    assert dest == (tmp_path / "zoo" / "checkpoints" / "synthetic" / "m.safetensors").resolve()
+    assert copied() == dest                                   # the same bytes again: fine
     dest.write_bytes(b"something else")
     with pytest.raises(ValueError, match="other contents; pass --force"):
-        copy_into_zoo(manifest, "m", "synthetic", path)
+        copied()
     assert dest.read_bytes() == b"something else"
-    copy_into_zoo(manifest, "m", "synthetic", path, force=True)
+    copied(force=True)
     assert dest.read_bytes() == path.read_bytes()

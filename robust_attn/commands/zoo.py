@@ -115,20 +115,19 @@ def run_add(args: argparse.Namespace) -> int:
         raise UserError(f"{manifest.path} already has {args.name} ({args.dataset}); give the new entry another "
                         f"name, or pass --force to replace it")
     if args.checkpoint:
-        weights, log = args.checkpoint, args.log
+        entry = entry_from_checkpoint(args.name, args.dataset, args.checkpoint, manifest,
+                                      command=args.reproduce_command, log=args.log)
         if args.copy:
-            weights, log = copy_into_zoo(manifest, args.name, args.dataset, weights, log or None, force=args.force)
-            print(f"copied {args.checkpoint} into {weights}")
-        elif outside_manifest(manifest, weights):
-            print(f"note: {weights} lies outside {manifest.path.parent}, so a copy of that folder (a clone) will "
-                  f"not have it; add --copy to copy it into {manifest.path.parent / 'checkpoints' / args.dataset}")
-        entry = entry_from_checkpoint(args.name, args.dataset, weights, manifest,
-                                      command=args.reproduce_command, log=log)
+            copy_into_zoo(manifest, entry, force=args.force)
+            print(f"copied {args.checkpoint} into {manifest.resolve(entry.weights)}")
+        elif outside_manifest(manifest, args.checkpoint):
+            print(f"note: {args.checkpoint} lies outside {manifest.path.parent}, so a copy of that folder (a clone) "
+                  f"will not have it; add --copy to copy it into {manifest.path.parent / 'checkpoints' / args.dataset}")
         if args.evaluate:
             from robust_attn.models.checkpoint import load_checkpoint
             from robust_attn.models.zoo_accuracy import measure_test_accuracy, with_measured_accuracy
 
-            measured = measure_test_accuracy(load_checkpoint(weights), args.dataset, args.root)
+            measured = measure_test_accuracy(load_checkpoint(manifest.resolve(entry.weights)), args.dataset, args.root)
             entry.metrics = with_measured_accuracy(entry.metrics, measured)
             print(f"measured on the {args.dataset} test set in float32: top-1 {measured['eval_top1']:.2f}%, "
                   f"top-5 {measured['eval_top5']:.2f}%, {measured['seeded_fifth_top1_correct']} correct on its "

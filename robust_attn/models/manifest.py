@@ -214,24 +214,20 @@ def outside_manifest(manifest: Manifest, path: str | os.PathLike) -> bool:
     return folder not in Path(path).resolve().parents
 
 
-def copy_into_zoo(manifest: Manifest, name: str, dataset: str, weights: str | os.PathLike,
-                  log: str | os.PathLike | None = None, force: bool = False) -> tuple[Path, Path | None]:
-    """Copy a checkpoint (weights and sidecar) and its training log into the manifest's folder as
-    ``checkpoints/<dataset>/<name>.safetensors``, ``<name>.json`` and ``<name>_metrics.csv``, the
-    layout of the shipped zoo, and return the copies' paths. The checkpoint is checked first (its
-    sidecar, and weights that fit its architecture), so a bad one copies nothing; each file is
-    written atomically, weights last; an existing different file is replaced only with ``force``."""
-    weights = Path(weights)
-    if not weights.is_file():
-        raise ValueError(f"checkpoint {weights} does not exist; give the .safetensors file `robust-attn train` wrote")
-    load_checkpoint(weights)   # its sidecar, and weights that fit the architecture it names
-    if log and not Path(log).is_file():
-        raise ValueError(f"training log {log} does not exist")
-    folder = manifest.path.parent / "checkpoints" / dataset
-    dest = folder / f"{name}.safetensors"
+def copy_into_zoo(manifest: Manifest, entry: ZooEntry, force: bool = False) -> None:
+    """Copy the checkpoint ``entry`` names (weights and sidecar) and its training log into the
+    manifest's folder as ``checkpoints/<dataset>/<name>.safetensors``, ``<name>.json`` and
+    ``<name>_metrics.csv``, the layout of the shipped zoo, and point the entry at the copies. The
+    entry comes from :func:`entry_from_checkpoint`, which has checked the checkpoint, so here it is
+    only copied: each file atomically, weights last; an existing different file is replaced only
+    with ``force``."""
+    weights = manifest.resolve(entry.weights)
+    folder = manifest.path.parent / "checkpoints" / entry.dataset
+    dest = folder / f"{entry.name}.safetensors"
     pairs = [(sidecar_path(weights), sidecar_path(dest))]
-    if log:
-        pairs.append((Path(log), folder / f"{name}_metrics.csv"))
+    log_dest = folder / f"{entry.name}_metrics.csv"
+    if entry.log:
+        pairs.append((manifest.resolve(entry.log), log_dest))
     pairs.append((weights, dest))
     clashes = [str(d) for src, d in pairs if d.is_file() and d.resolve() != src.resolve()
                and sha256_file(d) != sha256_file(src)]
@@ -243,7 +239,9 @@ def copy_into_zoo(manifest: Manifest, name: str, dataset: str, weights: str | os
             continue
         with atomic_path(d) as tmp:
             shutil.copyfile(src, tmp)
-    return dest, (folder / f"{name}_metrics.csv") if log else None
+    entry.weights = _relative_to(manifest, dest.resolve())
+    if entry.log:
+        entry.log = _relative_to(manifest, log_dest.resolve())
 
 
 def entry_from_checkpoint(name: str, dataset: str, weights: str | os.PathLike, manifest: Manifest,
@@ -255,8 +253,8 @@ def entry_from_checkpoint(name: str, dataset: str, weights: str | os.PathLike, m
                          + (" (it is a folder; give the .safetensors file in it)" if Path(weights).is_dir()
                             else "; give the .safetensors file `robust-attn train` wrote"))
     weights = Path(weights).resolve()
+    load_checkpoint(weights)  # refuse a file that is no checkpoint, or does not fit its architecture
     meta = read_sidecar(weights)
-    load_checkpoint(weights)  # refuse a file that does not fit its architecture before listing it
     relative = _relative_to(manifest, weights)
     if extra.get("log"):
         log = Path(extra["log"]).resolve()
