@@ -262,3 +262,15 @@ def test_make_report_writes_the_section_from_run_directories(study, tmp_path):
     assert "**Most robust under adversarial fgsm, eps 8/255, 1 step:** san10_pairwise_adv (san)" in md
     table = pd.read_csv(tmp_path / "report" / "adversarial_training.csv")
     assert set(table["question"]) == {"most_robust", "weakness", "gain"}
+
+
+def test_the_findings_name_an_adversarial_models_family_from_its_architecture(study):
+    """A label such as ``sasa_resnet26_adv`` names no architecture; the findings' family column
+    comes from the architecture its runs record, the same family as its standard counterpart's."""
+    from robust_attn.reports.comparison import compare_models
+
+    runs, _ = study
+    findings = compare_models(runs, n_boot=20).drop_duplicates("model").set_index("model")["family"]
+    assert {m: findings[m] for m in ("resnet26_adv", "san10_pairwise_adv", "sasa_resnet26_adv")} == \
+        {"resnet26_adv": "resnet", "san10_pairwise_adv": "san", "sasa_resnet26_adv": "sasa"}
+    assert findings["sasa_resnet26_adv"] == findings["sasa_resnet26"]

@@ -133,13 +133,20 @@ def _attack_label(condition: str) -> str:
     return (f"{name} {size}/255" if parts[1] == "linf" else f"{name} L2 {size.replace('p', '.')}") + extra
 
 
-def _family(model: str) -> str:
+def _families(runs) -> dict[str, str]:
+    """``{model name: family}`` from the architecture each run records (a label such as
+    ``resnet26-adv`` names no architecture; its run's ``arch`` does), else from the name."""
     from robust_attn.models.registry import model_info
 
-    try:
-        return model_info(model.split(" (")[0]).family   # a name with its weights: model_names
-    except (KeyError, ValueError):
-        return ""
+    families, names = {}, model_names(runs)
+    for run in runs:
+        name = names[id(run)]
+        arch = (run.description.get("arch") or {}).get("name") or name.split(" (")[0]
+        try:
+            families.setdefault(name, model_info(arch).family)
+        except (KeyError, ValueError):
+            families.setdefault(name, "")
+    return families
 
 
 def compare_models(runs, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
@@ -147,7 +154,7 @@ def compare_models(runs, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
     """One row per (image set, measure, model): the mean loss with its interval, and the paired
     differences to the best model and to ``baseline`` with theirs (``nan`` where not defined).
     Rows of a measure are sorted best first (``rank`` 1)."""
-    rows = []
+    rows, families = [], _families(runs)
     for (images, key), losses in per_image_losses(runs).items():
         if losses.empty:
             continue
@@ -156,7 +163,7 @@ def compare_models(runs, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
         for rank, model in enumerate(means.index, start=1):
             own = bootstrap_mean_ci(losses[model], n_boot=n_boot, seed=seed, level=level)
             row = {"images": images, "measure": key, "title": measure.title, "unit": measure.unit,
-                   "rank": rank, "model": model, "family": _family(model), "value": own.value,
+                   "rank": rank, "model": model, "family": families.get(model, ""), "value": own.value,
                    "low": own.low, "high": own.high, "n": len(losses), "level": level, "n_boot": n_boot}
             for name, other in (("best", best), ("baseline", baseline)):
                 if other in losses and other != model:
