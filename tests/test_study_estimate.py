@@ -91,14 +91,49 @@ def test_clock_scales_what_is_left_by_how_the_finished_steps_went():
     planned = {(r.protocol, r.model): r.seconds for r in rows}
     clock.finished("rotation", "a", 2 * planned[("rotation", "a")])   # twice as slow as the probe said
     left = planned[("rotation", "b")] + planned[("transfer", "a")] + planned[("transfer", "b")]
-    assert clock.remaining() == pytest.approx(2 * left)
+    assert clock.remaining() == pytest.approx(2 * left)   # transfer, not computed yet, at rotation's pace
     clock.finished("transfer", None, 0.0)   # a step across models: every model's row at once, in no time
-    r_a, t_a, t_b = planned[("rotation", "a")], planned[("transfer", "a")], planned[("transfer", "b")]
-    assert clock.remaining() == pytest.approx(planned[("rotation", "b")] * 2 * r_a / (r_a + t_a + t_b))
+    # each protocol is scaled by its own steps: rotation's pace stays twice the probe's
+    assert clock.remaining() == pytest.approx(2 * planned[("rotation", "b")])
     # the lines: the first step (helper processes starting) leaves the plan unscaled
     fresh = StudyClock(rows)
     assert "about " + format_seconds(left) + " left" in fresh.line("rotation", "a", 100 * planned[("rotation", "a")])
     assert fresh.remaining() == pytest.approx(left)
+
+
+def test_clock_of_a_resumed_study_counts_only_what_each_step_computed():
+    """A run found complete (no chunk written now) says nothing of the pace; one found half done
+    took its seconds for half its estimate; a bound (AutoAttack) is scaled by its own steps, and
+    until it has any, by the pace of the exact estimates."""
+    config = StudyConfig(protocols=("rotation", "autoattack"), angle_step=0.0, autoattack_eps=(8 / 255,),
+                         square_queries=10)
+    rows = plan_rows(config, ["a", "b", "c"], {m: (0.01, 0.01) for m in "abc"}, 100, 10)
+    planned = {(r.protocol, r.model): r.seconds for r in rows}
+    clock = StudyClock(rows)
+    clock.finished("rotation", "a", 0.0, computed=0.0)            # resumed: already complete
+    clock.finished("autoattack", "a", 0.0, computed=0.0)
+    untouched = sum(planned[(p, m)] for p in ("rotation", "autoattack") for m in "bc")
+    assert clock.remaining() == pytest.approx(untouched)
+    clock.finished("rotation", "b", 1.5 * planned[("rotation", "b")], computed=0.5)   # half of it, 3x slower
+    aa_left = planned[("autoattack", "b")] + planned[("autoattack", "c")]
+    assert clock.remaining() == pytest.approx(3 * (planned[("rotation", "c")] + aa_left))
+    clock.finished("autoattack", "b", 0.01 * planned[("autoattack", "b")])   # the bound was 100x loose
+    assert clock.remaining() == pytest.approx(3 * planned[("rotation", "c")] + 0.01 * planned[("autoattack", "c")])
+
+
+def test_plan_of_a_resumed_study_counts_what_its_runs_do_not_hold():
+    config = StudyConfig(protocols=("rotation", "apgd"), angle_step=0.0, apgd_eps=(1 / 255,))
+    probes = {"a": (0.01, 0.02), "b": (0.01, 0.02)}
+    fresh = plan_rows(config, ["a", "b"], probes, 100, 10)
+    resumed = plan_rows(config, ["a", "b"], probes, 100, 10, done={("rotation", "a"): 1.0, ("apgd", "a"): 0.25})
+    by = {(r.protocol, r.model): r for r in fresh}
+    for row in resumed:
+        share = {("rotation", "a"): 0.0, ("apgd", "a"): 0.75}.get((row.protocol, row.model), 1.0)
+        assert row.seconds == pytest.approx(share * by[(row.protocol, row.model)].seconds)
+        assert row.least == pytest.approx(share * by[(row.protocol, row.model)].least)
+    said = "\n".join(format_plan(resumed, device="cpu", workers=1))
+    assert "resumed" in said and said.splitlines()[-4].split()[:2] == ["a", "done"]
+    assert "resumed" not in "\n".join(format_plan(fresh, device="cpu", workers=1))
 
 
 def test_probe_measures_both_passes_per_image():
@@ -158,3 +193,11 @@ def test_study_runs_the_preset_with_options_over_it_and_says_the_time_left(tmp_p
     assert config["protocols"] == ["rotation", "apgd"]
     assert "rotation (6 img)" in out and "apgd (2 img)" in out
     assert out.count("left (ETA") == 4   # after each of the 2 protocols of the 2 models
+    # run again: every run is complete, so the plan says done and the study computes nothing
+    assert main(["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), "--limit", "6", "--attack-limit", "2",
+                 "--protocols", "rotation,apgd", "--attack-steps", "2", "--apgd-eps", "8/255", "--batch-size", "3",
+                 "--bootstrap", "20", "--device", "cpu", "--workers", "1", "--runs", str(runs), "--out",
+                 str(tmp_path / "out"), "--no-progress", "--plan"]) == 0
+    plan = capsys.readouterr().out
+    rows = [line.split() for line in plan.splitlines() if line.split()[:1] in (["resnet26"], ["sasa_resnet26"])]
+    assert "resumed" in plan and len(rows) == 2 and all(row[1:] == ["done", "done"] for row in rows)

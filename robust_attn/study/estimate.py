@@ -14,6 +14,11 @@ figure is an upper bound (marked ``<=`` in the plan); AutoAttack at a radius whe
 fooled by its first member costs a small fraction of it. Image transforms (corruptions,
 rotations) and the report's bootstrap are not counted: on the zoo's models they are small next
 to the passes through the model.
+
+A resumed study plans what is left: a (protocol, model) whose run already holds some of its
+record chunks is counted for the rest (:func:`done_fractions`), and one that holds them all is
+shown as ``done``. As steps finish, :class:`StudyClock` rescales what is left by how long the
+computed part of each protocol took against its estimate.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ from typing import Callable
 from robust_attn.utils.durations import format_seconds
 
 __all__ = ["Passes", "PlanRow", "protocol_passes", "probe_model", "plan_rows", "format_plan", "format_seconds",
-           "PASS_COUNTS", "StudyClock", "log_plan", "log_unprobed_plan", "probe_images", "study_total"]
+           "PASS_COUNTS", "StudyClock", "log_plan", "log_unprobed_plan", "probe_images", "study_total",
+           "done_fractions"]
 
 #: AutoAttack's standard members: iterations per image of APGD-CE, APGD-T and FAB-T per target
 #: class (9 targets each), and Square's queries
@@ -182,6 +188,7 @@ class PlanRow:
     passes: Passes | None
     seconds: float | None
     least: float | None = None   # for a bound: the seconds if every image were fooled at once
+    done: float = 0.0            # the part its run already holds (a resumed study); seconds count the rest
 
     @property
     def bound(self) -> bool:
@@ -189,10 +196,12 @@ class PlanRow:
 
 
 def plan_rows(config, models: list[str], probes: dict[str, tuple[float, float]], num_images: int,
-              num_attack_images: int, workers: int = 1) -> list[PlanRow]:
+              num_attack_images: int, workers: int = 1, done: dict[tuple[str, str], float] | None = None
+              ) -> list[PlanRow]:
     """Every (protocol, model) the study runs, in the order it runs them (per-model steps for each
     model, then the steps across models, each once per model), with its estimated seconds from
-    ``probes`` (model -> (forward, forward-backward) seconds per image)."""
+    ``probes`` (model -> (forward, forward-backward) seconds per image) for the part not in
+    ``done`` ((protocol, model) -> the fraction its run already holds, :func:`done_fractions`)."""
     from robust_attn.protocols.study_step import STUDY_PROTOCOLS
 
     steps = [STUDY_PROTOCOLS[p] for p in config.protocols]
@@ -206,13 +215,14 @@ def plan_rows(config, models: list[str], probes: dict[str, tuple[float, float]],
                  "masking": min(config.masking_images, num_attack_images)}[passes.images] if passes else \
             (num_attack_images if step.attack_subset else num_images)
         seconds = least = None
+        held = (done or {}).get((step.name, model), 0.0)
         if passes is not None and model in probes:
             forward_s, backward_s = probes[model]
             others = sum(probes[m][0] for m in models if m in probes)
-            share = workers if step.chunked and workers > 1 else 1
-            seconds = passes.seconds(forward_s, backward_s, count, others) / share
-            least = (passes.least or passes).seconds(forward_s, backward_s, count, others) / share
-        rows.append(PlanRow(step.name, model, count, passes, seconds, least))
+            scale = (1.0 - held) / (workers if step.chunked and workers > 1 else 1)
+            seconds = passes.seconds(forward_s, backward_s, count, others) * scale
+            least = (passes.least or passes).seconds(forward_s, backward_s, count, others) * scale
+        rows.append(PlanRow(step.name, model, count, passes, seconds, least, held))
     return rows
 
 
@@ -227,6 +237,8 @@ def format_plan(rows: list[PlanRow], *, device: str, workers: int, header: str =
     def shown(r: PlanRow | None) -> str:
         if r is None:
             return "-"
+        if r.done >= 1.0:
+            return "done"
         return "?" if r.seconds is None else ("<=" if r.bound else "") + format_seconds(r.seconds)
 
     lines = [header] if header else []
@@ -234,6 +246,8 @@ def format_plan(rows: list[PlanRow], *, device: str, workers: int, header: str =
     lines.append(f"study plan ({device}, {workers} process(es); " + (
         "estimated from a probe of each model on this machine now; <= is an upper bound):" if probed else
         "no model could be timed, so no time is estimated):"))
+    if any(r.done > 0 for r in rows):
+        lines.append("  (resumed: the times count what the runs do not hold yet; done: every record is written)")
     images = {p: next(r.images for r in rows if r.protocol == p) for p in protocols}
     lines.append(f"  {'model':<{width}}  " + "  ".join(f"{p} ({images[p]} img)" for p in protocols))
     for m in models:
@@ -263,35 +277,51 @@ def study_total(rows: list[PlanRow]) -> tuple[float, bool]:
 
 
 class StudyClock:
-    """The study's ETA as its steps finish: the plan's remaining seconds, scaled by how long the
-    finished steps took against their estimates (so a machine busier than at the probe, or a
-    bound that was loose, corrects the rest). :meth:`line` leaves the study's first step out of
-    the scaling: it also pays for the helper processes' start (importing, loading every model)."""
+    """The study's ETA as its steps finish: the plan's remaining seconds, each protocol's scaled by
+    how long its computed steps took against their estimates (so a machine busier than at the
+    probe, or a bound that was loose, corrects the rest of that protocol); a protocol not yet
+    computed is scaled by the pace of the exact estimates (steps that are not bounds) so far. A
+    step that was already complete, or partly, counts only the part it computed. :meth:`line`
+    leaves the study's first step out of the scaling: it also pays for the helper processes'
+    start (importing, loading every model)."""
 
     def __init__(self, rows: list[PlanRow]):
         self.left = {(r.protocol, r.model): r.seconds for r in rows}
-        self.estimated_done = 0.0
-        self.spent = 0.0
+        self.bound = {r.protocol for r in rows if r.bound}
+        self.estimated_done: dict[str, float] = {}   # protocol -> estimated seconds of what was computed
+        self.spent: dict[str, float] = {}            # protocol -> seconds it took
         self.steps = 0
 
-    def finished(self, protocol: str, model: str | None, seconds: float, calibrate: bool = True) -> None:
+    def finished(self, protocol: str, model: str | None, seconds: float, calibrate: bool = True,
+                 computed: float = 1.0) -> None:
         """Step ``protocol`` of ``model`` (None: of every model, a step across models) took
-        ``seconds``; ``calibrate=False``: it leaves the plan without scaling the rest (the study's
-        first step, which also pays for starting the helper processes)."""
+        ``seconds`` to compute the fraction ``computed`` of its work (its record chunks written now
+        over all of them: 0 for a run found complete); ``calibrate=False``: it leaves the plan
+        without scaling the rest (the study's first step, which also pays for starting the helper
+        processes)."""
         keys = [k for k in self.left if k[0] == protocol and (model is None or k[1] == model)]
         estimate = sum(self.left.pop(k) or 0.0 for k in keys)
         self.steps += 1
-        if estimate > 0 and calibrate:
-            self.estimated_done += estimate
-            self.spent += seconds
+        if estimate > 0 and computed > 0 and calibrate:
+            self.estimated_done[protocol] = self.estimated_done.get(protocol, 0.0) + estimate * computed
+            self.spent[protocol] = self.spent.get(protocol, 0.0) + seconds
+
+    def _ratio(self, protocols) -> float | None:
+        estimated = sum(self.estimated_done[p] for p in protocols)
+        return sum(self.spent[p] for p in protocols) / estimated if estimated > 0 else None
 
     def remaining(self) -> float:
-        left = sum(s for s in self.left.values() if s is not None)
-        ratio = self.spent / self.estimated_done if self.estimated_done > 0 else 1.0
-        return left * ratio
+        exact = self._ratio([p for p in self.estimated_done if p not in self.bound])
+        pace = exact if exact is not None else 1.0
+        left = 0.0
+        for (protocol, _), seconds in self.left.items():
+            if seconds is not None:
+                own = self._ratio([protocol]) if protocol in self.estimated_done else None
+                left += seconds * (own if own is not None else pace)
+        return left
 
-    def line(self, protocol: str, model: str | None, seconds: float) -> str:
-        self.finished(protocol, model, seconds, calibrate=self.steps > 0)
+    def line(self, protocol: str, model: str | None, seconds: float, computed: float = 1.0) -> str:
+        self.finished(protocol, model, seconds, calibrate=self.steps > 0, computed=computed)
         left = self.remaining()
         eta = time.strftime("%H:%M", time.localtime(time.time() + left))
         return f"study: {protocol} of {model or 'every model'} took {format_seconds(seconds)}; about " \
@@ -305,26 +335,56 @@ def probe_images(dataset, n: int = 16):
     return torch.stack([dataset[i][0] for i in range(min(n, len(dataset)))])
 
 
-def log_unprobed_plan(config, models: list[str], root, device, workers: int, log) -> None:
+def log_unprobed_plan(config, models: list[str], root, device, workers: int, log, runs_dir=None) -> None:
     """Log the plan of a study whose models cannot be loaded: what would run, on how many images,
-    without times (the study's images are counted; no model is built)."""
+    and what ``runs_dir``'s runs hold already, without times (the study's images are counted; no
+    model is built)."""
     from robust_attn.data import build_dataset
 
     num_images = len(build_dataset(config.dataset, root=root, split=config.split, limit=config.limit))
-    rows = plan_rows(config, models, {}, num_images, min(num_images, config.attack_limit or num_images), workers)
+    done = done_fractions(config, models, runs_dir) if runs_dir is not None else None
+    rows = plan_rows(config, models, {}, num_images, min(num_images, config.attack_limit or num_images), workers,
+                     done)
     for line in format_plan(rows, device=str(device), workers=workers):
         log(line)
 
 
-def log_plan(config, loaded: dict, inputs: dict, device, workers: int, log) -> StudyClock:
+def done_fractions(config, models: list[str], runs_dir) -> dict[tuple[str, str], float]:
+    """``{(protocol, model): fraction}`` of the record chunks the study's per-model runs in
+    ``runs_dir`` already hold (a resumed study; runs not started are left out)."""
+    from pathlib import Path
+
+    from robust_attn.protocols.study_step import STUDY_PROTOCOLS
+    from robust_attn.runs.store import RunStore
+
+    fractions = {}
+    for protocol in config.protocols:
+        if not STUDY_PROTOCOLS[protocol].per_model:
+            continue
+        for model in models:
+            store = RunStore(Path(runs_dir) / f"{protocol}-{model}")
+            try:
+                if not store.exists():
+                    continue
+                held, missing = len(store.chunks()), len(store.missing())
+            except (OSError, ValueError, KeyError):   # unreadable: the study itself will say why
+                continue
+            if held + missing:
+                fractions[(protocol, model)] = held / (held + missing)
+    return fractions
+
+
+def log_plan(config, loaded: dict, inputs: dict, device, workers: int, log, runs_dir=None) -> StudyClock:
     """Probe every model (:func:`probe_model`, on the first images of its attack subset), log the
-    plan (:func:`format_plan`) and return the clock that tells the time left as steps finish."""
-    log(f"study: timing each model on a few images to estimate the study's cost ...")
+    plan (:func:`format_plan`; what ``runs_dir``'s runs hold already is left out of the times)
+    and return the clock that tells the time left as steps finish."""
+    log("study: timing each model on a few images to estimate the study's cost ...")
     probes = {}
     for name, model in loaded.items():
         probes[name] = probe_model(model.model, probe_images(inputs[name][1]), device)
     dataset, attack_dataset, _ = next(iter(inputs.values()))
-    rows = plan_rows(config, list(loaded), probes, len(dataset), len(attack_dataset), workers)
+    done = done_fractions(config, list(loaded), runs_dir) if runs_dir is not None else None
+    rows = plan_rows(config, list(loaded), probes, len(dataset), len(attack_dataset), workers, done)
     for line in format_plan(rows, device=str(device), workers=workers):
         log(line)
     return StudyClock(rows)

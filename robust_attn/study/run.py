@@ -73,22 +73,28 @@ def _append_timing(runs_dir: Path, row: dict) -> None:
             frame.to_csv(tmp, index=False)
 
 
-def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: int, fn, workers: int = 1) -> float:
+def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: int, fn,
+           workers: int = 1) -> tuple[float, float]:
     """Run ``fn`` (a protocol call writing into ``out``; it ends with a barrier under torchrun)
     and log, on rank 0, its wall time and how many record chunks were written (0: the run was
-    already complete); returns the wall time."""
+    already complete); returns the wall time and the fraction of the run's chunks written now."""
     before = len(RunStore(out).chunks())
     start = time.perf_counter()
     fn()
     if rank != 0:
-        return time.perf_counter() - start
+        return time.perf_counter() - start, 1.0
     after = len(RunStore(out).chunks())
     _append_timing(runs_dir, {"model": model, "protocol": protocol, "seconds": round(time.perf_counter() - start, 1),
                               "chunks_written": after - before, "chunks_total": after,
                               "device": str(device), "threads": torch.get_num_threads(),
                               "processes": process_count(), "workers": workers,
                               "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    return time.perf_counter() - start
+    return time.perf_counter() - start, (after - before) / after if after else 1.0
+
+
+def _chunk_counts(run_dirs) -> dict[Path, int]:
+    """``{run folder: record chunks it holds}`` (how much of a step a resumed study finds done)."""
+    return {Path(d): len(RunStore(d).chunks()) for d in run_dirs if Path(d).is_dir()}
 
 
 def default_workers(dataset: str | None = None) -> int:
@@ -172,7 +178,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     missing = missing_zoo_models(chosen, manifest, config.dataset)
     if missing:   # said before anything is loaded; --plan still shows what would run
         if plan_only and rank == 0 and not _worker:
-            log_unprobed_plan(config, [m.name for m in chosen], root, device, workers, log)
+            log_unprobed_plan(config, [m.name for m in chosen], root, device, workers, log, runs_dir)
         raise ValueError(missing_zoo_message(missing, chosen, manifest, config.dataset))
     loaded = load_models(chosen, info, device, manifest, config.seed, log)
     for name, entry in loaded.items():
@@ -184,7 +190,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     dataset, attack_dataset, _ = next(iter(inputs.values()))
     clock = None
     if rank == 0 and not _worker:
-        clock = log_plan(config, loaded, inputs, device, workers if world_size == 1 else world_size, log)
+        clock = log_plan(config, loaded, inputs, device, workers if world_size == 1 else world_size, log, runs_dir)
     if plan_only:
         return []
     runs_dir = Path(runs_dir)
@@ -225,18 +231,22 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
         for step in (s for s in steps if s.per_model):
             out = ctx.run_dir(step.name, entry.name)
             with step_memory(step, config):
-                spent = _timed(runs_dir, entry.name, step.name, out, device, 1 if _worker else rank,
-                               lambda: step.step(model_ctx, entry, models[entry.name]), workers)
+                spent, computed = _timed(runs_dir, entry.name, step.name, out, device, 1 if _worker else rank,
+                                         lambda: step.step(model_ctx, entry, models[entry.name]), workers)
             if clock is not None:
-                log(clock.line(step.name, entry.name, spent))
+                log(clock.line(step.name, entry.name, spent, computed))
             run_dirs.append(out)
         log(f"[{i}/{len(entries)}] {entry.name}: done")
     for step in (s for s in steps if not s.per_model and (s.chunked or not _worker)):
         start = time.perf_counter()
+        held = _chunk_counts(runs_dir.iterdir()) if clock is not None else {}
         with step_memory(step, config):
             made = step.step(ctx, entries, models)
         if clock is not None:
-            log(clock.line(step.name, None, time.perf_counter() - start))
+            now = _chunk_counts(made)
+            total = sum(now.values())
+            computed = (total - sum(held.get(d, 0) for d in now)) / total if total else 1.0
+            log(clock.line(step.name, None, time.perf_counter() - start, computed))
         if rank == 0 and not _worker:
             _append_timing(runs_dir, {"model": "all", "protocol": step.name,
                                       "seconds": round(time.perf_counter() - start, 1), "chunks_written": -1,
