@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 from robust_attn.utils.plugins import Registry
 
-__all__ = ["StudyContext", "StudyProtocol", "STUDY_PROTOCOLS", "study_protocol", "list_study_protocols",
-           "default_study_protocols"]
+__all__ = ["StudyContext", "study_run_dir", "StudyProtocol", "STUDY_PROTOCOLS", "study_protocol",
+           "list_study_protocols", "default_study_protocols"]
 
 
 @dataclass
@@ -64,7 +64,12 @@ class StudyContext:
                 "arch": arch, "checkpoint": {"path": entry.weights, "sha256": entry.sha256}}
 
     def run_dir(self, protocol: str, name: str) -> Path:
-        return self.runs_dir / f"{protocol}-{name}"
+        return study_run_dir(self.runs_dir, protocol, name)
+
+
+def study_run_dir(runs_dir, protocol: str, name: str) -> Path:
+    """The run folder of ``protocol`` for the model labelled ``name`` in a study's ``runs_dir``."""
+    return Path(runs_dir) / f"{protocol}-{name}"
 
 
 @dataclass(frozen=True)

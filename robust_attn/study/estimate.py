@@ -352,9 +352,7 @@ def log_unprobed_plan(config, models: list[str], root, device, workers: int, log
 def done_fractions(config, models: list[str], runs_dir) -> dict[tuple[str, str], float]:
     """``{(protocol, model): fraction}`` of the record chunks the study's per-model runs in
     ``runs_dir`` already hold (a resumed study; runs not started are left out)."""
-    from pathlib import Path
-
-    from robust_attn.protocols.study_step import STUDY_PROTOCOLS
+    from robust_attn.protocols.study_step import STUDY_PROTOCOLS, study_run_dir
     from robust_attn.runs.store import RunStore
 
     fractions = {}
@@ -362,7 +360,7 @@ def done_fractions(config, models: list[str], runs_dir) -> dict[tuple[str, str],
         if not STUDY_PROTOCOLS[protocol].per_model:
             continue
         for model in models:
-            store = RunStore(Path(runs_dir) / f"{protocol}-{model}")
+            store = RunStore(study_run_dir(runs_dir, protocol, model))
             try:
                 if not store.exists():
                     continue
