@@ -201,3 +201,31 @@ def test_study_runs_the_preset_with_options_over_it_and_says_the_time_left(tmp_p
     plan = capsys.readouterr().out
     rows = [line.split() for line in plan.splitlines() if line.split()[:1] in (["resnet26"], ["sasa_resnet26"])]
     assert "resumed" in plan and len(rows) == 2 and all(row[1:] == ["done", "done"] for row in rows)
+
+
+def test_a_timed_step_says_which_part_of_its_run_it_computed(tmp_path):
+    """The study's clock learns the pace only from chunks written now: a step that finds 3 of its
+    4 chunks written and writes the last computed a quarter of it; one that finds all, none."""
+    import numpy as np
+    import pandas as pd
+
+    from robust_attn.runs.store import RunStore
+    from robust_attn.study.run import _timed
+
+    out = tmp_path / "rotation-a"
+    store = RunStore(out)
+    store.open({"model": "a", "protocol": "rotation", "dataset": {"name": "synthetic", "split": "test", "limit": None},
+                "parameters": {}, "conditions": [{"name": "none"}, {"name": "cw90"}], "num_images": 4,
+                "chunk_size": 2})
+
+    def write(condition, start):
+        frame = pd.DataFrame({"index": np.arange(start, start + 2), "label": 0, "pred": 0, "top1": 1})
+        store.write_chunk(condition, start, start + 2, frame)
+
+    write("none", 0), write("none", 2), write("cw90", 0)
+    _, computed = _timed(tmp_path, "a", "rotation", out, "cpu", 0, lambda: write("cw90", 2))
+    assert computed == pytest.approx(0.25)
+    _, computed = _timed(tmp_path, "a", "rotation", out, "cpu", 0, lambda: None)
+    assert computed == 0.0
+    timings = pd.read_csv(tmp_path / "timings.csv")
+    assert timings["chunks_written"].tolist() == [1, 0] and timings["chunks_total"].tolist() == [4, 4]
