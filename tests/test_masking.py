@@ -140,6 +140,22 @@ def test_blackbox_subset_of_whitebox_passes_and_bad_input_is_named():
         check_blackbox_beats_whitebox(white.drop(columns="success"), black)
 
 
+def test_blackbox_sources_at_other_radii_are_each_held_to_the_white_box_at_theirs():
+    """Square at 8/255 fools images 2 and 3: APGD-CE at 8/255 fools 3 but not 2 (a flag), while
+    the white-box attack at 2/255, which fools neither, is not what Square is compared with."""
+    at_2 = _records(range(6), [1, 0, 0, 0, 0, 0])
+    at_8 = _records(range(6), [1, 1, 0, 1, 0, 0])
+    square = _records(range(6), [1, 0, 1, 1, 0, 0])
+    own = _records(range(6), [1, 0, 0, 0, 0, 0])     # AutoAttack's own Square member, at 2/255
+    check = check_blackbox_beats_whitebox({"autoattack's square": at_2, "square": at_8},
+                                          {"autoattack's square": own, "square": square})
+    assert check.verdict == "flag"
+    assert check.evidence["square"]["beats"] == 1 and check.evidence["square"]["indices"] == [2]
+    assert check.evidence["square"]["white_success"] == 3 and check.evidence["autoattack's square"]["beats"] == 0
+    with pytest.raises(ValueError, match="no white-box records for 'square'"):
+        check_blackbox_beats_whitebox({"autoattack's square": at_2}, {"square": square})
+
+
 # ------------------------------------------------------------------ gain with strength
 
 

@@ -277,6 +277,35 @@ def test_masking_checks_gain_with_eps_on_the_apgd_sweep_when_autoattack_ran_at_o
         assert gain["evidence"]["rates"] == pytest.approx(expected)
 
 
+def test_masking_holds_square_and_transfer_to_apgd_ce_at_their_radius_when_autoattack_ran_at_another(tmp_path,
+                                                                                                    tiny_zoo):
+    """AutoAttack at 2/255 and Square and the transfer attacks at 8/255 (the efficient study's
+    settings): the black-box sources are compared with APGD-CE at 8/255 from the apgd runs, on the
+    same images, and their names say so; AutoAttack's own Square member with AutoAttack."""
+    from robust_attn.runs.store import load_records
+
+    config = StudyConfig(dataset="synthetic", limit=6, attack_limit=6, autoattack_eps=(2 / 255,),
+                         apgd_eps=(1 / 255, 8 / 255), square_eps=8 / 255, square_queries=10, attack_steps=2,
+                         transfer_steps=2, masking_images=3, batch_size=6, attack_batch_size=6, bootstrap=10,
+                         protocols=("apgd", "autoattack", "square", "transfer", "masking"))
+    runs = tmp_path / "runs"
+    run_study(config, runs, tmp_path / "report", manifest=tiny_zoo, device="cpu", progress=False,
+              log=lambda *_: None)
+    for model, other in (("resnet26", "sasa_resnet26"), ("sasa_resnet26", "resnet26")):
+        checks = json.loads((runs / f"masking-{model}" / "checks.json").read_text())
+        evidence = next(c for c in checks if c["name"] == "blackbox_beats_whitebox")["evidence"]
+        square = "square 8/255 (against APGD-CE 8/255)"
+        transfer = f"transfer from {other} 8/255 (against APGD-CE 8/255)"
+        assert set(evidence) == {"autoattack's square", square, transfer}
+        apgd = load_records(runs / f"apgd-{model}")
+        fooled = apgd.loc[apgd["condition"] == "apgd-ce_linf_eps8_n2"].set_index("index")["success"].astype(bool)
+        sq = load_records(runs / f"square-{model}")
+        sq = sq[sq["condition"] != "clean"].set_index("index")["success"].astype(bool)
+        assert evidence[square]["compared"] == 6 and evidence[square]["white_success"] == int(fooled.sum())
+        assert evidence[square]["beats"] == int((sq & ~fooled.reindex(sq.index)).sum())
+        assert evidence[transfer]["white_success"] == int(fooled.sum())
+
+
 def test_two_study_workers_share_the_runs_and_equal_one_process(tmp_path, tiny_zoo):
     """Two processes of one thread claim disjoint chunks of every run; the records are those of one
     process, and the report is written once."""

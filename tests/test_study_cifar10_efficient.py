@@ -30,7 +30,9 @@ def test_the_study_config_says_what_the_zoo_is_studied_with():
                                 "masking")
     assert config.corruptions == "common" and config.severities == (1, 2, 3, 4, 5)
     assert config.attack_limit == 1000 and config.autoattack_limit == 500
-    assert config.apgd_eps == pytest.approx((1 / 255, 2 / 255, 4 / 255))
+    # APGD-CE at Square's radius too: the white-box attack the masking checks compare Square with
+    assert config.apgd_eps == pytest.approx((1 / 255, 2 / 255, 4 / 255, 8 / 255))
+    assert max(config.autoattack_eps) < config.square_eps
     assert config.autoattack_eps == pytest.approx((2 / 255,)) and config.square_eps == pytest.approx(8 / 255)
     # the new zoo's entries, labelled by family so its rows read as the width-0.25 zoo's
     assert [(m.spec, m.name) for m in config.models] == [(f"zoo:{f}-efficient", f) for f in FAMILIES]

@@ -12,7 +12,11 @@ model:
   misclassified already, or fooled by APGD-CE, APGD-T or FAB-T: AutoAttack's records name the
   member in ``by``) against Square alone at the same eps, against AutoAttack's own Square member
   (an image only Square fooled inside AutoAttack is the same evidence), and against the
-  untargeted transfer attack from every other model at 8/255;
+  untargeted transfer attack from every other model at 8/255. Where AutoAttack did not run at
+  Square's eps or at 8/255 (a study of AutoAttack at 2/255 with Square at 8/255), the white-box
+  attack there is APGD-CE from the ``apgd`` step, when it ran at that eps; the source's name then
+  says so (``square 8/255 (against APGD-CE 8/255)``), and without either the source is not
+  compared;
 * ``gain_with_strength``: AutoAttack's success rate must grow with eps; where it ran at one
   radius only (e.g. 8/255 on a CPU), APGD-CE's, at the ``apgd`` step's radii and at AutoAttack's
   radius, read from AutoAttack's records: its first member is APGD-CE with the same iterations,
@@ -93,6 +97,11 @@ def _apgd_ce_member_rate(records: pd.DataFrame) -> float:
     """APGD-CE's success rate inside an AutoAttack condition's records: the images it found
     misclassified or fooled first (``by``), since AutoAttack runs it first on every image."""
     return float(records["by"].isin(("clean", "apgd-ce")).mean())
+
+
+def _at(by_eps: dict, eps: float):
+    """The value of ``by_eps`` (eps -> records) at ``eps`` (float keys, compared to 1e-9)."""
+    return next((v for e, v in by_eps.items() if abs(e - eps) < 1e-9), None)
 
 
 def write_checks(out: Path, model, images, labels, indices, eps: float, run_info: dict, *, white=None,
@@ -198,26 +207,34 @@ def study_masking(ctx, entries, models):
     outs = []
     for entry in entries:
         model = models[entry.name]
-        white, black, rates = None, {}, None
+        white, black, rates = {}, {}, None   # white: eps -> the white-box records there
         aa_dir = ctx.run_dir("autoattack", entry.name)
+        top = None
         if RunStore(aa_dir).exists():
             aa = load_records(aa_dir)
             rates = _success_by_eps(aa_dir, aa, "autoattack", config.autoattack_eps)
             top = aa[aa["condition"] == _condition_at(aa_dir, "autoattack", eps)]
-            white = white_box_records(top)
-            black["autoattack's square"] = top.assign(success=top["success"].astype(bool).astype(int))
+            white[eps] = white_box_records(top)
+            black["autoattack's square"] = (eps, top.assign(success=top["success"].astype(bool).astype(int)))
         apgd_dir = ctx.run_dir("apgd", entry.name)
-        if (rates is None or len(rates) < 2) and RunStore(apgd_dir).exists():   # AutoAttack at one radius only
-            rates = _success_by_eps(apgd_dir, load_records(apgd_dir), "apgd-ce", config.apgd_eps, "APGD-CE ")
-            if white is not None and len(top) and eps > max(config.apgd_eps) + 1e-9:   # the same attack
-                rates["APGD-CE " + shown_radius(eps)] = _apgd_ce_member_rate(top)   # (both: attack_steps)
+        if RunStore(apgd_dir).exists():
+            apgd = load_records(apgd_dir)
+            if rates is None or len(rates) < 2:   # AutoAttack at one radius only
+                rates = _success_by_eps(apgd_dir, apgd, "apgd-ce", config.apgd_eps, "APGD-CE ")
+                if top is not None and len(top) and eps > max(config.apgd_eps) + 1e-9:   # the same attack
+                    rates["APGD-CE " + shown_radius(eps)] = _apgd_ce_member_rate(top)   # (both: attack_steps)
+            for radius in (config.square_eps, 8 / 255):   # the black-box radii, where AutoAttack did not run
+                c = None if any(abs(radius - e) < 1e-9 for e in white) else _condition_at(apgd_dir, "apgd-ce", radius)
+                if c:
+                    white[radius] = apgd[apgd["condition"] == c]
         square_dir = ctx.run_dir("square", entry.name)
-        if white is not None and RunStore(square_dir).exists() and abs(config.square_eps - eps) < 1e-9:
-            c = _condition_at(square_dir, "square", eps)
+        square_white = _at(white, config.square_eps)
+        if square_white is not None and RunStore(square_dir).exists():
+            c = _condition_at(square_dir, "square", config.square_eps)
             if c:
                 sq = load_records(square_dir)
-                black["square"] = sq[sq["condition"] == c]
-        if white is not None and abs(eps - 8 / 255) < 1e-9:
+                black["square"] = (config.square_eps, sq[sq["condition"] == c])
+        if _at(white, 8 / 255) is not None:
             for source in entries:
                 t_dir = ctx.run_dir("transfer", source.name)
                 if source.name == entry.name or not RunStore(t_dir).exists():
@@ -226,10 +243,17 @@ def study_masking(ctx, entries, models):
                 mine = tr[(tr["target_model"] == entry.name) & (tr["target"] == -1)
                           & ~tr["condition"].str.startswith("clean.")]
                 if len(mine):
-                    black[f"transfer from {source.name}"] = mine[mine["condition"] == mine["condition"].iloc[0]]
+                    first = mine[mine["condition"] == mine["condition"].iloc[0]]
+                    black[f"transfer from {source.name}"] = (8 / 255, first)
+        whites, blacks = {}, {}
+        for name, (radius, records) in black.items():
+            reference = _at(white, radius)
+            if abs(radius - eps) > 1e-9 or top is None:   # compared with APGD-CE there: the name says so
+                name = f"{name} {shown_radius(radius)} (against APGD-CE {shown_radius(radius)})"
+            whites[name], blacks[name] = reference, records
         out = ctx.run_dir("masking", entry.name)
         if ctx.rank == 0:
-            write_checks(out, model, images, labels, indices, eps, ctx.run_info(entry, model), white=white,
-                         black=black or None, rates=rates, baseline=baseline, seed=config.seed, batch_size=batch)
+            write_checks(out, model, images, labels, indices, eps, ctx.run_info(entry, model), white=whites or None,
+                         black=blacks or None, rates=rates, baseline=baseline, seed=config.seed, batch_size=batch)
         outs.append(out)
     return outs

@@ -9,25 +9,32 @@ import pandas as pd
 from robust_attn.attacks.masking.evidence import MaskingCheck, first_indices, verdict_word, success_by_index
 
 
-def check_blackbox_beats_whitebox(white: pd.DataFrame, black: Mapping[str, pd.DataFrame],
-                                  condition: str | None = None) -> MaskingCheck:
+def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFrame],
+                                  black: Mapping[str, pd.DataFrame], condition: str | None = None) -> MaskingCheck:
     """Flag when any image that a black-box or transfer attack fools was not fooled by the
     white-box attack at the same eps (Carlini et al. 2019, 5.2: a gradient-free or transfer
     attack beating the white-box one means the gradients mislead it).
 
-    ``white``: the white-box attack's records; ``black``: source name -> records (Square, or a
-    transfer attack evaluated on this model) at the same eps and the same meaning of success
-    (both untargeted, or both toward the same targets). Images are matched by ``index``; only
-    images in both are compared. ``condition`` selects the white-box condition in ``white``; each
-    black-box frame must hold one condition. Evidence per source: compared, black-box and white-box successes,
-    ``beats`` (the count) and the first :data:`MAX_INDICES` of their indices.
+    ``white``: the white-box attack's records, or, where the black-box sources ran at different
+    radii, source name -> the white-box records at that source's eps; ``black``: source name ->
+    records (Square, or a transfer attack evaluated on this model) at the same eps and the same
+    meaning of success (both untargeted, or both toward the same targets). Images are matched by
+    ``index``; only images in both are compared. ``condition`` selects the white-box condition in
+    ``white``; each black-box frame must hold one condition. Evidence per source: compared,
+    black-box and white-box successes, ``beats`` (the count) and the first :data:`MAX_INDICES` of
+    their indices.
     """
     if not isinstance(black, Mapping) or not black:
         raise ValueError("black must map a source name (e.g. 'square', 'transfer:resnet26') to its records")
-    white_success = success_by_index(white, condition, "white-box records")
+    whites = white if isinstance(white, Mapping) else {source: white for source in black}
+    missing = [source for source in black if source not in whites]
+    if missing:
+        raise ValueError(f"no white-box records for {', '.join(map(repr, missing))}: give the white-box attack's "
+                         "records at each black-box source's eps")
     evidence: dict = {}
     total = 0
     for source, frame in black.items():
+        white_success = success_by_index(whites[source], condition, "white-box records")
         black_success = success_by_index(frame, None, f"records of {source!r}")
         common = white_success.index.intersection(black_success.index)
         if len(common) == 0:
