@@ -193,6 +193,57 @@ class MaskingSettings(ProtocolSettings):
             raise ValueError(f"masking_images must be at least 1, got {self.masking_images}")
 
 
+def _attack_evidence(ctx, entry, entries, eps: float) -> tuple[dict, dict, dict | None]:
+    """What the attack runs of ``entry`` give the checks: the white-box records at each black-box
+    source's radius and the sources' records (both by source name, for ``blackbox_beats_whitebox``),
+    and the success rates against eps (for ``gain_with_strength``; None without them)."""
+    config = ctx.config
+    white, black, rates = {}, {}, None   # white: eps -> the white-box records there
+    aa_dir = ctx.run_dir("autoattack", entry.name)
+    top = None
+    if RunStore(aa_dir).exists():
+        aa = load_records(aa_dir)
+        rates = _success_by_eps(aa_dir, aa, "autoattack", config.autoattack_eps)
+        top = aa[aa["condition"] == _condition_at(aa_dir, "autoattack", eps)]
+        white[eps] = white_box_records(top)
+        black["autoattack's square"] = (eps, top.assign(success=top["success"].astype(bool).astype(int)))
+    apgd_dir = ctx.run_dir("apgd", entry.name)
+    if RunStore(apgd_dir).exists():
+        apgd = load_records(apgd_dir)
+        if rates is None or len(rates) < 2:   # AutoAttack at one radius only
+            rates = _success_by_eps(apgd_dir, apgd, "apgd-ce", config.apgd_eps, "APGD-CE ")
+            if top is not None and len(top) and eps > max(config.apgd_eps) + 1e-9:   # the same attack
+                rates["APGD-CE " + shown_radius(eps)] = _apgd_ce_member_rate(top)   # (both: attack_steps)
+        for radius in (config.square_eps, 8 / 255):   # the black-box radii, where AutoAttack did not run
+            c = None if any(abs(radius - e) < 1e-9 for e in white) else _condition_at(apgd_dir, "apgd-ce", radius)
+            if c:
+                white[radius] = apgd[apgd["condition"] == c]
+    square_dir = ctx.run_dir("square", entry.name)
+    if _at(white, config.square_eps) is not None and RunStore(square_dir).exists():
+        c = _condition_at(square_dir, "square", config.square_eps)
+        if c:
+            sq = load_records(square_dir)
+            black["square"] = (config.square_eps, sq[sq["condition"] == c])
+    if _at(white, 8 / 255) is not None:
+        for source in entries:
+            t_dir = ctx.run_dir("transfer", source.name)
+            if source.name == entry.name or not RunStore(t_dir).exists():
+                continue
+            tr = load_records(t_dir)
+            mine = tr[(tr["target_model"] == entry.name) & (tr["target"] == -1)
+                      & ~tr["condition"].str.startswith("clean.")]
+            if len(mine):
+                first = mine[mine["condition"] == mine["condition"].iloc[0]]
+                black[f"transfer from {source.name}"] = (8 / 255, first)
+    whites, blacks = {}, {}
+    for name, (radius, records) in black.items():
+        reference = _at(white, radius)
+        if abs(radius - eps) > 1e-9 or top is None:   # compared with APGD-CE there: the name says so
+            name = f"{name} {shown_radius(radius)} (against APGD-CE {shown_radius(radius)})"
+        whites[name], blacks[name] = reference, records
+    return whites, blacks, rates
+
+
 @study_protocol("masking", per_model=False, chunked=False,
                 summary="gradient-masking checks per model, from the attack runs", describe=_describe,
                 attack_subset=True, default_order=6, settings=MaskingSettings)
@@ -207,50 +258,7 @@ def study_masking(ctx, entries, models):
     outs = []
     for entry in entries:
         model = models[entry.name]
-        white, black, rates = {}, {}, None   # white: eps -> the white-box records there
-        aa_dir = ctx.run_dir("autoattack", entry.name)
-        top = None
-        if RunStore(aa_dir).exists():
-            aa = load_records(aa_dir)
-            rates = _success_by_eps(aa_dir, aa, "autoattack", config.autoattack_eps)
-            top = aa[aa["condition"] == _condition_at(aa_dir, "autoattack", eps)]
-            white[eps] = white_box_records(top)
-            black["autoattack's square"] = (eps, top.assign(success=top["success"].astype(bool).astype(int)))
-        apgd_dir = ctx.run_dir("apgd", entry.name)
-        if RunStore(apgd_dir).exists():
-            apgd = load_records(apgd_dir)
-            if rates is None or len(rates) < 2:   # AutoAttack at one radius only
-                rates = _success_by_eps(apgd_dir, apgd, "apgd-ce", config.apgd_eps, "APGD-CE ")
-                if top is not None and len(top) and eps > max(config.apgd_eps) + 1e-9:   # the same attack
-                    rates["APGD-CE " + shown_radius(eps)] = _apgd_ce_member_rate(top)   # (both: attack_steps)
-            for radius in (config.square_eps, 8 / 255):   # the black-box radii, where AutoAttack did not run
-                c = None if any(abs(radius - e) < 1e-9 for e in white) else _condition_at(apgd_dir, "apgd-ce", radius)
-                if c:
-                    white[radius] = apgd[apgd["condition"] == c]
-        square_dir = ctx.run_dir("square", entry.name)
-        square_white = _at(white, config.square_eps)
-        if square_white is not None and RunStore(square_dir).exists():
-            c = _condition_at(square_dir, "square", config.square_eps)
-            if c:
-                sq = load_records(square_dir)
-                black["square"] = (config.square_eps, sq[sq["condition"] == c])
-        if _at(white, 8 / 255) is not None:
-            for source in entries:
-                t_dir = ctx.run_dir("transfer", source.name)
-                if source.name == entry.name or not RunStore(t_dir).exists():
-                    continue
-                tr = load_records(t_dir)
-                mine = tr[(tr["target_model"] == entry.name) & (tr["target"] == -1)
-                          & ~tr["condition"].str.startswith("clean.")]
-                if len(mine):
-                    first = mine[mine["condition"] == mine["condition"].iloc[0]]
-                    black[f"transfer from {source.name}"] = (8 / 255, first)
-        whites, blacks = {}, {}
-        for name, (radius, records) in black.items():
-            reference = _at(white, radius)
-            if abs(radius - eps) > 1e-9 or top is None:   # compared with APGD-CE there: the name says so
-                name = f"{name} {shown_radius(radius)} (against APGD-CE {shown_radius(radius)})"
-            whites[name], blacks[name] = reference, records
+        whites, blacks, rates = _attack_evidence(ctx, entry, entries, eps)
         out = ctx.run_dir("masking", entry.name)
         if ctx.rank == 0:
             write_checks(out, model, images, labels, indices, eps, ctx.run_info(entry, model), white=whites or None,
