@@ -215,7 +215,7 @@ def _attack_evidence(ctx, entry, entries, eps: float) -> tuple[dict, dict, dict 
             if top is not None and len(top) and eps > max(config.apgd_eps) + 1e-9:   # the same attack
                 rates["APGD-CE " + shown_radius(eps)] = _apgd_ce_member_rate(top)   # (both: attack_steps)
         for radius in (config.square_eps, 8 / 255):   # the black-box radii, where AutoAttack did not run
-            c = None if any(abs(radius - e) < 1e-9 for e in white) else _condition_at(apgd_dir, "apgd-ce", radius)
+            c = _condition_at(apgd_dir, "apgd-ce", radius) if _at(white, radius) is None else None
             if c:
                 white[radius] = apgd[apgd["condition"] == c]
     square_dir = ctx.run_dir("square", entry.name)
