@@ -155,6 +155,19 @@ def test_a_weakness_that_survives_and_one_that_is_unresolved(study, tmp_path):
            "difference is not resolved (-0.2" in md
 
 
+def test_the_weakness_question_says_which_standard_side_is_missing(study, tmp_path):
+    runs, _ = study
+    md = "\n".join(adversarial_findings([r for r in runs if r.model != "san10_pairwise"], _ctx(runs, tmp_path))[0])
+    assert "No standard san10_pairwise among the runs: the standard side of the question is not measured." in md
+    assert "no gradient attack separates" not in md
+    for r in runs:   # the standard models keep only their clean records: no gradient attack in common
+        if r.protocol == "attack" and r.model in ("san10_pairwise", "resnet26"):
+            r.records = r.records[r.records["condition"] == "clean"]
+    md = "\n".join(adversarial_findings(runs, _ctx(runs, tmp_path))[0])
+    assert "The standard san10_pairwise and resnet26 ran no gradient attack in common: the standard side" in md
+    assert "no gradient attack separates" not in md
+
+
 def test_a_model_flagged_by_a_masking_check_carries_the_mark(study, tmp_path):
     runs, _ = study
     masking = _run(tmp_path, "masking", "san10_pairwise_adv", "san10_pairwise", FGSM, [], {})

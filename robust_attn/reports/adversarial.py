@@ -297,9 +297,16 @@ def _weakness_lines(group, models, measures, ctx, rows, label) -> list[str]:
                 rows.append({"training": label, "question": "weakness", "model": f"{WEAK_ARCH} minus {base_arch}",
                              "family": kind, "attack": key[5:], "value": d[0], "low": d[1], "high": d[2], "n": d[3]})
         lines.append(f"| {key[5:]} | {_cell(std)} | {_cell(adv)} |")
-    if not weak_under:
+    missing = [f"{m['arch']}" for m in (weak, base) if not m["standard"]]
+    if missing:
+        verdict = (f"No standard {' or '.join(missing)} among the runs: the standard side of the question is not "
+                   "measured.")
+    elif not std_keys:
+        verdict = (f"The standard {WEAK_ARCH} and {base_arch} ran no gradient attack in common: the standard side of "
+                   "the question is not measured.")
+    elif not weak_under:
         verdict = (f"Under standard training no gradient attack separates {WEAK_ARCH} from {base_arch} on these "
-                   "images (or the standard models did not run one), so there is no weakness to follow.")
+                   "images, so there is no weakness to follow.")
     elif adv_at_eps is None:
         verdict = f"Weaker under standard training ({', '.join(weak_under)}); no adversarial AutoAttack run to compare."
     elif adv_at_eps[2] < 0:
