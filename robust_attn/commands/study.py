@@ -60,6 +60,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-path", choices=ATTENTION_PATHS, default="lean", help=ATTENTION_PATH_HELP)
     p.add_argument("--manifest", help="zoo manifest (default zoo/manifest.json)")
     p.add_argument("--runs", default=None, help="run directories (default runs/study-<dataset or config name>)")
+    p.add_argument("--reuse-runs", action="append", metavar="FOLDER", default=[],
+                   help="another study's --runs folder: its finished record chunks of the same computation (same "
+                        "model, images and condition) are adopted instead of computed (written to --runs as "
+                        "reuse.json, so resumptions and other workers adopt too; docs/studies.md)")
     p.add_argument("--out", default=None, help="report folder (default runs/study-<dataset or config name>-report; give "
                         "--out reports/study-NAME to regenerate a committed report)")
     p.add_argument("--workers", type=int, default=None,
@@ -119,8 +123,15 @@ def run_study_cmd(args) -> int:
     workers = args.workers if args.workers is not None else (default_workers(config.dataset) if on_cpu else 1)
     if workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
+    runs = args.runs or f"runs/study-{name}"
+    if args.reuse_runs and not args.plan:
+        from robust_attn.runs.adopt import write_reuse_sources
+        try:
+            write_reuse_sources(runs, args.reuse_runs)
+        except (OSError, ValueError) as err:
+            raise UserError(str(err)) from None
     try:
-        run_study(config, args.runs or f"runs/study-{name}", args.out or f"runs/study-{name}-report",
+        run_study(config, runs, args.out or f"runs/study-{name}-report",
                   root=args.root, device=args.device, manifest=args.manifest, progress=not args.no_progress,
                   workers=workers, attention_path=args.attention_path, plan_only=args.plan)
     finally:

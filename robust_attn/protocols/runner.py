@@ -18,6 +18,7 @@ computed again.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 
 from robust_attn.runs.claims import Claim
 from robust_attn.distributed import shard_indices
+from robust_attn.runs.adopt import adopt_records, reuse_sources
 from robust_attn.runs.store import RunStore, library_versions
 
 __all__ = ["RunStats", "chunk_grid", "run_chunks", "topk_hits", "open_run"]
@@ -201,8 +203,10 @@ def open_run(out_dir, run_info: dict, *, protocol: str, parameters: dict, condit
     the other ranks wait for it and check it. ``run_info`` is the caller's part of the
     description (model, checkpoint, dataset, seed, command line, versions). ``repair``: rank 0
     deletes damaged record chunks (:meth:`~robust_attn.runs.store.RunStore.repair`) so that they
-    are computed again. ``device``: where this process computes, recorded in ``run.json`` (unless
-    ``run_info`` names one) and in each chunk it writes
+    are computed again. Rank 0 then adopts the finished chunks of the same computation from the
+    runs of this name that a ``reuse.json`` beside ``out_dir`` names (:mod:`robust_attn.runs.adopt`).
+    ``device``: where this process computes, recorded in ``run.json`` (unless ``run_info`` names
+    one) and in each chunk it writes
     (:meth:`~robust_attn.runs.store.RunStore.computed_on`)."""
     from robust_attn.distributed import barrier
 
@@ -219,6 +223,8 @@ def open_run(out_dir, run_info: dict, *, protocol: str, parameters: dict, condit
         store.open(description)
         if repair:
             store.repair()
+        for source in reuse_sources(out_dir):   # the same computation in another folder of runs
+            adopt_records(store, source, log=lambda line: print(line, file=sys.stderr, flush=True))
     barrier()
     if rank != 0:
         store.open(description, write=False)

@@ -48,6 +48,7 @@ import torch
 from robust_attn.distributed import init_distributed, world_size as process_count
 from robust_attn.layers.paths import check_attention_path, set_attention_path
 from robust_attn.protocols.study_step import STUDY_PROTOCOLS, StudyContext
+from robust_attn.runs.adopt import adopted_chunks
 from robust_attn.runs.store import RunStore, library_versions
 from robust_attn.runs.study_file import write_study_file
 from robust_attn.study.batches import WORKER_OUT_OF_MEMORY, dataset_resolution, step_memory
@@ -76,20 +77,22 @@ def _append_timing(runs_dir: Path, row: dict) -> None:
 def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: int, fn,
            workers: int = 1) -> tuple[float, float]:
     """Run ``fn`` (a protocol call writing into ``out``; it ends with a barrier under torchrun)
-    and log, on rank 0, its wall time and how many record chunks were written (0: the run was
-    already complete); returns the wall time and the fraction of the run's chunks written now."""
-    before = len(RunStore(out).chunks())
+    and log, on rank 0, its wall time and how many record chunks were computed (0: the run was
+    already complete) and adopted from another study's runs (:mod:`robust_attn.runs.adopt`); returns
+    the wall time and the fraction of the run's chunks computed now."""
+    before, adopted_before = len(RunStore(out).chunks()), adopted_chunks(RunStore(out))
     start = time.perf_counter()
     fn()
     if rank != 0:
         return time.perf_counter() - start, 1.0
-    after = len(RunStore(out).chunks())
+    after, adopted = len(RunStore(out).chunks()), adopted_chunks(RunStore(out)) - adopted_before
     _append_timing(runs_dir, {"model": model, "protocol": protocol, "seconds": round(time.perf_counter() - start, 1),
-                              "chunks_written": after - before, "chunks_total": after,
+                              "chunks_written": after - before - adopted, "chunks_adopted": adopted,
+                              "chunks_total": after,
                               "device": str(device), "threads": torch.get_num_threads(),
                               "processes": process_count(), "workers": workers,
                               "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    return time.perf_counter() - start, (after - before) / after if after else 1.0
+    return time.perf_counter() - start, (after - before - adopted) / after if after else 1.0
 
 
 def _chunk_counts(run_dirs) -> dict[Path, int]:
