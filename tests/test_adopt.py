@@ -30,10 +30,10 @@ def tiny_zoo(tmp_path):
     return manifest_path
 
 
-def _config(apgd_eps):
-    return StudyConfig(dataset="synthetic", limit=8, attack_limit=8, apgd_eps=apgd_eps, square_eps=8 / 255,
+def _config(apgd_eps, limit=8, protocols=("apgd", "square")):
+    return StudyConfig(dataset="synthetic", limit=limit, attack_limit=8, apgd_eps=apgd_eps, square_eps=8 / 255,
                        square_queries=10, attack_steps=2, batch_size=4, attack_batch_size=4, bootstrap=10,
-                       protocols=("apgd", "square"))
+                       protocols=protocols)
 
 
 def test_a_study_adopts_the_shared_conditions_and_equals_one_computed_from_scratch(tmp_path, tiny_zoo):
@@ -108,3 +108,32 @@ def test_reuse_runs_refuses_a_folder_that_is_not_there_or_its_own(tmp_path, caps
     assert main(["study", "--dataset", "synthetic", "--runs", str(tmp_path / "r"), "--reuse-runs",
                  str(tmp_path / "typo"), "--no-progress"]) == 2
     assert "no such folder of runs" in capsys.readouterr().err
+
+
+def test_attack_runs_record_their_subset_so_studies_of_other_limits_share_them(tmp_path, tiny_zoo):
+    """A study of 16 images attacks a seeded 8 of them: the same 8 as a study of 8 images, and its
+    attack runs say so (limit 8), so the one adopts the other's records; a run recorded the old way
+    (the study's limit) resumes, one on other images does not."""
+    from robust_attn.runs.store import RunMismatchError
+
+    quiet = dict(manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    small, large = tmp_path / "small", tmp_path / "large"
+    run_study(_config((2 / 255,), protocols=("rotation", "apgd")), small, tmp_path / "r1", **quiet)
+    write_reuse_sources(large, [small])
+    run_study(_config((2 / 255,), limit=16, protocols=("rotation", "apgd")), large, tmp_path / "r2", **quiet)
+    dataset = {run: json.loads((large / run / "run.json").read_text())["dataset"]["limit"]
+               for run in ("rotation-resnet26", "apgd-resnet26")}
+    assert dataset == {"rotation-resnet26": 16, "apgd-resnet26": 8}
+    assert adopted_chunks(RunStore(large / "apgd-resnet26")) == 4
+    assert adopted_chunks(RunStore(large / "rotation-resnet26")) == 0
+    pd.testing.assert_frame_equal(load_records(large / "apgd-resnet26"), load_records(small / "apgd-resnet26"))
+    description = large / "apgd-resnet26" / "run.json"
+    stored = json.loads(description.read_text())
+    for old_limit, resumes in ((16, True), (None, True), (4, False)):
+        description.write_text(json.dumps({**stored, "dataset": {**stored["dataset"], "limit": old_limit}}))
+        config = _config((2 / 255,), limit=16, protocols=("apgd",))
+        if resumes:
+            run_study(config, large, tmp_path / "r3", **quiet)
+        else:
+            with pytest.raises(RunMismatchError, match="dataset"):
+                run_study(config, large, tmp_path / "r3", **quiet)

@@ -216,6 +216,8 @@ class RunStore:
             keys = (set(current) | set(description)) - VOLATILE_KEYS - {SCHEMA_KEY} - (later.keys - set(current))
             now = _with_later_defaults(current, description, later.parameters)
             differ = sorted(k for k in keys if _comparable(k, current.get(k)) != _comparable(k, now.get(k)))
+            if differ == ["dataset"] and _subset_recorded_as_the_study(current, now):
+                differ = []
             if differ:
                 detail = "; ".join(
                     f"{k}: {describe_difference(_comparable(k, current.get(k)), _comparable(k, now.get(k)))}"
@@ -492,6 +494,21 @@ def _with_later_defaults(stored: dict, description: dict, later_parameters: dict
         return description
     drop = {k for k, default in later_parameters.items() if k not in old and params.get(k, default) == default}
     return {**description, "parameters": {k: v for k, v in params.items() if k not in drop}} if drop else description
+
+
+def _subset_recorded_as_the_study(stored: dict, description: dict) -> bool:
+    """Whether ``stored`` is a study's run on its seeded attack subset as recorded before such runs
+    recorded the subset's limit (:func:`robust_attn.study.run._on_its_images`): its dataset then
+    named the study's limit (None: every image; else larger than the subset), on the same number of
+    images. A seeded subset depends only on the split's size and the limit, so both are the images
+    of ``description``'s limit, and the run resumes."""
+    old, new = stored.get("dataset"), description.get("dataset")
+    if not isinstance(old, dict) or not isinstance(new, dict) or new.get("limit") is None:
+        return False
+    if {k: v for k, v in old.items() if k != "limit"} != {k: v for k, v in new.items() if k != "limit"}:
+        return False
+    return stored.get("num_images") == description.get("num_images") and (
+        old.get("limit") is None or old["limit"] > new["limit"])
 
 
 def _comparable(key: str, value):

@@ -47,7 +47,7 @@ import torch
 
 from robust_attn.distributed import init_distributed, world_size as process_count
 from robust_attn.layers.paths import check_attention_path, set_attention_path
-from robust_attn.protocols.study_step import STUDY_PROTOCOLS, StudyContext
+from robust_attn.protocols.study_step import STUDY_PROTOCOLS, StudyContext, replace
 from robust_attn.runs.adopt import adopted_chunks
 from robust_attn.runs.store import RunStore, library_versions
 from robust_attn.runs.study_file import write_study_file
@@ -162,7 +162,6 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     estimated time (:mod:`robust_attn.study.estimate`, from a short probe of each model), and
     after each step the time left. ``plan_only``: log the plan and return ``[]``."""
     from robust_attn.data import dataset_info, locate_dataset
-    from robust_attn.protocols.study_step import replace
     from robust_attn.reports import make_report
     from robust_attn.sources.inputs import record_preprocessing
     from robust_attn.models.manifest import Manifest
@@ -233,9 +232,10 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
         model_ctx = replace(ctx, dataset=inputs[entry.name][0], attack_dataset=inputs[entry.name][1])
         for step in (s for s in steps if s.per_model):
             out = ctx.run_dir(step.name, entry.name)
+            step_ctx = _on_its_images(model_ctx, step)
             with step_memory(step, config):
                 spent, computed = _timed(runs_dir, entry.name, step.name, out, device, 1 if _worker else rank,
-                                         lambda: step.step(model_ctx, entry, models[entry.name]), workers)
+                                         lambda: step.step(step_ctx, entry, models[entry.name]), workers)
             if clock is not None:
                 log(clock.line(step.name, entry.name, spent, computed))
             run_dirs.append(out)
@@ -244,7 +244,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
         start = time.perf_counter()
         held = _chunk_counts(runs_dir.iterdir()) if clock is not None else {}
         with step_memory(step, config):
-            made = step.step(ctx, entries, models)
+            made = step.step(_on_its_images(ctx, step), entries, models)
         if clock is not None:
             now = _chunk_counts(made)
             total = sum(now.values())
@@ -281,6 +281,16 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     write_study_file(study_file, config.describe(), [str(p) for p in packed], library_versions())
     log(f"study of {len(entries)} model(s) on {len(dataset)} images: report in {Path(report_dir) / 'report.md'}")
     return files + [report_dir / TIMINGS_FILE, study_file]
+
+
+def _on_its_images(ctx: StudyContext, step) -> StudyContext:
+    """``ctx`` for ``step``, whose runs record the images they are on: a step on the attack subset
+    (``attack_subset``), where that is a seeded part of the study's images, records the subset's
+    limit (its images are ``model_dataset(..., limit=len(subset))``), not the study's."""
+    if not step.attack_subset or ctx.attack_dataset is ctx.dataset:
+        return ctx
+    dataset = {**ctx.base_info["dataset"], "limit": len(ctx.attack_dataset)}
+    return replace(ctx, base_info={**ctx.base_info, "dataset": dataset})
 
 
 def _described(step, config: StudyConfig) -> str:
