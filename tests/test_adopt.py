@@ -100,6 +100,15 @@ def test_a_damaged_source_chunk_is_not_adopted(tmp_path):
     assert not target.verify()
 
 
+def test_a_source_with_a_damaged_description_is_passed_over(tmp_path):
+    source = _store(tmp_path / "a" / "run")
+    _fill(source)
+    (source.root / "run.json").write_text("{not json")
+    target, lines = _store(tmp_path / "b" / "run"), []
+    assert adopt_records(target, source.root, log=lines.append) == [] and target.chunks() == []
+    assert "nothing adopted" in lines[-1] and "damaged" in lines[-1]
+
+
 def test_reuse_runs_refuses_a_folder_that_is_not_there_or_its_own(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="no such folder of runs"):
         write_reuse_sources(tmp_path / "runs", [tmp_path / "typo"])

@@ -16,8 +16,8 @@ What is compared, before any chunk is copied:
 * each condition: adopted only where both runs define it identically (same name, same definition);
   conditions only one run has are computed as usual.
 
-A chunk is copied only if its checksum verifies in the source (a damaged source chunk is left
-alone) and it is missing in the destination, under a claim on it (:mod:`robust_attn.runs.claims`),
+A chunk is copied only if its checksum verifies in the source (a damaged source chunk, or a source
+whose ``run.json`` is damaged, is left alone) and it is missing in the destination, under a claim on it (:mod:`robust_attn.runs.claims`),
 so a process computing that chunk at the same time is never overwritten. The chunk's manifest
 entry goes with it, so the hardware that computed it stays recorded
 (:meth:`~robust_attn.runs.store.RunStore.computed_on`), with ``"adopted_from"`` added: the run it
@@ -34,7 +34,8 @@ import json
 from pathlib import Path
 
 from robust_attn.runs.migrations import SCHEMA_KEY
-from robust_attn.runs.store import VOLATILE_KEYS, RunStore, _comparable, condition_definitions
+from robust_attn.runs.store import (VOLATILE_KEYS, DamagedRecordsError, RunStore, _comparable,
+                                    condition_definitions)
 from robust_attn.utils.io import atomic_path, atomic_write_json
 
 __all__ = ["REUSE_FILE", "reuse_sources", "write_reuse_sources", "adopt_records", "adopted_chunks",
@@ -92,11 +93,17 @@ def adopt_records(store: RunStore, source_dir: str | Path, log=None) -> list[tup
     source = RunStore(source_dir)
     if not source.exists() or source.root.resolve() == store.root.resolve() or source.packed or store.packed:
         return []
-    mine, theirs = store.stored_description(), source.stored_description()
-    if mine.get(SCHEMA_KEY) != theirs.get(SCHEMA_KEY) or why_not_the_same_run(mine, theirs):
+    mine = store.stored_description()
+    try:
+        theirs = source.stored_description()
+    except DamagedRecordsError as err:   # the source's problem: this run computes its chunks itself
         if log:
-            log(f"{store.root.name}: nothing adopted from {source.root} (another computation: "
-                f"{why_not_the_same_run(mine, theirs) or SCHEMA_KEY} differ)")
+            log(f"{store.root.name}: nothing adopted from {source.root} ({err})")
+        return []
+    differ = SCHEMA_KEY if mine.get(SCHEMA_KEY) != theirs.get(SCHEMA_KEY) else why_not_the_same_run(mine, theirs)
+    if differ:
+        if log:
+            log(f"{store.root.name}: nothing adopted from {source.root} (another computation: {differ} differ)")
         return []
     wanted, offered = condition_definitions(mine), condition_definitions(theirs)
     shared = {name for name, definition in wanted.items() if offered.get(name) == definition}
