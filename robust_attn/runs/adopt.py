@@ -17,8 +17,9 @@ What is compared, before any chunk is copied:
   conditions only one run has are computed as usual.
 
 A chunk is copied only if its checksum verifies in the source (a damaged source chunk, or a source
-whose ``run.json`` is damaged, is left alone) and it is missing in the destination, under a claim on it (:mod:`robust_attn.runs.claims`),
-so a process computing that chunk at the same time is never overwritten. The chunk's manifest
+whose ``run.json`` is damaged, is left alone) and it is missing in the destination, under a claim
+on it (:mod:`robust_attn.runs.claims`), so a process computing that chunk at the same time is never
+overwritten. The chunk's manifest
 entry goes with it, so the hardware that computed it stays recorded
 (:meth:`~robust_attn.runs.store.RunStore.computed_on`), with ``"adopted_from"`` added: the run it
 came from (each chunk's own entry, so processes adopting into one run at once never race).
