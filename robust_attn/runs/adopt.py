@@ -35,8 +35,7 @@ import json
 from pathlib import Path
 
 from robust_attn.runs.migrations import SCHEMA_KEY
-from robust_attn.runs.store import (VOLATILE_KEYS, DamagedRecordsError, RunStore, _comparable,
-                                    condition_definitions)
+from robust_attn.runs.store import VOLATILE_KEYS, DamagedRecordsError, RunStore, condition_definitions, differing_keys
 from robust_attn.utils.io import atomic_path, atomic_write_json
 
 __all__ = ["REUSE_FILE", "reuse_sources", "write_reuse_sources", "adopt_records", "adopted_chunks",
@@ -83,7 +82,7 @@ def why_not_the_same_run(mine: dict, theirs: dict) -> str | None:
     """None if the two stored descriptions describe one computation but for their conditions;
     else the keys that differ (module docstring)."""
     keys = (set(mine) | set(theirs)) - VOLATILE_KEYS - {"conditions"}
-    differ = sorted(k for k in keys if _comparable(k, mine.get(k)) != _comparable(k, theirs.get(k)))
+    differ = differing_keys(mine, theirs, keys)
     return ", ".join(differ) if differ else None
 
 
@@ -145,11 +144,4 @@ def _copy_chunk(source: RunStore, store: RunStore, condition: str, start: int, s
 def adopted_chunks(store: RunStore) -> int:
     """How many of the run's chunks were adopted rather than computed (their manifest entry names
     the run they came from)."""
-    count = 0
-    for condition, start, stop in store.chunks():
-        try:
-            entry = json.loads(store.checksum_path(store.chunk_path(condition, start, stop)).read_text())
-        except (FileNotFoundError, ValueError):
-            continue
-        count += isinstance(entry, dict) and "adopted_from" in entry
-    return count
+    return sum("adopted_from" in entry for entry in store.manifest_entries().values())

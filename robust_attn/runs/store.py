@@ -82,7 +82,7 @@ from robust_attn.utils.hardware import hardware_label
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes
 
 __all__ = ["RunStore", "RunMismatchError", "DamagedRecordsError", "Claim", "load_records", "load_description",
-           "library_versions", "VOLATILE_KEYS"]
+           "library_versions", "VOLATILE_KEYS", "differing_keys"]
 
 DESCRIPTION = "run.json"
 RECORDS = "records"
@@ -200,10 +200,10 @@ class RunStore:
         """Start or resume the run described by ``description``.
 
         A new directory gets ``run.json``; an existing one must describe the same run (all keys
-        but :data:`VOLATILE_KEYS` and ``schema`` equal; of an earlier schema version, converted to
-        the current layout, what :data:`~robust_attn.runs.migrations.MIGRATIONS` added only where it has them), otherwise
-        :class:`RunMismatchError` names the keys that differ. ``write=False`` (non-main ranks) only
-        checks. Returns the stored description (as stored); the chunks this store writes follow its
+        but :data:`VOLATILE_KEYS` and ``schema`` equal (:func:`differing_keys`); of an earlier schema
+        version, converted to the current layout, what :data:`~robust_attn.runs.migrations.MIGRATIONS`
+        added only where it has them), otherwise :class:`RunMismatchError` names the keys that
+        differ. ``write=False`` (non-main ranks) only checks. Returns the stored description (as stored); the chunks this store writes follow its
         layout (:func:`robust_attn.runs.migrations.to_stored_layout`).
         """
         description = _jsonable(description)
@@ -215,7 +215,7 @@ class RunStore:
             current = current_description(stored)
             keys = (set(current) | set(description)) - VOLATILE_KEYS - {SCHEMA_KEY} - (later.keys - set(current))
             now = _with_later_defaults(current, description, later.parameters)
-            differ = sorted(k for k in keys if _comparable(k, current.get(k)) != _comparable(k, now.get(k)))
+            differ = differing_keys(current, now, keys)
             if differ == ["dataset"] and _subset_recorded_as_the_study(current, now):
                 differ = []
             if differ:
@@ -443,14 +443,21 @@ class RunStore:
         run packed before this existed)."""
         if self.packed:
             return packed_computed_on(self.root)
-        counts = Counter()
+        counts = Counter(str(entry.get("hardware") or entry.get("device") or "not recorded")
+                         for entry in self.manifest_entries().values())
+        return dict(sorted(counts.items()))
+
+    def manifest_entries(self) -> dict[tuple[str, int, int], dict]:
+        """Each record chunk's manifest entry (module docstring), by ``(condition, start, stop)``;
+        ``{}`` for a chunk whose entry is missing or unreadable (:meth:`verify` reports those)."""
+        entries = {}
         for c, a, b in self.chunks():
             try:
                 entry = json.loads(self.checksum_path(self.chunk_path(c, a, b)).read_text())
             except (FileNotFoundError, ValueError):
                 entry = {}
-            counts[str(entry.get("hardware") or entry.get("device") or "not recorded")] += 1
-        return dict(sorted(counts.items()))
+            entries[(c, a, b)] = entry if isinstance(entry, dict) else {}
+        return entries
 
     def pack(self, dest: str | Path) -> "RunStore":
         """Write this finished run to ``dest`` packed (:func:`robust_attn.runs.packing.write_packed`:
@@ -509,6 +516,12 @@ def _subset_recorded_as_the_study(stored: dict, description: dict) -> bool:
         return False
     return stored.get("num_images") == description.get("num_images") and (
         old.get("limit") is None or old["limit"] > new["limit"])
+
+
+def differing_keys(a: dict, b: dict, keys) -> list[str]:
+    """Those of ``keys`` whose values differ between the run descriptions ``a`` and ``b``, compared
+    as on resumption (provenance entries dropped, :func:`_comparable`), sorted."""
+    return sorted(k for k in keys if _comparable(k, a.get(k)) != _comparable(k, b.get(k)))
 
 
 def _comparable(key: str, value):
