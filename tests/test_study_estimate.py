@@ -204,8 +204,10 @@ def test_study_runs_the_preset_with_options_over_it_and_says_the_time_left(tmp_p
 
 
 def test_a_timed_step_says_which_part_of_its_run_it_computed(tmp_path):
-    """The study's clock learns the pace only from chunks written now: a step that finds 3 of its
-    4 chunks written and writes the last computed a quarter of it; one that finds all, none."""
+    """The study's clock learns the pace only from chunks written now, as a part of what the run
+    lacked (what a resumed plan's seconds count): a step that finds 3 of its 4 chunks written and
+    writes the last computed all of its planned work; one that finds all, none. At the pace the
+    plan assumed, the resumed step leaves the clock's pace unchanged."""
     import numpy as np
     import pandas as pd
 
@@ -224,8 +226,15 @@ def test_a_timed_step_says_which_part_of_its_run_it_computed(tmp_path):
 
     write("none", 0), write("none", 2), write("cw90", 0)
     _, computed = _timed(tmp_path, "a", "rotation", out, "cpu", 0, lambda: write("cw90", 2))
-    assert computed == pytest.approx(0.25)
-    _, computed = _timed(tmp_path, "a", "rotation", out, "cpu", 0, lambda: None)
-    assert computed == 0.0
+    assert computed == pytest.approx(1.0)
+    _, found_complete = _timed(tmp_path, "a", "rotation", out, "cpu", 0, lambda: None)
+    assert found_complete == 0.0
     timings = pd.read_csv(tmp_path / "timings.csv")
     assert timings["chunks_written"].tolist() == [1, 0] and timings["chunks_total"].tolist() == [4, 4]
+
+    config = StudyConfig(protocols=("rotation",), angle_step=0.0)
+    rows = plan_rows(config, ["a", "b"], {m: (0.01, 0.01) for m in "ab"}, 100, 10, done={("rotation", "a"): 0.75})
+    planned = {r.model: r.seconds for r in rows}
+    clock = StudyClock(rows)
+    clock.finished("rotation", "a", planned["a"], computed=computed)   # the last quarter, at the planned pace
+    assert clock.remaining() == pytest.approx(planned["b"])

@@ -295,8 +295,9 @@ class StudyClock:
     def finished(self, protocol: str, model: str | None, seconds: float, calibrate: bool = True,
                  computed: float = 1.0) -> None:
         """Step ``protocol`` of ``model`` (None: of every model, a step across models) took
-        ``seconds`` to compute the fraction ``computed`` of its work (its record chunks written now
-        over all of them: 0 for a run found complete); ``calibrate=False``: it leaves the plan
+        ``seconds`` to compute the fraction ``computed`` of the work its plan row counts (of the
+        record chunks its run lacked, those written now: 0 for a run found complete, less than 1
+        where some were adopted from another study's runs); ``calibrate=False``: it leaves the plan
         without scaling the rest (the study's first step, which also pays for starting the helper
         processes)."""
         keys = [k for k in self.left if k[0] == protocol and (model is None or k[1] == model)]

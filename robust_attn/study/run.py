@@ -79,7 +79,8 @@ def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: i
     """Run ``fn`` (a protocol call writing into ``out``; it ends with a barrier under torchrun)
     and log, on rank 0, its wall time and how many record chunks were computed (0: the run was
     already complete) and adopted from another study's runs (:mod:`robust_attn.runs.adopt`); returns
-    the wall time and the fraction of the run's chunks computed now."""
+    the wall time and the fraction computed now of the chunks the run lacked when the step began
+    (the part the plan's seconds count, :class:`~robust_attn.study.estimate.PlanRow`)."""
     before, adopted_before = len(RunStore(out).chunks()), adopted_chunks(RunStore(out))
     start = time.perf_counter()
     fn()
@@ -92,7 +93,7 @@ def _timed(runs_dir: Path, model: str, protocol: str, out: Path, device, rank: i
                               "device": str(device), "threads": torch.get_num_threads(),
                               "processes": process_count(), "workers": workers,
                               "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    return time.perf_counter() - start, (after - before - adopted) / after if after else 1.0
+    return time.perf_counter() - start, (after - before - adopted) / (after - before) if after > before else 0.0
 
 
 def _chunk_counts(run_dirs) -> dict[Path, int]:
