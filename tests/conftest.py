@@ -4,11 +4,18 @@ from pathlib import Path
 import pytest
 import torch
 
-# Two cores are shared by the whole suite: keep each test single-threaded and seeded.
+# Each test single-threaded and seeded; the suite's parallelism is pytest-xdist's workers (`-n auto`,
+# the README's test command: one per core, at most MAX_WORKERS, since every worker imports torch and
+# builds its own module-scoped fixtures).
 torch.set_num_threads(1)
+MAX_WORKERS = 8
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("ROBUST_ATTN_SHARED", REPO.parent / "shared"))
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
 
 
 @pytest.fixture(autouse=True)
