@@ -18,7 +18,7 @@ axial positional layers on the lean path, on CPU, in the cheaper order of their 
 
 The path changes float rounding only, as a
 device does, so a run records it as how it ran, not what it computes (``attention_path`` in
-``run.json``, among :data:`robust_attn.runs.store.VOLATILE_KEYS`): a run started on one path resumes on
+``run.json``, among :data:`robust_attn.runs.identity.VOLATILE_KEYS`): a run started on one path resumes on
 the other.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ Two runs are *the same* when they share at least one condition, each shared cond
 alike (its attack, eps, seed, ... in ``run.json``), and its records hold the same images with every
 field equal: a run of radii {8} reproduces the 8/255 part of a run of {1, 2, 4, 8}. What else
 differs is put beside the verdict: conditions one run has and the other lacks, the rest of the
-runs' settings (``run.json`` less where and how each ran, :data:`robust_attn.runs.store.VOLATILE_KEYS`),
+runs' settings (``run.json`` less where and how each ran, :data:`robust_attn.runs.identity.VOLATILE_KEYS`),
 and the hardware that computed each (:meth:`~robust_attn.runs.store.RunStore.computed_on`), because
 float rounding differs between machines: a borderline image can flip where the code is the same.
 """
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from robust_attn.runs.store import VOLATILE_KEYS, RunStore, condition_definitions
+from robust_attn.runs.identity import VOLATILE_KEYS
+from robust_attn.runs.store import RunStore, condition_definitions
 from robust_attn.utils.differences import describe_difference
 
 __all__ = ["ConditionDiff", "RunDiff", "diff_runs", "diff_lines"]

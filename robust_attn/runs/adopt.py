@@ -10,7 +10,7 @@ run is the chunk the other would compute. Adopting it saves the computation and 
 
 What is compared, before any chunk is copied:
 
-* every key of the two ``run.json`` but the volatile ones (:data:`~robust_attn.runs.store.VOLATILE_KEYS`:
+* every key of the two ``run.json`` but the volatile ones (:data:`~robust_attn.runs.identity.VOLATILE_KEYS`:
   command line, versions, device, ...) and ``conditions``: equal, as on resumption; the stored
   layout's ``schema`` too (the chunk's bytes are copied as they are);
 * each condition: adopted only where both runs define it identically (same name, same definition);
@@ -35,7 +35,8 @@ import json
 from pathlib import Path
 
 from robust_attn.runs.migrations import SCHEMA_KEY
-from robust_attn.runs.store import VOLATILE_KEYS, DamagedRecordsError, RunStore, condition_definitions, differing_keys
+from robust_attn.runs.identity import VOLATILE_KEYS, differing_keys
+from robust_attn.runs.store import DamagedRecordsError, RunStore, condition_definitions
 from robust_attn.utils.io import atomic_path, atomic_write_json
 
 __all__ = ["REUSE_FILE", "reuse_sources", "write_reuse_sources", "adopt_records", "adopted_chunks",

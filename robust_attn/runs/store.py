@@ -74,34 +74,20 @@ from pathlib import Path
 import pandas as pd
 
 from robust_attn.runs.claims import Claim, claim_chunk
-from robust_attn.runs.migrations import (SCHEMA_KEY, SCHEMA_VERSION, added_after,
+from robust_attn.runs.identity import VOLATILE_KEYS, why_not_resumable
+from robust_attn.runs.migrations import (SCHEMA_KEY, SCHEMA_VERSION,
                                          current_description, current_records, schema_version, to_stored_layout)
 from robust_attn.runs.packing import PACKED, csv_rows, is_packed, packed_computed_on, verify_packed, write_packed
-from robust_attn.utils.differences import describe_difference
 from robust_attn.utils.hardware import hardware_label
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes
 
 __all__ = ["RunStore", "RunMismatchError", "DamagedRecordsError", "Claim", "load_records", "load_description",
-           "library_versions", "VOLATILE_KEYS", "differing_keys"]
+           "library_versions", "VOLATILE_KEYS"]
 
 DESCRIPTION = "run.json"
 RECORDS = "records"
 CHECKSUM_SUFFIX = ".sha256"
 MANIFEST = "manifest"
-# Keys of run.json that may differ between a run and its resumption (where and how it ran,
-# not what it computes). ``data_source`` is the folder or file the images were read from: the
-# same data moved, or a clone of the repository elsewhere (the embedded test sets live inside the
-# package), is the same run; what the data is stays compared as ``data_variant`` and ``dataset``.
-# ``attention_path``: the implementation the SAN and SASA layers computed with
-# (:mod:`robust_attn.layers.paths`), the same function on either path, as on any device; so is
-# ``attack_copy``, the model the attacks queried (:func:`robust_attn.attacks.fast_model.attack_copy`).
-VOLATILE_KEYS = frozenset({"command", "versions", "device", "world_size", "num_workers", "created",
-                           "host", "data_root", "data_source", "attention_path", "input_contract_from",
-                           "attack_copy"})
-# Entries of run.json's "parameters" that record where an input came from rather than what it is:
-# the PGD targets may be drawn from a seed or read from another run's targets.csv; the targets
-# themselves are compared by content (the run's targets.csv) when a run is resumed.
-PROVENANCE_PARAMETERS = frozenset({"targets"})
 _CONDITION_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _CHUNK_RE = re.compile(r"^(\d+)-(\d+)\.csv$")
 _SHOWN = 5  # damaged files named in one error message
@@ -199,29 +185,19 @@ class RunStore:
     def open(self, description: dict, write: bool = True) -> dict:
         """Start or resume the run described by ``description``.
 
-        A new directory gets ``run.json``; an existing one must describe the same run (all keys
-        but :data:`VOLATILE_KEYS` and ``schema`` equal (:func:`differing_keys`); of an earlier schema
-        version, converted to the current layout, what :data:`~robust_attn.runs.migrations.MIGRATIONS`
-        added only where it has them), otherwise :class:`RunMismatchError` names the keys that
-        differ. ``write=False`` (non-main ranks) only checks. Returns the stored description (as stored); the chunks this store writes follow its
-        layout (:func:`robust_attn.runs.migrations.to_stored_layout`).
+        A new directory gets ``run.json``; an existing one must describe the same run
+        (:func:`robust_attn.runs.identity.why_not_resumable`), otherwise :class:`RunMismatchError`
+        names the keys that differ. ``write=False`` (non-main ranks) only checks. Returns the
+        stored description (as stored); the chunks this store writes follow its layout
+        (:func:`robust_attn.runs.migrations.to_stored_layout`).
         """
         description = _jsonable(description)
         if description.get("device") is not None:   # its type: "cuda:0" and "cuda" count as one
             self.device = str(description["device"]).split(":")[0]
         if self.exists():
             stored = self.stored_description()
-            later = added_after(_schema_version(stored))
-            current = current_description(stored)
-            keys = (set(current) | set(description)) - VOLATILE_KEYS - {SCHEMA_KEY} - (later.keys - set(current))
-            now = _with_later_defaults(current, description, later.parameters)
-            differ = differing_keys(current, now, keys)
-            if differ == ["dataset"] and _subset_recorded_as_the_study(current, now):
-                differ = []
-            if differ:
-                detail = "; ".join(
-                    f"{k}: {describe_difference(_comparable(k, current.get(k)), _comparable(k, now.get(k)))}"
-                    for k in differ[:4])
+            detail = why_not_resumable(stored, _schema_version(stored), description)
+            if detail:
                 raise RunMismatchError(
                     f"{self.root} holds a different run ({detail}). Resume it with the same model, "
                     f"data and protocol settings, or pass a new --out directory.")
@@ -491,44 +467,6 @@ def _schema_version(description: dict) -> int:
         return schema_version(description)
     except ValueError as err:
         raise DamagedRecordsError(f"{err}; restore run.json from a copy", []) from None
-
-
-def _with_later_defaults(stored: dict, description: dict, later_parameters: dict) -> dict:
-    """``description`` without the parameters of ``later_parameters`` that ``stored`` lacks and
-    that take the value every run had before they existed."""
-    params, old = description.get("parameters"), stored.get("parameters")
-    if not isinstance(params, dict) or not isinstance(old, dict):
-        return description
-    drop = {k for k, default in later_parameters.items() if k not in old and params.get(k, default) == default}
-    return {**description, "parameters": {k: v for k, v in params.items() if k not in drop}} if drop else description
-
-
-def _subset_recorded_as_the_study(stored: dict, description: dict) -> bool:
-    """Whether ``stored`` is a study's run on its seeded attack subset as recorded before such runs
-    recorded the subset's limit (:func:`robust_attn.study.run._on_its_images`): its dataset then
-    named the study's limit (None: every image; else larger than the subset), on the same number of
-    images. A seeded subset depends only on the split's size and the limit, so both are the images
-    of ``description``'s limit, and the run resumes."""
-    old, new = stored.get("dataset"), description.get("dataset")
-    if not isinstance(old, dict) or not isinstance(new, dict) or new.get("limit") is None:
-        return False
-    if {k: v for k, v in old.items() if k != "limit"} != {k: v for k, v in new.items() if k != "limit"}:
-        return False
-    return stored.get("num_images") == description.get("num_images") and (
-        old.get("limit") is None or old["limit"] > new["limit"])
-
-
-def differing_keys(a: dict, b: dict, keys) -> list[str]:
-    """Those of ``keys`` whose values differ between the run descriptions ``a`` and ``b``, compared
-    as on resumption (provenance entries dropped, :func:`_comparable`), sorted."""
-    return sorted(k for k in keys if _comparable(k, a.get(k)) != _comparable(k, b.get(k)))
-
-
-def _comparable(key: str, value):
-    """``value`` of run.json's ``key`` as compared on resumption (provenance entries dropped)."""
-    if key == "parameters" and isinstance(value, dict):
-        return {k: v for k, v in value.items() if k not in PROVENANCE_PARAMETERS}
-    return value
 
 
 def load_description(run_dir: str | Path) -> dict:
