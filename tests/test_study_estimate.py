@@ -101,6 +101,31 @@ def test_clock_scales_what_is_left_by_how_the_finished_steps_went():
     assert fresh.remaining() == pytest.approx(left)
 
 
+def test_clock_gives_a_range_while_the_plan_holds_bounds_and_narrows_it_as_the_attacks_run():
+    """AutoAttack's plan row is an upper bound with a lower end (every image fooled at once): the
+    time left is the range between the two, until AutoAttack's own steps set its pace."""
+    config = StudyConfig(protocols=("rotation", "autoattack"), angle_step=0.0, autoattack_eps=(8 / 255,),
+                         square_queries=10)
+    rows = plan_rows(config, ["a", "b"], {m: (0.01, 0.01) for m in "ab"}, 100, 10)
+    upper = {(r.protocol, r.model): r.seconds for r in rows}
+    lower = {(r.protocol, r.model): r.least if r.bound else r.seconds for r in rows}
+    assert lower[("autoattack", "a")] < 0.5 * upper[("autoattack", "a")]
+    clock = StudyClock(rows)
+    clock.finished("rotation", "a", upper[("rotation", "a")])   # at the probe's pace
+    rest = [("rotation", "b"), ("autoattack", "a"), ("autoattack", "b")]
+    assert clock.remaining() == pytest.approx(sum(upper[k] for k in rest))
+    assert clock.remaining(least=True) == pytest.approx(sum(lower[k] for k in rest))
+    line = clock.line("rotation", "b", upper[("rotation", "b")])
+    aa = [("autoattack", "a"), ("autoattack", "b")]
+    assert f"between {format_seconds(sum(lower[k] for k in aa))} and {format_seconds(sum(upper[k] for k in aa))} left" \
+        in line
+    # AutoAttack of a took 3x its lower end: b's, estimated alike, takes as long by either end
+    line = clock.line("autoattack", "a", 3 * lower[("autoattack", "a")])
+    b_takes = 3 * lower[("autoattack", "b")]
+    assert clock.remaining() == pytest.approx(clock.remaining(least=True)) == pytest.approx(b_takes)
+    assert f"about {format_seconds(b_takes)} left" in line
+
+
 def test_clock_of_a_resumed_study_counts_only_what_each_step_computed():
     """A run found complete (no chunk written now) says nothing of the pace; one found half done
     took its seconds for half its estimate; a bound (AutoAttack) is scaled by its own steps, and

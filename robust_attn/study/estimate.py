@@ -283,12 +283,19 @@ class StudyClock:
     computed is scaled by the pace of the exact estimates (steps that are not bounds) so far. A
     step that was already complete, or partly, counts only the part it computed. :meth:`line`
     leaves the study's first step out of the scaling: it also pays for the helper processes'
-    start (importing, loading every model)."""
+    start (importing, loading every model).
+
+    Where the plan holds bounds (attacks that stop early on fooled images), the time left is a
+    range: the bounds' ``least`` (every image fooled at once) scaled the same way gives its lower
+    end, and :meth:`line` says both until the attacks' own steps have narrowed them."""
 
     def __init__(self, rows: list[PlanRow]):
         self.left = {(r.protocol, r.model): r.seconds for r in rows}
+        self.least = {(r.protocol, r.model): r.least if r.bound and r.least is not None else r.seconds
+                      for r in rows}
         self.bound = {r.protocol for r in rows if r.bound}
         self.estimated_done: dict[str, float] = {}   # protocol -> estimated seconds of what was computed
+        self.estimated_least: dict[str, float] = {}  # the same, of the bounds' lower ends
         self.spent: dict[str, float] = {}            # protocol -> seconds it took
         self.steps = 0
 
@@ -302,31 +309,44 @@ class StudyClock:
         processes)."""
         keys = [k for k in self.left if k[0] == protocol and (model is None or k[1] == model)]
         estimate = sum(self.left.pop(k) or 0.0 for k in keys)
+        least = sum(self.least.pop(k) or 0.0 for k in keys)
         self.steps += 1
         if estimate > 0 and computed > 0 and calibrate:
             self.estimated_done[protocol] = self.estimated_done.get(protocol, 0.0) + estimate * computed
+            self.estimated_least[protocol] = self.estimated_least.get(protocol, 0.0) + least * computed
             self.spent[protocol] = self.spent.get(protocol, 0.0) + seconds
 
-    def _ratio(self, protocols) -> float | None:
-        estimated = sum(self.estimated_done[p] for p in protocols)
-        return sum(self.spent[p] for p in protocols) / estimated if estimated > 0 else None
+    def _ratio(self, protocols, estimated: dict[str, float]) -> float | None:
+        total = sum(estimated[p] for p in protocols)
+        return sum(self.spent[p] for p in protocols) / total if total > 0 else None
 
-    def remaining(self) -> float:
-        exact = self._ratio([p for p in self.estimated_done if p not in self.bound])
+    def remaining(self, least: bool = False) -> float:
+        """The seconds left: the plan's estimates (``least``: the bounds' lower ends) scaled by the
+        pace so far (class docstring)."""
+        exact = self._ratio([p for p in self.estimated_done if p not in self.bound], self.estimated_done)
         pace = exact if exact is not None else 1.0
+        done = self.estimated_least if least else self.estimated_done
         left = 0.0
-        for (protocol, _), seconds in self.left.items():
+        for (protocol, model), seconds in (self.least if least else self.left).items():
             if seconds is not None:
-                own = self._ratio([protocol]) if protocol in self.estimated_done else None
+                own = self._ratio([protocol], done) if protocol in done else None
                 left += seconds * (own if own is not None else pace)
         return left
 
     def line(self, protocol: str, model: str | None, seconds: float, computed: float = 1.0) -> str:
         self.finished(protocol, model, seconds, calibrate=self.steps > 0, computed=computed)
-        left = self.remaining()
-        eta = time.strftime("%H:%M", time.localtime(time.time() + left))
-        return f"study: {protocol} of {model or 'every model'} took {format_seconds(seconds)}; about " \
-               f"{format_seconds(left)} left (ETA {eta})"
+        left, least = self.remaining(), self.remaining(least=True)
+        took = f"study: {protocol} of {model or 'every model'} took {format_seconds(seconds)}; "
+        if least < 0.8 * left:
+            return took + f"between {format_seconds(least)} and {format_seconds(left)} left " \
+                          f"(ETA {_clock_time(least)} to {_clock_time(left)})"
+        return took + f"about {format_seconds(left)} left (ETA {_clock_time(left)})"
+
+
+def _clock_time(seconds_from_now: float) -> str:
+    """The local time ``seconds_from_now``: ``"14:05"`` within a day, else with its date."""
+    when = time.localtime(time.time() + seconds_from_now)
+    return time.strftime("%H:%M" if seconds_from_now < 86400 else "%b %d %H:%M", when)
 
 
 def probe_images(dataset, n: int = 16):
