@@ -3,6 +3,7 @@ with the CPU time of earlier invocations added, and the CSV the plot is made fro
 from __future__ import annotations
 
 import csv
+import json
 import sys
 from pathlib import Path
 
@@ -119,3 +120,31 @@ def test_a_run_is_trained_by_one_worker_at_a_time(tmp_path, monkeypatch):
     with calibrate_recipe.claim(out) as mine:
         assert mine and lock.is_file()
     assert not lock.exists()
+
+
+def test_the_zoo_curves_read_each_tagged_entrys_training_log(tmp_path):
+    """`plot_calibration.py --zoo TAG`: the entries named <architecture>-TAG, one row per epoch of
+    their logs, CPU-hours summed where the log records them and left empty where it does not."""
+    logs = {"resnet26-efficient": "epoch,eval_top1,epoch_seconds\n1,50.0,7.0\n2,60.0,7.0\n",
+            "sasa_resnet26-efficient": "epoch,eval_top1,epoch_seconds,epoch_cpu_s\n1,40.0,9.0,1800\n2,55.5,9.0,3600\n",
+            "resnet26-adv": "epoch,eval_top1,epoch_seconds,epoch_cpu_s\n1,30.0,5.0,5.0\n"}
+    models = []
+    for name, text in logs.items():
+        (tmp_path / f"{name}.csv").write_text(text)
+        arch = name.split("-")[0]
+        models.append({"name": name, "arch": {"name": arch, "overrides": {"width": 0.25, "stem_downsample": 2}},
+                       "log": f"{name}.csv"})
+    models.append({"name": "gsa_resnet26-efficient", "arch": {"name": "gsa_resnet26"}})   # no log: left out
+    (tmp_path / "manifest.json").write_text(json.dumps({"models": models}))
+    rows = plot_calibration.collect_zoo(tmp_path / "manifest.json", "efficient")
+    assert [(r["run"], r["epoch"], r["test_top1"]) for r in rows] == [
+        ("resnet26-efficient", 1, 50.0), ("resnet26-efficient", 2, 60.0),
+        ("sasa_resnet26-efficient", 1, 40.0), ("sasa_resnet26-efficient", 2, 55.5)]
+    assert [r["cum_cpu_hours"] for r in rows] == [None, None, 0.5, 1.5]
+    assert {(r["model"], r["width"], r["stem"], r["epochs"]) for r in rows} == {("resnet26", 0.25, 2, 2),
+                                                                                ("sasa_resnet26", 0.25, 2, 2)}
+    out = tmp_path / "curves"
+    plot_calibration.main(["--zoo", "efficient", "--manifest", str(tmp_path / "manifest.json"), "--out", str(out)])
+    assert out.with_suffix(".png").is_file()
+    with out.with_suffix(".csv").open() as f:
+        assert [row["cum_cpu_hours"] for row in csv.DictReader(f)] == ["", "", "0.5", "1.5"]
