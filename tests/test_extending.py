@@ -176,6 +176,10 @@ def test_the_protocol_example(load_example, tmp_path, capsys):
         main(["study", "--help"])
     assert "--gray-mix" in capsys.readouterr().out
     assert module.to_gray(torch.ones(1, 3, 2, 2), 1.0).allclose(torch.ones(1, 1, 2, 2))
+    # its cost in the study's plan: the clean pass and one per mix
+    from robust_attn.study.estimate import protocol_passes
+
+    assert protocol_passes("grayscale", config_cls(dataset="synthetic", gray_mix=(0.25, 0.5, 1.0))).forward == 4
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")

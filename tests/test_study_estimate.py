@@ -42,6 +42,20 @@ def test_pass_counts_follow_the_protocols_settings():
     assert protocol_passes("no-such-protocol", StudyConfig()) is None
 
 
+def test_every_built_in_study_protocol_declares_its_cost_in_its_own_file():
+    """Each study step registers its passes beside itself (study_protocol's ``passes``), so the plan
+    times every built-in protocol and a new one adds its cost in its own file."""
+    from robust_attn.protocols.study_step import STUDY_PROTOCOLS
+
+    built_in = ["rotation", "pgd", "corruption", "occlusion", "shuffle", "apgd", "autoattack", "square", "transfer",
+                "masking"]
+    for name in built_in:
+        step = STUDY_PROTOCOLS[name]
+        assert step.passes is not None, name
+        assert step.passes.__module__ == step.step.__module__, name
+        assert isinstance(protocol_passes(name, StudyConfig()), Passes), name
+
+
 def test_plan_lists_every_protocol_and_model_with_its_arithmetic():
     config = StudyConfig(protocols=("rotation", "pgd", "transfer"), angle_step=0.0, sweep_eps=(), attack_limit=10)
     probes = {"a": (0.01, 0.03), "b": (0.02, 0.05)}

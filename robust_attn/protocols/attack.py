@@ -48,7 +48,7 @@ import torch.nn as nn
 from robust_attn.attacks.base import AttackConfig, make_attack
 from robust_attn.distributed import barrier
 from robust_attn.protocols.targets import dataset_labels, prepare_targets, save_targets
-from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.study_step import Passes, study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
 
@@ -362,9 +362,37 @@ class SquareSettings(ProtocolSettings):
             raise ValueError(f"square_queries must be positive, got {self.square_queries}")
 
 
+#: AutoAttack's standard members: APGD-T and FAB-T each run against 9 target classes
+_AA_TARGETS = 9
+
+
+def _steps(config) -> int:
+    return config.attack_steps or 100
+
+
+def _autoattack_passes(config) -> Passes:
+    """Per radius: APGD-CE, then APGD-T and FAB-T against each of 9 targets, then Square's
+    queries, each on the images still robust (counted as every image: a bound)."""
+    radii = len(config.autoattack_eps)
+    per_radius_backward = _steps(config) * (1 + 2 * _AA_TARGETS)
+    return Passes(forward=1 + radii * (1 + config.square_queries), backward=radii * per_radius_backward,
+                  images="autoattack", bound=True, least=Passes(forward=1 + radii, backward=radii * _steps(config),
+                                                                images="autoattack"))
+
+
+def _apgd_passes(config) -> Passes:
+    radii = len(config.apgd_eps)
+    return Passes(forward=1 + radii, backward=radii * _steps(config), images="attack", bound=True)
+
+
+def _square_passes(config) -> Passes:
+    return Passes(forward=2 + config.square_queries, images="attack", bound=True,
+                  least=Passes(forward=3, images="attack"))
+
+
 @study_protocol("autoattack", summary="AutoAttack (standard, untargeted L-inf) at each eps on the attack subset",
                 describe=_describe_autoattack, attack_subset=True, default_order=3,
-                settings=AutoAttackSettings)
+                settings=AutoAttackSettings, passes=_autoattack_passes)
 def study_autoattack(ctx, entry, model):
     """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps``, on
     ``config.autoattack_limit`` of the attack subset's images (:func:`autoattack_images`)."""
@@ -375,7 +403,8 @@ def study_autoattack(ctx, entry, model):
 
 
 @study_protocol("apgd", summary="APGD-CE (untargeted L-inf) at each small eps on the attack subset",
-                describe=_describe_apgd, attack_subset=True, default_order=2, settings=APGDSettings)
+                describe=_describe_apgd, attack_subset=True, default_order=2, settings=APGDSettings,
+                passes=_apgd_passes)
 def study_apgd(ctx, entry, model):
     """APGD-CE alone at ``config.apgd_eps``: AutoAttack's first and cheapest member, where the
     other three cost 6-23 CPU-seconds per surviving image on the CIFAR-10 zoo
@@ -389,7 +418,8 @@ def study_apgd(ctx, entry, model):
 
 
 @study_protocol("square", summary="Square (score-based, no gradients) on the attack subset",
-                describe=_describe_square, attack_subset=True, default_order=4, settings=SquareSettings)
+                describe=_describe_square, attack_subset=True, default_order=4, settings=SquareSettings,
+                passes=_square_passes)
 def study_square(ctx, entry, model):
     """The black-box reference: Square alone on every image, ``config.square_queries`` queries."""
     return study_attack(ctx, entry, model, "square", [

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch.nn as nn
 
 from robust_attn.protocols.eval_step import eval_protocol
-from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.study_step import Passes, study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, is_eval, setting
 from robust_attn.runs.store import RunStore
 from robust_attn.shifts.cache import CorruptionCache, OnTheFly, to_float
@@ -126,9 +126,13 @@ class CorruptionSettings(ProtocolSettings):
             raise ValueError(f"--baseline {self.baseline} is not a run directory (no run.json)")
 
 
+def _passes(config) -> Passes:
+    return Passes(forward=len(corruption_conditions(config.corruptions, config.severities)))
+
+
 @study_protocol("corruption", summary="Hendrycks & Dietterich's common corruptions at severities 1-5 (mCE against "
                                       "the baseline), from corrupted images made once per study", describe=_describe,
-                settings=CorruptionSettings)
+                settings=CorruptionSettings, passes=_passes)
 def study_corruption(ctx, entry, model):
     """The study's corruption step: ``config.corruptions`` (default the 15 common ones) at
     ``config.severities`` (default 1-5) with ``config.shift_seed`` (default 0), every image of

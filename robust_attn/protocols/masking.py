@@ -47,7 +47,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from robust_attn.attacks import masking
-from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.study_step import Passes, study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import open_run
 from robust_attn.runs.store import RunStore, load_description, load_records
@@ -244,9 +244,15 @@ def _attack_evidence(ctx, entry, entries, eps: float) -> tuple[dict, dict, dict 
     return whites, blacks, rates
 
 
+def _passes(config) -> Passes:
+    """Per model, on ``masking_images`` images: the unbounded 20-step PGD, one input gradient and
+    a few forward passes (the loss sweep on 4 images is small beside them)."""
+    return Passes(forward=2, backward=21, images="masking")
+
+
 @study_protocol("masking", per_model=False, chunked=False,
                 summary="gradient-masking checks per model, from the attack runs", describe=_describe,
-                attack_subset=True, default_order=6, settings=MaskingSettings)
+                attack_subset=True, default_order=6, settings=MaskingSettings, passes=_passes)
 def study_masking(ctx, entries, models):
     """The checks of the module docstring for every model (after autoattack, square and transfer)."""
     config = ctx.config

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from robust_attn.protocols.eval_step import eval_protocol
-from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.study_step import Passes, study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting, study_image_size
 from robust_attn.protocols.shift_runner import CLEAN, accuracy_by_condition, run_shift
 from robust_attn.shifts.occlusion import check_area, check_grid, drop_patches, occlude_square, square_side
@@ -125,8 +125,12 @@ def eval_occlusion(ctx, model, settings):
                          mean=ctx.info.mean, seed=settings.shift_seed, **ctx.loop)
 
 
+def _passes(config) -> Passes:
+    return Passes(forward=len(occlusion_conditions(config.occlusion_areas)))
+
+
 @study_protocol("occlusion", summary="Naseer et al.'s random occlusion: a square of k% and grid PatchDrop, zero "
-                                     "and mean fill", describe=_describe, settings=OcclusionSettings)
+                                     "and mean fill", describe=_describe, settings=OcclusionSettings, passes=_passes)
 def study_occlusion(ctx, entry, model):
     """The study's occlusion step: ``config.occlusion_areas`` (default 10, 25, 50, 75%), both
     fills, PatchDrop of 25/50/75% of a 4 x 4 grid, seed ``config.shift_seed``."""

@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader
 from robust_attn.attacks.targeted_pgd import BACKENDS
 from robust_attn.distributed import barrier
 from robust_attn.protocols.eval_step import eval_protocol
-from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.study_step import Passes, study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
 from robust_attn.protocols.targets import dataset_labels, prepare_targets, save_targets
@@ -364,8 +364,14 @@ def eval_pgd(ctx, model, settings):
                    checks=not settings.no_checks, exact=settings.exact, **ctx.loop)
 
 
+def _passes(config) -> Passes:
+    """The clean pass, and per setting one pass on its adversarial images after its steps."""
+    settings = PGDSettings.of(config).attack_settings()
+    return Passes(forward=1 + len(settings), backward=sum(s.steps for s in settings))
+
+
 @study_protocol("pgd", summary="SAN Table 10's targeted PGD {8, 4, 2} and {8, 2, 4} plus an eps sweep",
-                describe=_describe, default_order=1, settings=PGDSettings)
+                describe=_describe, default_order=1, settings=PGDSettings, passes=_passes)
 def study_pgd(ctx, entry, model):
     """The study's Table 10 step: every image of the study, the same targets for every model."""
     out = ctx.run_dir("pgd", entry.name)

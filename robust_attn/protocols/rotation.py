@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from robust_attn.distributed import barrier
 from robust_attn.protocols.eval_step import eval_protocol
-from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.study_step import Passes, study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks, topk_hits
 from robust_attn.shifts.rotation import DEFAULT_ANGLE_STEP, RotationCondition, apply_condition, rotation_conditions
@@ -108,8 +108,12 @@ class RotationSettings(ProtocolSettings):
             raise ValueError(f"angle_step must be in [0, 360) degrees (0: no sweep), got {self.angle_step}")
 
 
+def _passes(config) -> Passes:
+    return Passes(forward=len(rotation_conditions(config.angle_step)))
+
+
 @study_protocol("rotation", summary="SAN Table 9's rotations and flips, the left-right flip and an angle sweep",
-                describe=_describe, default_order=0, settings=RotationSettings)
+                describe=_describe, default_order=0, settings=RotationSettings, passes=_passes)
 def study_rotation(ctx, entry, model):
     """The study's rotation step: every image of the study, ``config.angle_step`` sweep."""
     out = ctx.run_dir("rotation", entry.name)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from robust_attn.protocols.eval_step import eval_protocol
-from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.study_step import Passes, study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting, study_image_size
 from robust_attn.protocols.shift_runner import CLEAN, accuracy_by_condition, run_shift
 from robust_attn.shifts.occlusion import check_grid
@@ -77,8 +77,12 @@ def eval_shuffle(ctx, model, settings):
     return run_shuffle(model, ctx.dataset, ctx.out, conditions=conditions, seed=settings.shift_seed, **ctx.loop)
 
 
+def _passes(config) -> Passes:
+    return Passes(forward=len(shuffle_conditions(config.shuffle_grids)))
+
+
 @study_protocol("shuffle", summary="Naseer et al.'s patch shuffling on g x g grids (g = 1, 2, 4, 8)",
-                describe=_describe, settings=ShuffleSettings)
+                describe=_describe, settings=ShuffleSettings, passes=_passes)
 def study_shuffle(ctx, entry, model):
     """The study's shuffle step: ``config.shuffle_grids`` (default 1, 2, 4, 8), seed
     ``config.shift_seed``."""

@@ -14,6 +14,10 @@ and nothing else in the study names protocols. Two kinds of step:
 Every step writes resumable run directories under ``ctx.runs_dir`` and may be called again
 after an interruption; under torchrun each rank computes a shard (``ctx.shard``).
 
+A step says what it costs, for the study's plan (:mod:`robust_attn.study.estimate`):
+``passes(config) -> Passes``, the passes through the model per image under the study's config
+(a step registered without one is planned with an unknown cost).
+
 A step also says what it ran, for the report's preamble: ``describe(config) -> str``, one
 sentence from the study's config, and ``attack_subset=True`` when it runs on the seeded subset
 of the expensive attacks (``ctx.attack_dataset``) rather than on every image of the study. The
@@ -28,8 +32,31 @@ from typing import Any, Callable
 
 from robust_attn.utils.plugins import Registry
 
-__all__ = ["StudyContext", "study_run_dir", "StudyProtocol", "STUDY_PROTOCOLS", "study_protocol",
+__all__ = ["StudyContext", "study_run_dir", "Passes", "StudyProtocol", "STUDY_PROTOCOLS", "study_protocol",
            "list_study_protocols", "default_study_protocols"]
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Passes through the model per image of the step's images: ``forward`` (no gradient) and
+    ``backward`` (a forward and a backward pass to the input). ``bound``: an upper bound (the
+    attack stops early on fooled images). ``images``: ``"study"`` (every image of the study),
+    ``"attack"`` (the attack subset) or ``"autoattack"`` (AutoAttack's part of it); ``per_target``:
+    forward passes per image through each *other* model (the transfer matrix's targets); ``least``:
+    for a bound, the passes made even if every image is fooled at once (None: the bound itself)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    images: str = "study"
+    bound: bool = False
+    per_target: float = 0.0
+    least: "Passes | None" = None
+
+    def seconds(self, forward_s: float, backward_s: float, num_images: int, targets_forward_s: float = 0.0) -> float:
+        """Seconds for ``num_images`` images, given one image's forward and forward-backward
+        seconds through this model, and the sum over the other models of one image's forward."""
+        return num_images * (self.forward * forward_s + self.backward * backward_s
+                             + self.per_target * targets_forward_s)
 
 
 @dataclass
@@ -83,6 +110,7 @@ class StudyProtocol:
     attack_subset: bool = False   # runs on the attack subset, not on every image of the study
     default_order: int | None = None   # its place in the study's default protocols; None: run when asked
     settings: type | None = None   # its ProtocolSettings: fields of the study config, options of `study`
+    passes: Callable[[Any], Passes] | None = None   # its cost per image under a study config (the plan's)
 
 
 #: every protocol's study step, from the modules of :mod:`robust_attn.protocols` (and of
@@ -94,20 +122,22 @@ STUDY_PROTOCOLS: Registry[StudyProtocol] = Registry("study protocol",
 
 def study_protocol(name: str, *, per_model: bool = True, summary: str = "", chunked: bool = True,
                    describe: Callable[[Any], str] | None = None, attack_subset: bool = False,
-                   default_order: int | None = None, settings: type | None = None):
+                   default_order: int | None = None, settings: type | None = None,
+                   passes: Callable[[Any], Passes] | None = None):
     """Decorator: register ``fn`` as the study step of protocol ``name``. ``chunked=False``: the
     step writes files of its own rather than claimed record chunks, so only the study's main
     process runs it. ``describe`` and ``attack_subset``: what the report's preamble says of it
     (module docstring). ``default_order``: where it runs in a study that names no protocols (in
     increasing order; ``None``: only when named). ``settings``: its
     :class:`~robust_attn.protocols.settings.ProtocolSettings` (the study config's fields and the
-    command line's options it adds, checked by its ``check``)."""
+    command line's options it adds, checked by its ``check``). ``passes``: its :class:`Passes`
+    per image under a study config, for the study's plan."""
 
     def add(fn: Callable) -> Callable:
         STUDY_PROTOCOLS.register(name, StudyProtocol(name, fn, per_model,
                                                      summary or (fn.__doc__ or "").split("\n")[0],
                                                      chunked, describe, attack_subset, default_order,
-                                                     settings))
+                                                     settings, passes))
         return fn
 
     return add

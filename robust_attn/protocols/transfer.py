@@ -34,7 +34,7 @@ from robust_attn.distributed import barrier
 from robust_attn.protocols.targets import dataset_labels, prepare_targets, save_targets
 from robust_attn.protocols.attack_eval import AttackOptions
 from robust_attn.protocols.eval_step import eval_protocol
-from robust_attn.protocols.study_step import study_protocol
+from robust_attn.protocols.study_step import Passes, study_protocol
 from robust_attn.protocols.settings import is_eval, setting
 from robust_attn.protocols.runner import finite_logits, open_run, run_chunks
 from robust_attn.runs.store import RunStore
@@ -267,8 +267,15 @@ def eval_transfer(ctx, models, settings):
                         configs=settings.configs(), seed=ctx.seed, **ctx.loop)
 
 
+def _passes(config) -> Passes:
+    """Per source model: Table 10's targeted {8, 2, 4} (4 steps) and the untargeted
+    ``transfer_steps`` PGD crafted on it, then the clean and both attacked images through every
+    other model (and itself)."""
+    return Passes(forward=3, backward=4 + config.transfer_steps, images="attack", per_target=3)
+
+
 @study_protocol("transfer", per_model=False, summary="every model as source against every model as target",
-                describe=_describe, attack_subset=True, default_order=5, settings=TransferSettings)
+                describe=_describe, attack_subset=True, default_order=5, settings=TransferSettings, passes=_passes)
 def study_transfer(ctx, entries, models):
     """The transfer matrix on the attack subset: one run per source, every zoo model a target."""
     outs = []

@@ -3,7 +3,8 @@ an estimated time from a measured probe.
 
 The estimate is a small cost model: for each protocol, how many forward passes and how many
 forward-backward passes (an attack iteration: the loss and its input gradient) it makes per
-image (:func:`protocol_passes`, counted from the same settings the protocol runs with), times
+image (:func:`protocol_passes`: each protocol's study step declares them, counted from the same
+settings the protocol runs with), times
 the seconds one image takes through the model, measured on the actual model, device and images
 by a short probe (:func:`probe_model`) just before the study starts. Chunked steps shared by
 ``workers`` processes divide by ``workers``.
@@ -25,122 +26,21 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
 
+from robust_attn.protocols.study_step import Passes
 from robust_attn.utils.durations import format_seconds
 
 __all__ = ["Passes", "PlanRow", "protocol_passes", "probe_model", "plan_rows", "format_plan", "format_seconds",
-           "PASS_COUNTS", "StudyClock", "log_plan", "log_unprobed_plan", "probe_images", "study_total",
+           "StudyClock", "log_plan", "log_unprobed_plan", "probe_images", "study_total",
            "done_fractions"]
 
-#: AutoAttack's standard members: iterations per image of APGD-CE, APGD-T and FAB-T per target
-#: class (9 targets each), and Square's queries
-_AA_TARGETS = 9
-
-
-@dataclass(frozen=True)
-class Passes:
-    """Passes through the model per image of the step's images: ``forward`` (no gradient) and
-    ``backward`` (a forward and a backward pass to the input). ``bound``: an upper bound (the
-    attack stops early on fooled images). ``images``: ``"study"`` (every image of the study),
-    ``"attack"`` (the attack subset) or ``"autoattack"`` (AutoAttack's part of it); ``per_target``:
-    forward passes per image through each *other* model (the transfer matrix's targets); ``least``:
-    for a bound, the passes made even if every image is fooled at once (None: the bound itself)."""
-
-    forward: float = 0.0
-    backward: float = 0.0
-    images: str = "study"
-    bound: bool = False
-    per_target: float = 0.0
-    least: "Passes | None" = None
-
-    def seconds(self, forward_s: float, backward_s: float, num_images: int, targets_forward_s: float = 0.0) -> float:
-        """Seconds for ``num_images`` images, given one image's forward and forward-backward
-        seconds through this model, and the sum over the other models of one image's forward."""
-        return num_images * (self.forward * forward_s + self.backward * backward_s
-                             + self.per_target * targets_forward_s)
-
-
-def _rotation(config) -> Passes:
-    from robust_attn.protocols.rotation import rotation_conditions
-
-    return Passes(forward=len(rotation_conditions(config.angle_step)))
-
-
-def _pgd(config) -> Passes:
-    from robust_attn.protocols.pgd import PGDSettings
-
-    settings = PGDSettings.of(config).attack_settings()
-    return Passes(forward=1 + len(settings), backward=sum(s.steps for s in settings))
-
-
-def _corruption(config) -> Passes:
-    from robust_attn.protocols.corruption import corruption_conditions
-
-    return Passes(forward=len(corruption_conditions(config.corruptions, config.severities)))
-
-
-def _occlusion(config) -> Passes:
-    from robust_attn.protocols.occlusion import occlusion_conditions
-
-    return Passes(forward=len(occlusion_conditions(config.occlusion_areas)))
-
-
-def _shuffle(config) -> Passes:
-    from robust_attn.protocols.shuffle import shuffle_conditions
-
-    return Passes(forward=len(shuffle_conditions(config.shuffle_grids)))
-
-
-def _steps(config) -> int:
-    return config.attack_steps or 100
-
-
-def _apgd(config) -> Passes:
-    radii = len(config.apgd_eps)
-    return Passes(forward=1 + radii, backward=radii * _steps(config), images="attack", bound=True)
-
-
-def _autoattack(config) -> Passes:
-    """Per radius: APGD-CE, then APGD-T and FAB-T against each of 9 targets, then Square's
-    queries, each on the images still robust (counted as every image: a bound)."""
-    radii = len(config.autoattack_eps)
-    per_radius_backward = _steps(config) * (1 + 2 * _AA_TARGETS)
-    return Passes(forward=1 + radii * (1 + config.square_queries), backward=radii * per_radius_backward,
-                  images="autoattack", bound=True, least=Passes(forward=1 + radii, backward=radii * _steps(config),
-                                                                images="autoattack"))
-
-
-def _square(config) -> Passes:
-    return Passes(forward=2 + config.square_queries, images="attack", bound=True,
-                  least=Passes(forward=3, images="attack"))
-
-
-def _transfer(config) -> Passes:
-    """Per source model: Table 10's targeted {8, 2, 4} (4 steps) and the untargeted
-    ``transfer_steps`` PGD crafted on it, then the clean and both attacked images through every
-    other model (and itself)."""
-    return Passes(forward=3, backward=4 + config.transfer_steps, images="attack", per_target=3)
-
-
-def _masking(config) -> Passes:
-    """Per model, on ``masking_images`` images: the unbounded 20-step PGD, one input gradient and
-    a few forward passes (the loss sweep on 4 images is small beside them)."""
-    return Passes(forward=2, backward=21, images="masking")
-
-
-#: protocol name -> passes per image from the study config; a protocol registered without one is
-#: listed in the plan with an unknown cost
-PASS_COUNTS: dict[str, Callable] = {"rotation": _rotation, "pgd": _pgd, "corruption": _corruption,
-                                    "occlusion": _occlusion, "shuffle": _shuffle, "apgd": _apgd,
-                                    "autoattack": _autoattack, "square": _square, "transfer": _transfer,
-                                    "masking": _masking}
-
-
 def protocol_passes(name: str, config) -> Passes | None:
-    """The passes per image of protocol ``name`` under ``config`` (None: not known)."""
-    fn = PASS_COUNTS.get(name)
-    return fn(config) if fn is not None else None
+    """The passes per image of protocol ``name`` under ``config``, as its study step registered
+    them (:func:`robust_attn.protocols.study_step.study_protocol`; None: not known)."""
+    from robust_attn.protocols.study_step import STUDY_PROTOCOLS
+
+    step = STUDY_PROTOCOLS.get(name) if name in STUDY_PROTOCOLS else None
+    return step.passes(config) if step is not None and step.passes is not None else None
 
 
 def probe_model(model, images, device, *, repeats: int = 2) -> tuple[float, float]:
