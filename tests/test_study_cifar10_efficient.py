@@ -11,7 +11,7 @@ import torch
 
 from robust_attn.cli import main
 from robust_attn.data import build_dataset
-from robust_attn.protocols.attack import autoattack_images
+from robust_attn.protocols.attack_steps import autoattack_images
 from robust_attn.study.config import StudyConfig, StudyConfigError, load_study_config, study_config_from_dict
 from robust_attn.study.estimate import plan_rows
 from robust_attn.study.run import run_study
