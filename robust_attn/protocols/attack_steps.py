@@ -131,6 +131,11 @@ def _square_passes(config) -> Passes:
                   least=Passes(forward=3, images="attack"))
 
 
+def _at_radii(config, attack: str, radii) -> list[AttackConfig]:
+    """``attack`` at each of ``radii``, with the study's iterations and seed."""
+    return [AttackConfig(attack, eps=e, steps=config.attack_steps, seed=config.seed) for e in radii]
+
+
 @study_protocol("autoattack", summary="AutoAttack (standard, untargeted L-inf) at each eps on the attack subset",
                 describe=_describe_autoattack, attack_subset=True, default_order=3,
                 settings=AutoAttackSettings, passes=_autoattack_passes)
@@ -138,9 +143,8 @@ def study_autoattack(ctx, entry, model):
     """RobustBench's number: AutoAttack's standard ensemble at ``config.autoattack_eps``, on
     ``config.autoattack_limit`` of the attack subset's images (:func:`autoattack_images`)."""
     images = autoattack_images(ctx.attack_dataset, ctx.config.autoattack_limit)
-    return study_attack(dataclasses.replace(ctx, attack_dataset=images), entry, model, "autoattack", [
-        AttackConfig("autoattack", eps=e, steps=ctx.config.attack_steps, seed=ctx.config.seed)
-        for e in ctx.config.autoattack_eps])
+    return study_attack(dataclasses.replace(ctx, attack_dataset=images), entry, model, "autoattack",
+                        _at_radii(ctx.config, "autoattack", ctx.config.autoattack_eps))
 
 
 @study_protocol("apgd", summary="APGD-CE (untargeted L-inf) at each small eps on the attack subset",
@@ -153,9 +157,7 @@ def study_apgd(ctx, entry, model):
     tight the bound is shows in the report's members table (AutoAttack's ``by``: which member
     fooled each image first). It ranks the models at radii where some images survive a strong
     attack, which 8/255 does not on an undefended zoo."""
-    return study_attack(ctx, entry, model, "apgd", [
-        AttackConfig("apgd-ce", eps=e, steps=ctx.config.attack_steps, seed=ctx.config.seed)
-        for e in ctx.config.apgd_eps])
+    return study_attack(ctx, entry, model, "apgd", _at_radii(ctx.config, "apgd-ce", ctx.config.apgd_eps))
 
 
 @study_protocol("square", summary="Square (score-based, no gradients) on the attack subset",
