@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from robust_attn.data import build_dataset
 from robust_attn.models.checkpoint import read_sidecar
 from robust_attn.train import RecipeError, build_model, recipe_from_dict, train
 from robust_attn.train import adversarial as adv
@@ -160,6 +161,38 @@ def test_guard_stops_at_a_constructed_collapse_and_keeps_the_best_epoch(tmp_path
     # a resume of the stopped run stays stopped
     again = train(recipe, tmp_path / "run", resume=True, progress=False, log=quiet)
     assert len(again["history"]) == 3 and read_sidecar(again["weights"])["epoch"] == 2
+
+
+def test_the_guard_images_are_held_out_of_training(tmp_path, monkeypatch):
+    """The guard's slice (Rice et al. 2020's held-out images) is never trained on: the images the
+    training steps see and those the guard attacks are disjoint and together are the training set."""
+    recipe = recipe_from_dict(tiny_recipe(epochs=1, data={"limit_train": 24, "augment": False}, adversarial={
+        "method": "fgsm", "eps": "8/255", "guard_images": 8, "guard_steps": 1}))
+    trained, guarded = set(), set()
+    real_loss = adv.adversarial_loss
+
+    def key(image):
+        return image.float().contiguous().numpy().tobytes()
+
+    def spy_loss(cfg, model, net, criterion, images, labels, *args, **kwargs):
+        trained.update(key(x) for x in images)
+        return real_loss(cfg, model, net, criterion, images, labels, *args, **kwargs)
+
+    def spy_counts(model, loader, eps, steps, seed, device, autocast):
+        n = 0
+        for images, labels in loader:
+            guarded.update(key(x) for x in images)
+            n += len(labels)
+        return torch.tensor([n / 2, n], dtype=torch.float64)
+
+    monkeypatch.setattr(adv, "adversarial_loss", spy_loss)
+    monkeypatch.setattr(adv, "guard_counts", spy_counts)
+    train(recipe, tmp_path / "run", progress=False, log=quiet)
+    everything = {key(x) for x, _ in build_dataset("synthetic", None, "train", augment=False, limit=24)}
+    assert len(everything) == 24
+    assert len(guarded) == 8 and len(trained) == 16
+    assert not trained & guarded
+    assert trained | guarded == everything
 
 
 @pytest.mark.parametrize("method", ["fgsm", "trades"])

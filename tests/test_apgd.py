@@ -339,6 +339,43 @@ def test_single_run_matches_algorithm_1_short(model, norm, eps, loss):
     assert any(s < 2 * eps for s in ref["step"])   # the step-size rule did fire in this run
 
 
+def _scripted_losses(values):
+    """A loss that returns ``values`` in order, one per forward pass (the iterates' losses chosen
+    by hand; zero gradient, so the iterates stay put and only the step-size rule acts)."""
+    calls = iter(values)
+    return lambda z, *idx: torch.full((z.shape[0],), float(next(calls)), dtype=z.dtype) + 0 * z.sum(1)
+
+
+_RISE = list(range(23))                           # f(x_0..x_22): rising, a new f_max at every step
+_SEESAW = [50] + [10 - k % 2 for k in range(1, 23)]   # f_max = 50 at x_0, then rising in half the steps
+_STEP_SIZE_CASES = {   # f(x_0..x_22), f(x_23..x_41), the step at the end in units of eps
+    "1": (_RISE, [30 + (k % 2) * (k // 2) for k in range(19)], 1),      # new maxima, rising in half the steps
+    "2": (_RISE, [0] + list(range(1, 19)), 1),                          # a drop below f_max, then 18 rises
+    "neither": (_RISE, list(range(30, 49)), 2),                         # rising past f_max at every step
+    "2 but halved at 22": (_SEESAW, [0] + list(range(1, 19)), 1),       # halved at 22 (1), not again at 41
+}
+
+
+@pytest.mark.parametrize("case", list(_STEP_SIZE_CASES))
+def test_each_condition_of_the_step_size_rule_halves_the_step_on_its_own(model, case):
+    """Section 3.2's two conditions at checkpoint w_j (100 iterations: w = 22, 41, ...): (1) the loss
+    rose in fewer than rho = 75% of the steps since w_{j-1}; (2) the step was not halved at w_{j-1}
+    and f_max did not improve since. The losses are scripted so that at w = 41 one condition holds
+    and the other does not, or neither, or (2) holds but for the halving at 22; the loss rises to
+    new maxima after 41. The step ends at eps (halved once) or 2 eps, here and in the Algorithm 1
+    loop written out above."""
+    first, segment, expected = _STEP_SIZE_CASES[case]
+    losses = first + segment + list(range(100, 159))   # f(x_42..x_100): rising, new maxima
+    assert len(losses) == 101
+    images = _batch(model, 2)[0][:1]
+    start = random_start(images, "linf", 1 / 255, torch.Generator().manual_seed(0))
+    never = lambda z, *idx: torch.zeros(z.shape[0], dtype=torch.bool)   # noqa: E731
+    mine = apgd_single_run(model, images, start, _scripted_losses(losses), never, "linf", 1 / 255, 100)
+    ref = _reference_run(model, images, start, _scripted_losses(losses), never, "linf", 1 / 255, 100)
+    assert mine.step.tolist() == pytest.approx([expected / 255], rel=1e-6)
+    assert ref["step"] == pytest.approx([expected / 255], rel=1e-12)
+
+
 CASES = [AttackConfig("apgd-ce", "linf", 0.5 / 255, seed=3),
          AttackConfig("apgd-ce", "l2", 0.05, restarts=2, seed=4),
          AttackConfig("apgd-t", "linf", 0.5 / 255, targeted=True, seed=5),

@@ -275,6 +275,17 @@ def test_targeted_loss_is_the_cross_entropy_of_the_target_class(setup, monkeypat
     assert torch.equal(untargeted["success_fn"](z, idx), z.argmax(1) != y)
 
 
+def test_margin_is_the_label_logit_minus_the_largest_other_logit():
+    """The untargeted loss ``z_y - max_{j != y} z_j`` on logits written by hand, also where every
+    other logit is negative (a margin that let the label's own slot, or a zero, into the max would
+    differ there) and where the image is already misclassified (negative margin)."""
+    z = torch.tensor([[-1.0, -3.0, -0.5, -2.0],
+                      [2.0, -4.0, -1.0, -1.5],
+                      [0.5, 1.5, 1.0, 0.25]])
+    y = torch.tensor([1, 0, 2])
+    torch.testing.assert_close(_margin(z, y), torch.tensor([-3.0 + 0.5, 2.0 + 1.0, 1.0 - 1.5]))
+
+
 def _paper_eta_rectangle(h1: int, h2: int, n: int) -> torch.Tensor:
     """Square Attack, section 3.2 (L2): eta^(h1,h2)_{r,s} = sum_{k=0}^{M(r,s)} 1 / (n + 1 - k)^2 with
     M(r,s) = n - max(|r - floor(h1/2) - 1|, |s - floor(h2/2) - 1|), r, s counted from 1."""
