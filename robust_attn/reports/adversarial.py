@@ -41,6 +41,7 @@ import numpy as np
 import pandas as pd
 
 from robust_attn.protocols.report_section import ReportContext, report_section
+from robust_attn.reports.comparison import ROTATED
 from robust_attn.reports.runs import model_names
 from robust_attn.reports.stats import bootstrap_mean_ci
 
@@ -49,7 +50,6 @@ __all__ = ["WEAK_ARCH", "training_of", "adversarial_measures", "robust_key", "pa
 
 #: the architecture whose weakness under gradient attacks the section follows into adversarial training
 WEAK_ARCH = "san10_pairwise"
-ROTATED = ("cw90", "cw180", "cw270", "flip_ud")   # Table 9's four rotated conditions
 GRADIENT_ATTACKS = ("apgd-ce", "autoattack")
 DEFAULT_EPS = 8 / 255
 
