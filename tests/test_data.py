@@ -348,6 +348,21 @@ def test_subset_indices_are_sorted_and_distinct():
     assert torch.equal(limited.images, test.images[subset_indices(len(test), 20)])
 
 
+@pytest.mark.parametrize("run,limit", [("rotation-resnet26", 2000), ("apgd-resnet26", 1000)])
+def test_the_seeded_subsets_are_the_images_the_committed_cifar10_study_ran_on(run, limit):
+    """``subset_indices`` decides which test images a limited study sees; the committed CIFAR-10
+    study's records (2,000 seeded images for rotation, a seeded 1,000 for the attacks) hold the
+    labels of the images it ran on, in index order, and they are the embedded test set's labels at
+    ``subset_indices(10000, limit)``: a change of the draw would compare new runs with other images."""
+    import pandas as pd
+
+    records = pd.read_csv(Path(__file__).parents[1] / "reports" / "study-cifar10" / "runs" / run / "records.csv.gz")
+    first = records[records["condition"] == records["condition"].iloc[0]].sort_values("index")
+    assert list(first["index"]) == list(range(limit))
+    test = build_dataset("cifar10", split="test")
+    assert first["label"].tolist() == test.labels[subset_indices(len(test), limit)].tolist()
+
+
 def test_seeded_augment_differs_between_seeds():
 
     base = build_dataset("synthetic", split="train", augment=True, limit=20)

@@ -1,8 +1,8 @@
 """The per-image measures behind the report's findings and intervals, checked against the records.
 
 * :func:`robust_attn.reports.comparison.per_image_losses`: every measure (``pgd_drop``,
-  ``pgd_success``, ``shift_drop``, ``attack_drop``) per image equals the same quantity computed
-  here from the records with pandas.
+  ``pgd_success``, ``shift_drop``, ``attack_drop``, ``rotation_drop``) per image equals the same
+  quantity computed here from the records with pandas.
 * :func:`robust_attn.reports.agreement.rank_agreement`: a flipped pair is resolved only when
   BOTH measures separate it; Kendall's tau has the right sign.
 * ``headline_ci.csv``: a drop's interval is the bootstrap of the PAIRED per-image differences.
@@ -114,6 +114,18 @@ def measure_runs(tmp_path_factory):
                       {"name": "autoattack_linf_eps8", "attack": "autoattack", "norm": "linf", "eps": 8 / 255}]
         dirs.append(_write_run(root / f"attack-{m}", "attack", m, conditions, attack))
         written[("attack", m)] = attack
+        # rotation: Table 9's five conditions, the left-right flip and one angle of the sweep, each
+        # with its own hit rate (the last two are not among Table 9's rotations)
+        rotation = {}
+        for cond, hit in zip(ROTATIONS + ("flip_lr", "angle30"), (clean_rate, 0.3, 0.5, 0.2, 0.45, 0.75, 0.6)):
+            pred = _predictions(rng, labels, hit, 0.0)
+            rotation[cond] = pd.DataFrame({"index": range(N1), "label": labels, "pred": pred,
+                                           "top1": (pred == labels).astype(int), "top5": 1})
+        conditions = [{"name": c, "kind": "identity" if c == "none" else "rot90" if c.startswith("cw") else
+                       "angle" if c.startswith("angle") else c, "angle": float(c[2:]) if c.startswith("cw") else
+                       30.0 if c == "angle30" else 0.0} for c in rotation]
+        dirs.append(_write_run(root / f"rotation-{m}", "rotation", m, conditions, rotation))
+        written[("rotation", m)] = rotation
     return dirs, written
 
 
@@ -133,6 +145,9 @@ def _expected_measures(written) -> dict[str, pd.DataFrame]:
         expected.setdefault("shift_drop:corruption", {})[m] = _column(shift, "clean") - shifted
         expected.setdefault("attack_drop:autoattack_linf_eps8", {})[m] = (
             _column(attack, "clean") - _column(attack, "autoattack_linf_eps8"))
+        rotation = written[("rotation", m)]
+        rotated = sum(_column(rotation, c) for c in ("cw90", "cw180", "cw270", "flip_ud")) / 4
+        expected.setdefault("rotation_drop", {})[m] = _column(rotation, "none") - rotated
     return {k: pd.DataFrame(v) for k, v in expected.items()}
 
 
