@@ -392,6 +392,37 @@ def test_transfer_from_the_model_itself_equals_the_white_box_attack(tmp_path, re
     assert set(summary["target_model"]) == {"a", "b"} and set(summary["source"]) == {"a"}
 
 
+class Brighten(Attack):
+    """Every pixel raised by eps (clipped): the same images whatever the model, seed or batch."""
+
+    name = "test-brighten"
+    norms = ("linf",)
+
+    def _run(self, model, images, labels, targets):
+        return AttackOutput((images + self.config.eps).clamp(0, 1))
+
+
+def test_transfer_evaluates_each_target_on_the_images_crafted_on_the_source(tmp_path, registered):
+    """A target's record holds that target's prediction on the source's adversarial images (and the
+    source's own in ``source_success``): here the attack's images are known in advance."""
+    registered(Brighten)
+    dataset = build_dataset("synthetic", split="test", limit=8)
+    a, b = _tiny_model(seed=0), _tiny_model(seed=1)
+    config = AttackConfig("test-brighten", eps=32 / 255)
+    run_transfer("a", a, {"a": a, "b": b}, dataset, tmp_path / "t", configs=[config], batch_size=4, progress=False)
+    transfer = load_records(tmp_path / "t")
+    images = torch.stack([dataset[i][0] for i in range(8)])
+    labels = torch.tensor([int(dataset[i][1]) for i in range(8)])
+    with torch.no_grad():
+        adv = (images + 32 / 255).clamp(0, 1)
+        on = {"a": a(adv).argmax(1), "b": b(adv).argmax(1)}
+    assert not torch.equal(on["a"], on["b"])   # the two targets tell the source's predictions apart
+    for target in ("a", "b"):
+        records = transfer[transfer.condition == f"{config.name}.{target}"].sort_values("index")
+        assert records["pred"].tolist() == on[target].tolist()
+        assert records["source_success"].tolist() == (on["a"] != labels).long().tolist()
+
+
 def test_transfer_resumes_with_its_targets_in_another_order(tmp_path, registered):
     """A study resumed with --models in another order asks for the same targets in another order:
     the run resumes as it is (nothing recomputed, same records); other targets are still refused."""
