@@ -23,6 +23,7 @@ from robust_attn.shifts.rotation import rotation_conditions
 from robust_attn.models.registry import create_model
 from robust_attn.reports import make_report
 from robust_attn.reports.runs import distinct_labels, load_runs
+from robust_attn.sources.contract import clearly_higher
 from robust_attn.reports.tables import TOP5_NA, format_pgd, format_rotation, pgd_table, rotation_table
 from robust_attn.runs.store import load_records
 from robust_attn.utils.io import sha256_file
@@ -403,6 +404,17 @@ def _nearest_colour_top1(n=100):
     labels = torch.tensor([data[i][1] for i in range(n)])
     pred = torch.cdist(images.mean((2, 3)), class_patterns().mean((2, 3))).argmin(1)
     return 100.0 * float((pred == labels).double().mean())
+
+
+@pytest.mark.parametrize("other,assumed,n,higher", [
+    (15, 5, 100, True), (14, 5, 100, False),        # 10 points (and 10 images) above; 9 points
+    (5, 0, 20, True), (4, 0, 20, False),            # 5 images (25 points) above; 4 images (20 points)
+    (130, 100, 300, True), (129, 100, 300, False),  # 30 images = 10 points of 300; 29
+])
+def test_the_probe_calls_a_score_clearly_higher_at_five_images_and_ten_points(other, assumed, n, higher):
+    """The input-contract probe refuses an undeclared model when its top-1 on [0, 1] images is
+    clearly above its top-1 on normalized ones: by at least 5 images and 10 percentage points."""
+    assert clearly_higher(other, assumed, n) is higher
 
 
 def test_an_undeclared_unit_model_is_refused_naming_the_flag(unit_file, tmp_path, capsys):
