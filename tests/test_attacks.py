@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from robust_attn.attacks import BACKENDS, PGDConfig, draw_targets, run_checks, targeted_pgd
+from robust_attn.attacks import BACKENDS, PGDConfig, draw_targets, parse_eps, run_checks, targeted_pgd
+from robust_attn.attacks.base import AttackInputError
 from robust_attn.attacks import checks
 from robust_attn.models.wrapper import NormalizedModel
 
@@ -188,6 +189,15 @@ def test_native_matches_per_image_reference(model, batch, cfg):
 
 
 # ---------------------------------------------------------------- targets
+
+
+def test_parse_eps_reads_radii_in_image_units():
+    assert parse_eps("8/255") == 8 / 255 and parse_eps(" 0.5/255 ") == 0.5 / 255
+    assert parse_eps("0.031") == 0.031 and parse_eps(0.25) == 0.25
+    assert parse_eps("1.5", norm="l2") == 1.5
+    for bad, message in (("abc", "not a number"), ("8/0", "not a number"), ("8", "8/255"), ("-1/255", ">= 0")):
+        with pytest.raises(AttackInputError, match=message):
+            parse_eps(bad)
 
 
 def test_targets_uniform_over_wrong_classes():

@@ -257,15 +257,13 @@ def make_attack(config: AttackConfig) -> Attack:
     return ATTACKS.get(config.attack)(config)
 
 
-def parse_eps(text: str | float) -> float:
-    """``"8/255"`` -> 8/255; ``"0.5"`` -> 0.5; a clear error otherwise."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        return float(text)
-    raw = str(text).strip()
+def parse_eps(text: str | float, norm: str = "linf") -> float:
+    """``"8/255"`` -> 8/255; ``"0.5"`` or ``0.5`` -> 0.5 (image units): the radius syntax of every
+    command and config (:func:`robust_attn.utils.radius.parse_radius`), with its errors raised as
+    :class:`AttackInputError`."""
+    from robust_attn.utils.radius import RadiusError, parse_radius
+
     try:
-        if "/" in raw:
-            num, den = raw.split("/", 1)
-            return float(num) / float(den)
-        return float(raw)
-    except (ValueError, ZeroDivisionError):
-        raise AttackInputError(f"eps {text!r} is not a number; write e.g. 8/255 or 0.5") from None
+        return parse_radius(text, option="eps", norm=norm)
+    except RadiusError as error:
+        raise AttackInputError(str(error)) from None
