@@ -119,6 +119,34 @@ def test_a_group_is_compared_at_its_closest_pair(zoos):
     assert result["value"] == pytest.approx(25.0) and result["verdict"] == "yes"
 
 
+def test_chance_reads_the_worst_case_of_the_attacks_image_by_image(tmp_path):
+    # Square leaves each model the first half of the images, AutoAttack images 50-149: an image
+    # is robust only where both failed, images 50-99 (25%), not the 50% either attack alone gives
+    later_half = np.roll(HALF, N // 4)
+    for model in MODELS[:2]:
+        _write(tmp_path / f"square-{model}", "attack", model, model, {"clean": EVERY, "square_linf_eps8": HALF})
+        _write(tmp_path / f"autoattack-{model}", "attack", model, model,
+               {"clean": EVERY, "autoattack_linf_eps8": later_half})
+    finding = _finding("none_robust_at_8")
+    runs = load_zoo([tmp_path])
+    losses = {m: measure_losses(runs, m) for m in finding.measures}
+    result = check_finding(finding, losses, n_boot=100)
+    survivors = HALF * later_half
+    assert survivors.mean() == 0.25
+    chance = bootstrap_mean_ci((1 - survivors) - 0.9, n_boot=100)
+    assert (result["value"], result["low"], result["high"]) == pytest.approx((chance.value, chance.low, chance.high))
+    assert result["verdict"] == "no" and result["n"] == N
+    assert result["measure"].startswith("worst case of Square 8/255")
+    # Square alone (a zoo without AutoAttack at 8/255): its own 50%
+    alone = check_finding(finding, {finding.measures[0]: losses[finding.measures[0]]}, n_boot=100)
+    assert alone["value"] == pytest.approx(-40.0)
+    # attacks on disjoint image sets share nothing to combine: the first measure stands alone
+    shifted = losses[finding.measures[1]].set_axis(losses[finding.measures[1]].index + N)
+    apart = check_finding(finding, {finding.measures[0]: losses[finding.measures[0]], finding.measures[1]: shifted},
+                          n_boot=100)
+    assert apart["value"] == pytest.approx(-40.0) and apart["measure"] == finding.measures[0].title
+
+
 def test_across_verdicts():
     assert across_verdict("yes", "yes") == "holds"
     assert across_verdict("no", "no") == "holds (false in both)"
