@@ -1,9 +1,12 @@
 """CIFAR-10 readers on real bytes, the embedded test sets, and where data is looked for.
 
 Real bytes: the project's shared CIFAR-10-JPEG copy (``../shared/data/cifar10/cifar10-jpeg.tar.gz`` or
-its extraction ``../data/cifar10-jpeg``, both beside the checkout); the tests that need it skip on a
-clone without them. Canonical pickles are rebuilt here, in the official format, from a few of those
-images. The reference decode is Pillow called directly on the files, not the package's reader.
+its extraction ``../data/cifar10-jpeg``, both beside the checkout); on a clone without them the
+readers' tests take their real files from the embedded test set instead (its JPEG bytes, written
+back into class folders; a few of its images stand in for training images), and only the test that
+compares the embedded set with the shared copy skips. Canonical pickles are rebuilt here, in the
+official format, from a few of those images. The reference decode is Pillow called directly on the
+files, not the package's reader.
 """
 from __future__ import annotations
 
@@ -52,12 +55,31 @@ def _shared_jpegs() -> dict[str, bytes] | None:
     return None
 
 
+@lru_cache(maxsize=1)
+def _embedded_jpegs() -> dict[str, bytes]:
+    """The same layout from the embedded test set's blobs: every test image under its class, and
+    per class the last PER_CLASS test images again as ``train/<class>/0000.jpg, ...``."""
+    blobs, labels = embedded.read_jpeg_set("cifar10_jpeg_test")
+    out = {}
+    for label, name in enumerate(CLASSES):
+        members = [blobs[i] for i in np.flatnonzero(labels.numpy() == label)]
+        out.update({f"test/{name}/{k:04d}.jpg": blob for k, blob in enumerate(members)})
+        out.update({f"train/{name}/{k:04d}.jpg": blob for k, blob in enumerate(members[-PER_CLASS:])})
+    return out
+
+
 @pytest.fixture
-def jpegs() -> dict[str, bytes]:
+def shared_jpegs() -> dict[str, bytes]:
     found = _shared_jpegs()
     if not found:
         pytest.skip(f"CIFAR-10-JPEG copy not at {EXTRACTED} or {TARBALL} (a user's clone has no ../shared)")
     return found
+
+
+@pytest.fixture
+def jpegs() -> dict[str, bytes]:
+    """Real CIFAR-10-JPEG files: the shared copy's, else the embedded test set's (module docstring)."""
+    return _shared_jpegs() or _embedded_jpegs()
 
 
 def _decode(blob: bytes) -> np.ndarray:
@@ -139,9 +161,10 @@ def test_embedded_cifar10_test_set(empty_default_root, capsys):
     assert test.images.shape == (500, 3, 32, 32) and len(set(test.labels.tolist())) == 10
 
 
-def test_embedded_cifar10_test_set_is_the_shared_jpegs(jpegs):
+def test_embedded_cifar10_test_set_is_the_shared_jpegs(shared_jpegs):
     """Every embedded blob is byte for byte the shared file at the same sorted position, and the
     package's decode of a sample equals Pillow's decode of those files."""
+    jpegs = shared_jpegs
     blobs, labels = embedded.read_jpeg_set("cifar10_jpeg_test")
     shared = _names(jpegs, "test", per_class=10**6)
     assert len(shared) == len(blobs) == 10000
