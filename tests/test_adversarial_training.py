@@ -226,9 +226,11 @@ def test_standard_training_records_no_adversarial_section(tmp_path):
     ({"method": "fgsm", "steps": 3}, "takes one step"),
     ({"steps": 0}, "steps must be at least 1"),
     ({"step": 0.5}, "step must be in \\(0, 2 eps\\]"),
+    ({"eps": "8/255", "step": "17/255"}, "step must be in \\(0, 2 eps\\]"),   # just past 2 eps
     ({"eps_warmup_epochs": 9}, "eps_warmup_epochs must be in"),
     ({"trades_beta": -1}, "trades_beta must be positive"),
     ({"guard_collapse": 1.5}, "guard_collapse"),
+    ({"guard_collapse": 1}, "guard_collapse"),   # 1 would stop at the first epoch below the best
     ({"epsilon": 0.03}, "Did you mean 'eps'"),
     ({"method": "none", "eps": 0.1}, "method = \"none\""),
 ])
@@ -236,6 +238,13 @@ def test_a_bad_adversarial_section_is_a_clear_error(section, message):
     raw = tiny_recipe(epochs=3, adversarial={"method": "pgd", **section})
     with pytest.raises(RecipeError, match=message):
         recipe_from_dict(raw, check_data=False)
+
+
+def test_an_adversarial_section_at_its_limits_loads():
+    raw = tiny_recipe(epochs=3, adversarial={"method": "pgd", "eps": "8/255", "step": "16/255",
+                                             "eps_warmup_epochs": 3, "guard_collapse": 0.99})
+    a = recipe_from_dict(raw, check_data=False).adversarial
+    assert (a.step, a.eps_warmup_epochs, a.guard_collapse) == (pytest.approx(16 / 255), 3, 0.99)
 
 
 def test_adversarial_recipe_loads():

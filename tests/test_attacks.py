@@ -407,6 +407,8 @@ def test_check_perturbation_bound_and_range_fail_when_they_should(batch):
     assert not checks.check_perturbation_bound(images, too_far, eps).passed
     assert not checks.check_perturbation_bound(images, images[:2], eps).passed
     assert not checks.check_image_range(too_far).passed  # images has exact 0s and 1s
+    assert not checks.check_image_range(images - 1.5).passed   # below 0 only
+    assert not checks.check_image_range(images + 1.5).passed   # above 1 only
     nan = images.clone()
     nan[0, 0, 0, 0] = float("nan")
     assert not checks.check_image_range(nan).passed

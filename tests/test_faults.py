@@ -379,6 +379,17 @@ def declared(num_classes=10):
     return model
 
 
+class NormalizedNearestColour(NearestColour):
+    """The same rule on images normalized with the synthetic set's mean 0.5 and std 0.25."""
+
+    def forward(self, x):
+        return super().forward(x * 0.25 + 0.5)
+
+
+def normalized(num_classes=10):
+    return NormalizedNearestColour()
+
+
 def dropout(num_classes=10):
     class Noisy(NearestColour):
         def forward(self, x):
@@ -440,6 +451,21 @@ def test_an_undeclared_unit_model_is_refused_naming_the_flag(unit_file, tmp_path
         records = __import__("robust_attn.runs.store", fromlist=["load_records"]).load_records(out)
         assert 100 * records.loc[records["condition"] == "none", "top1"].mean() == pytest.approx(expected)
     assert expected > 90
+
+
+def test_an_undeclared_normalized_model_passes_the_probe_and_is_evaluated_normalized(unit_file, tmp_path, capsys):
+    """The probe scores the model both ways and then puts its normalization back: the run scores
+    what the rule scores on normalized images, not what the probe's [0, 1] pass scored."""
+    out = tmp_path / "n"
+    assert main(["eval", "rotation", "--model", f"{unit_file}:normalized", "--dataset", "synthetic", "--limit", "100",
+                 "--batch-size", "50", "--angle-step", "0", "--no-hflip", "--no-progress", "--out", str(out)]) == 0
+    desc = json.loads((out / "run.json").read_text())
+    assert desc["input_contract"] == "normalized" and desc["input_contract_from"]["from"] == "probe"
+    probe = desc["input_contract_from"]["probe"]
+    assert probe["images"] == 64 and probe["normalized_correct"] == 64 * _nearest_colour_top1(64) / 100
+    assert probe["unit_correct"] < probe["normalized_correct"] - 10
+    records = __import__("robust_attn.runs.store", fromlist=["load_records"]).load_records(out)
+    assert 100 * records.loc[records["condition"] == "none", "top1"].mean() == pytest.approx(_nearest_colour_top1())
 
 
 def test_a_normalized_model_is_probed_and_recorded(tmp_path, capsys):
@@ -583,7 +609,8 @@ def test_out_of_memory_in_a_study_step_names_the_option_of_its_batch(protocol, o
     def oom(*args, **kwargs):
         raise OUT_OF_MEMORY["CUDA"]
 
-    monkeypatch.setitem(STUDY_PROTOCOLS._entries, protocol, dataclasses.replace(STUDY_PROTOCOLS.get(protocol), step=oom))
+    failing = dataclasses.replace(STUDY_PROTOCOLS.get(protocol), step=oom)
+    monkeypatch.setitem(STUDY_PROTOCOLS._entries, protocol, failing)
     argv = ["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), "--preset", "none", "--limit", "8",
             "--attack-limit", "8", "--protocols", protocol, "--batch-size", "12", "--attack-batch-size", "8",
             "--workers", "1", "--device", "cpu", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),

@@ -51,10 +51,12 @@ def test_bias_lr_scale_gives_biases_a_scaled_rate_that_the_schedule_keeps():
 
 def test_weight_average_follows_the_formula_with_its_warm_up():
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
-    average = WeightAverage(model, decay=0.9, every=2)
+    # every 2 steps with decay 0.5: 0.5 ** 2 = 0.25 per update once the warm-up (1 + n) / (10 + n)
+    # passes it: the last nine of the twelve updates
+    average = WeightAverage(model, decay=0.5, every=2)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     expected = {k: v.clone().double() for k, v in start.items()}
-    for step in range(6):
+    for step in range(24):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.5)
@@ -62,13 +64,13 @@ def test_weight_average_follows_the_formula_with_its_warm_up():
         average.maybe_update(model, step)
         if (step + 1) % 2 == 0:
             n = (step + 1) // 2 - 1
-            d = min(0.9 ** 2, (1 + n) / (10 + n))
+            d = min(0.5 ** 2, (1 + n) / (10 + n))
             for k, v in model.state_dict().items():
                 if v.is_floating_point():
                     expected[k] = d * expected[k] + (1 - d) * v.double()
                 else:
                     expected[k] = v.clone()
-    assert average.updates == 3
+    assert average.updates == 12 and average.current_decay() == 0.25
     for k, v in average.module.state_dict().items():
         if v.is_floating_point():
             torch.testing.assert_close(v.double(), expected[k], msg=k)
