@@ -58,11 +58,12 @@ def test_a_study_adopts_the_shared_conditions_and_equals_one_computed_from_scrat
     assert adopted_chunks(RunStore(scratch / "apgd-resnet26")) == 0
 
 
-def _store(path, *, eps=8 / 255, model="m", conditions=("clean", "attack")):
+def _store(path, *, eps=8 / 255, model="m", conditions=("clean", "attack"), sha256="a" * 64):
     store = RunStore(path)
     definitions = [{"name": "clean", "attack": "none", "eps": 0.0},
                    {"name": "attack", "attack": "apgd-ce", "eps": eps}]
     store.open({"protocol": "attack", "model": model, "num_images": 4, "chunk_size": 2, "command": [str(path)],
+                "checkpoint": {"path": "m.safetensors", "sha256": sha256},
                 "conditions": [d for d in definitions if d["name"] in conditions]})
     return store
 
@@ -81,6 +82,9 @@ def test_only_identical_conditions_of_the_same_run_are_adopted(tmp_path):
     other_model = _store(tmp_path / "b" / "run", model="other")
     assert adopt_records(other_model, source.root, log=lines.append) == [] and other_model.chunks() == []
     assert "nothing adopted" in lines[-1] and "model" in lines[-1]
+    other_weights = _store(tmp_path / "w" / "run", sha256="b" * 64)   # the same label, other weights
+    assert adopt_records(other_weights, source.root, log=lines.append) == [] and other_weights.chunks() == []
+    assert "nothing adopted" in lines[-1] and "checkpoint" in lines[-1]
     other_eps = _store(tmp_path / "c" / "run", eps=4 / 255)   # same name, another radius: only clean is the same
     assert {c for c, _, _ in adopt_records(other_eps, source.root)} == {"clean"}
     same = _store(tmp_path / "d" / "run")

@@ -86,6 +86,8 @@ models = ["timm:resnet26t", "zoo:resnet26",
         ('dataset = "imagenet"\nsquare_eps = "8/256x"\nmodels = ["resnet26"]', "square_eps '8/256x' is not a number"),
     ('dataset = "imagenet"\nattack_steps = -5\nmodels = ["resnet26"]', "attack_steps must be at least 1"),
     ('dataset = "imagenet"\nmasking_images = -1\nmodels = ["resnet26"]', "masking_images must be at least 1"),
+    ('dataset = "imagenet"\nattack_limit = 0\nmodels = ["resnet26"]', "attack_limit must be positive"),
+    ('dataset = "imagenet"\nsplit = "tset"\nmodels = ["resnet26"]', "split must be train, val or test, got 'tset'"),
     ('dataset = "fashoin_mnist"\nmodels = ["resnet26"]', "unknown dataset 'fashoin_mnist'. Did you mean 'fashion_mnist'?"),
 ])
 def test_bad_study_configs_name_the_key_and_the_fix(tmp_path, text, message):
