@@ -311,8 +311,12 @@ def test_each_attack_runs_its_largest_radius_first(tmp_path, registered, monkeyp
     dataset = build_dataset("synthetic", split="test", limit=6)
     configs = [AttackConfig("test-sign-noise", eps=e / 255) for e in (1, 2, 4)]
     written, write = [], RunStore.write_chunk
-    monkeypatch.setattr(RunStore, "write_chunk",
-                        lambda self, cond, a, b, rec: (written.append((cond, a)), write(self, cond, a, b, rec))[1])
+
+    def noted(self, cond, a, b, rec, **kw):
+        written.append((cond, a))
+        return write(self, cond, a, b, rec, **kw)
+
+    monkeypatch.setattr(RunStore, "write_chunk", noted)
     run_attack(_tiny_model(), dataset, tmp_path / "run", configs=configs, num_classes=10, batch_size=3,
                progress=False, checks=False)
     order = [CLEAN] + [x.name for x in configs[::-1]]
@@ -344,8 +348,12 @@ def test_a_resumed_run_first_finishes_the_radius_a_killed_run_left_under_way(tmp
     assert resume_order(computation_order(configs), state_dir) == [CLEAN, names[0], names[2], names[1]]
     assert resume_order(computation_order(configs), tmp_path / "none") == computation_order(configs)
     written, write = [], RunStore.write_chunk
-    monkeypatch.setattr(RunStore, "write_chunk",
-                        lambda self, cond, a, b, rec: (written.append((cond, a)), write(self, cond, a, b, rec))[1])
+
+    def noted(self, cond, a, b, rec, **kw):
+        written.append((cond, a))
+        return write(self, cond, a, b, rec, **kw)
+
+    monkeypatch.setattr(RunStore, "write_chunk", noted)
     run_attack(_tiny_model(), dataset, tmp_path / "run", configs=configs, num_classes=10, batch_size=3,
                progress=False, checks=False)
     assert written == [(name, a) for a in (0, 3) for name in (CLEAN, names[0], names[2], names[1])]

@@ -304,3 +304,33 @@ def test_run_json_carries_its_schema_version_and_an_unversioned_one_reads_as_ver
     (tmp_path / "run" / "run.json").write_text(json.dumps({**base, "schema": "four"}))
     with pytest.raises(DamagedRecordsError, match="not a version number"):
         store.open(base)
+
+
+def test_each_chunk_records_its_seconds_and_the_run_sums_them_over_a_kill_and_a_resume(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Every call of the run loop's clock advances it 2.5 s: each chunk's manifest entry keeps
+    2.5 s, a run killed after four chunks and resumed sums all nine (what a study's per-call
+    timing lost with the killed call), the packed copy keeps the sum, and status shows it."""
+    import robust_attn.protocols.runner as runner
+    from robust_attn.cli import main
+    from robust_attn.commands.status import run_lines
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: 2.5 * next(ticks))
+    store = _open(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        run_chunks(store, _dataset(), ["a", "b", "c"], Counting(fail_after=4), chunk_size=4, progress=False)
+    assert store.compute_time() == {"seconds": 10.0, "timed": 4, "chunks": 4}
+    run_chunks(store, _dataset(), ["a", "b", "c"], Counting(), chunk_size=4, progress=False)
+    assert {e["seconds"] for e in store.manifest_entries().values()} == {2.5}
+    assert store.compute_time() == {"seconds": 22.5, "timed": 9, "chunks": 9}
+    packed = store.pack(tmp_path / "packed")
+    assert packed.compute_time() == {"seconds": 22.5, "timed": 9, "chunks": 9}
+    assert main(["status", str(store.root), str(packed.root)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(", compute time 0.01 h\n") == 2 and "(finished), compute time" in out
+    # a chunk written without its time (by an earlier version) is counted as such
+    entry = store.checksum_path(store.chunk_path("a", 0, 4))
+    entry.write_text(json.dumps({k: v for k, v in json.loads(entry.read_text()).items() if k != "seconds"}))
+    assert store.compute_time() == {"seconds": 20.0, "timed": 8, "chunks": 9}
+    assert run_lines(store.root)[0].endswith(", compute time 0.01 h (the 8 of 9 chunks written that recorded it)")

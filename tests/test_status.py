@@ -17,6 +17,15 @@ class Killed(Exception):
     pass
 
 
+TIMED = re.compile(r", compute time \d+\.\d\d h$", re.M)   # what the chunks' seconds sum to
+
+
+def _untimed(text: str) -> str:
+    """``text`` without the first line's compute time, which it must have."""
+    assert TIMED.search(text), text
+    return TIMED.sub("", text, count=1)
+
+
 def test_status_of_a_run_its_missing_chunk_and_the_autoattack_state_within_it(tmp_path, capsys):
     data = build_dataset("synthetic", split="test", limit=4)
     torch.manual_seed(0)
@@ -26,7 +35,8 @@ def test_status_of_a_run_its_missing_chunk_and_the_autoattack_state_within_it(tm
     run = tmp_path / "runs" / "autoattack-tiny"
     run_attack(model, data, run, configs=[config], num_classes=10, batch_size=4, checks=False, progress=False)
     assert main(["status", str(tmp_path / "runs")]) == 0
-    assert capsys.readouterr().out == f"{run}: attack, {RunStore(run).description()['model']}: 2 of 2 chunks written (finished)\n"
+    out = _untimed(capsys.readouterr().out)
+    assert out == f"{run}: attack, {RunStore(run).description()['model']}: 2 of 2 chunks written (finished)\n"
 
     store = RunStore(run)   # the attacked chunk lost: what running the command again computes
     chunk = store.chunk_path(config.name, 0, 4)
@@ -51,7 +61,7 @@ def test_status_of_a_run_its_missing_chunk_and_the_autoattack_state_within_it(tm
     state = torch.load(aa.state_path, weights_only=True)
     robust = int(state["robust"].sum())
     assert main(["status", str(run)]) == 0
-    out = capsys.readouterr().out.splitlines()
+    out = _untimed(capsys.readouterr().out).splitlines()
     assert out[:2] == [f"{run}: attack, {store.description()['model']}: 1 of 2 chunks written",
                        f"  to compute: {config.name}[0:4]"]
     # the finished conditions' top-1, as a direct evaluation of the model gives it
@@ -95,10 +105,10 @@ def test_status_checks_every_record_of_a_finished_run_and_of_a_packed_one(tmp_pa
     store = _tiny_rotation_run(tmp_path / "rot")
     model = store.description()["model"]
     assert main(["status", str(store.root)]) == 0
-    assert capsys.readouterr().out.endswith("chunks written (finished)\n")
+    assert _untimed(capsys.readouterr().out).endswith("chunks written (finished)\n")
     packed = store.pack(tmp_path / "packed")
     assert main(["status", str(packed.root)]) == 0
-    assert capsys.readouterr().out == f"{packed.root}: rotation, {model}: finished (packed)\n"
+    assert _untimed(capsys.readouterr().out) == f"{packed.root}: rotation, {model}: finished (packed)\n"
 
     chunk = store.chunk_path(*store.chunks()[-1])      # one line more: every chunk is written, yet damaged
     chunk.write_bytes(chunk.read_bytes() + chunk.read_bytes().splitlines(keepends=True)[-1])

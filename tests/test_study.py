@@ -12,6 +12,7 @@ from robust_attn.models.checkpoint import save_checkpoint
 from robust_attn.cli import main
 from robust_attn.reports.comparison import compare_models, findings_text, per_image_losses
 from robust_attn.reports.runs import Run
+from robust_attn.runs.store import RunStore
 from robust_attn.study.config import StudyConfig
 from robust_attn.study.run import TIMINGS_FILE, run_study
 from robust_attn.models.wrapper import NormalizedModel
@@ -155,8 +156,16 @@ def test_study_runs_every_zoo_model_then_resumes_for_free(tmp_path, tiny_zoo):
     assert "## Findings: which model loses least" in report_text and "loses least" in report_text
     timings = pd.read_csv(runs / TIMINGS_FILE)
     assert len(timings) == 4 and (timings["chunks_written"] > 0).all()
-    # the packed runs beside the report derive the same report again
+    # the compute time per model and step: each run's chunk seconds, summed (as the packed run keeps them)
     packed = sorted((report / "runs").iterdir())
+    table = report_text.split("Compute time per model and step", 1)[1].split("\n\n")[1].splitlines()
+    assert table[0] == "| model | rotation (s) | pgd (s) |"
+    for model in ("resnet26", "sasa_resnet26"):
+        spent = [RunStore(runs / f"{step}-{model}").compute_time() for step in ("rotation", "pgd")]
+        assert all(t["timed"] == t["chunks"] > 0 for t in spent)
+        assert f"| {model} | {spent[0]['seconds']:.0f} | {spent[1]['seconds']:.0f} |" in table
+        assert RunStore(report / "runs" / f"pgd-{model}").compute_time() == spent[1]
+    # the packed runs beside the report derive the same report again
     assert [p.name for p in packed] == ["pgd-resnet26", "pgd-sasa_resnet26", "rotation-resnet26",
                                         "rotation-sasa_resnet26"]
     assert main(["report", *map(str, packed), "--out", str(tmp_path / "again"), "--bootstrap", "50"]) == 0

@@ -1,7 +1,8 @@
 """``robust-attn status DIR...``: how far stored runs are. Per run: the chunks written of those
 its description asks for (the rest are what running its command again computes) and, for a chunk
 under way, the state an attack saved within it (AutoAttack: the members finished, the images
-still robust, where the member under way stands, and when that was saved). An unfinished run
+still robust, where the member under way stands, and when that was saved), and the compute time its
+chunks recorded, summed over every resumed call. An unfinished run
 also gives the top-1 of each condition it has finished (from its records, checksums verified), so
 a run that takes days shows its first numbers as they land. Every record file is checked against
 its checksum: a damaged run says so, with the files and the fix, and the exit status is 1. A folder of runs (a
@@ -21,6 +22,7 @@ __all__ = ["add_parser", "run_status", "run_lines"]
 SHOWN = 4   # missing chunks named per run
 FINISHED = "finished"   # in a run's first line when nothing is left to compute
 DAMAGED = "damaged"     # in a run's first line when a record file does not match its checksum
+COMPUTE_TIME = ", compute time "   # ends a run's first line where its chunks recorded their seconds
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,12 +58,13 @@ def run_lines(run: Path) -> list[str]:
     head = f"{run}: {desc.get('protocol', '?')}, {desc.get('model', '?')}"
     problems = [(path, why) for path, why in store.verify() if why != "deleted"]   # deleted: a repair under way
     damage = [f"  {DAMAGED}: {damaged_message(run, problems, store.packed)}"] if problems else []
+    spent = "" if problems else _compute_time(store)
     if store.packed:
-        return [f"{head}: {DAMAGED} (packed)" if problems else f"{head}: {FINISHED} (packed)"] + damage
+        return [f"{head}: {DAMAGED} (packed)" if problems else f"{head}: {FINISHED} (packed){spent}"] + damage
     missing = store.missing()
     total = len(store.chunks()) + len(missing)
     lines = [f"{head}: {total - len(missing)} of {total} chunks written"
-             + (f", {DAMAGED}" if problems else "" if missing else f" ({FINISHED})")] + damage
+             + (f", {DAMAGED}" if problems else "" if missing else f" ({FINISHED})") + spent] + damage
     if missing:
         named = ", ".join(f"{c}[{a}:{b}]" for c, a, b in missing[:SHOWN])
         lines.append(f"  to compute: {named}" + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""))
@@ -78,6 +81,18 @@ def run_lines(run: Path) -> list[str]:
         state = torch.load(path, map_location="cpu", weights_only=True)
         lines.append(f"  {name}[{start}:]: {attack.describe_state(state)} (saved {saved})")
     return lines
+
+
+def _compute_time(store) -> str:
+    """``, compute time H h`` (hours, two decimals) from the chunks' manifest entries, summed over every resumed call
+    (:meth:`~robust_attn.runs.store.RunStore.compute_time`); ``""`` when no chunk recorded one."""
+    spent = store.compute_time()
+    if not spent.get("timed"):
+        return ""
+    seconds = spent["seconds"]
+    partial = "" if spent["timed"] == spent["chunks"] else \
+        f" (the {spent['timed']} of {spent['chunks']} chunks written that recorded it)"
+    return f"{COMPUTE_TIME}{seconds / 3600:.2f} h{partial}"
 
 
 def _finished_lines(store, missing) -> list[str]:
@@ -100,8 +115,9 @@ def run_status(args) -> int:
     unfinished = damaged = False
     for run in _run_dirs(args.runs):
         lines = run_lines(run)
-        damaged |= lines[0].endswith((f", {DAMAGED}", f"{DAMAGED} (packed)"))
-        unfinished |= not lines[0].endswith((f"({FINISHED})", f"{FINISHED} (packed)"))
+        state = lines[0].split(COMPUTE_TIME)[0]
+        damaged |= state.endswith((f", {DAMAGED}", f"{DAMAGED} (packed)"))
+        unfinished |= not state.endswith((f"({FINISHED})", f"{FINISHED} (packed)"))
         print("\n".join(lines))
     if unfinished and not damaged:   # a folder of runs is given to the report as FOLDER/*
         runs = " ".join(p if (Path(p) / "run.json").is_file() else f"{p}/*" for p in args.runs)

@@ -140,6 +140,7 @@ def _one_pass(store, dataset, pending, evaluate, num_workers, claim_timeout, sta
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
     computed = 0
     claims: dict[str, Claim] = {}
+    mark = time.perf_counter()   # each chunk's seconds: since the previous write (or the pass's start)
     try:
         for images, labels in _batches(loader):
             start, stop, claims = sampler.claimed.popleft()
@@ -148,7 +149,9 @@ def _one_pass(store, dataset, pending, evaluate, num_workers, claim_timeout, sta
             for condition, records in evaluate(images, torch.as_tensor(labels), indices, list(claims)):
                 if condition not in claims:
                     raise RuntimeError(f"evaluate yielded condition {condition!r} it was not asked for")
-                store.write_chunk(condition, start, stop, records)
+                now = time.perf_counter()
+                store.write_chunk(condition, start, stop, records, seconds=now - mark)
+                mark = now
                 claims.pop(condition).release()
                 for claim in claims.values():  # heartbeat of the conditions still to come
                     claim.touch()

@@ -18,7 +18,7 @@ import pandas as pd
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes, sha256_file
 
 __all__ = ["PACKED", "PACKED_MANIFEST", "is_packed", "verify_packed", "write_packed", "write_packed_manifest",
-           "packed_computed_on", "csv_rows"]
+           "packed_computed_on", "packed_compute_time", "csv_rows"]
 
 PACKED = "records.csv.gz"
 PACKED_MANIFEST = "checksums.json"
@@ -80,8 +80,19 @@ def packed_computed_on(root: Path) -> dict[str, int]:
         return {}
 
 
-def write_packed_manifest(root: Path, rows: int, computed_on: dict[str, int] | None = None) -> None:
-    """``checksums.json`` of the packed run in ``root``: every file's sha256, the records' ``rows``."""
+def packed_compute_time(root: Path) -> dict:
+    """The run's compute time as its ``checksums.json`` keeps it
+    (:meth:`~robust_attn.runs.store.RunStore.compute_time`; ``{}`` for a run packed before it kept it)."""
+    try:
+        return dict(json.loads((root / PACKED_MANIFEST).read_text()).get("compute_time", {}))
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def write_packed_manifest(root: Path, rows: int, computed_on: dict[str, int] | None = None,
+                          compute_time: dict | None = None) -> None:
+    """``checksums.json`` of the packed run in ``root``: every file's sha256, the records' ``rows``,
+    and where given the chunks per hardware and the compute time."""
     files = {}
     for item in sorted(root.iterdir()):
         if item.is_file() and item.name != PACKED_MANIFEST and not item.name.startswith("."):
@@ -90,10 +101,13 @@ def write_packed_manifest(root: Path, rows: int, computed_on: dict[str, int] | N
     manifest = {"files": files}
     if computed_on:
         manifest["computed_on"] = computed_on
+    if compute_time and compute_time.get("timed"):
+        manifest["compute_time"] = compute_time
     atomic_write_json(root / PACKED_MANIFEST, manifest)
 
 
-def write_packed(source: Path, dest: Path, records: pd.DataFrame, computed_on: dict[str, int]) -> None:
+def write_packed(source: Path, dest: Path, records: pd.DataFrame, computed_on: dict[str, int],
+                 compute_time: dict | None = None) -> None:
     """Pack the finished run in ``source`` (its verified ``records``) into ``dest``: its other
     files copied, the records as one gzip CSV (byte-reproducible: no timestamp in the gzip
     header), then ``checksums.json``, so that a half-rewritten pack never passes as sealed
@@ -105,4 +119,4 @@ def write_packed(source: Path, dest: Path, records: pd.DataFrame, computed_on: d
                 tmp.write_bytes(item.read_bytes())
     with atomic_path(dest / PACKED) as tmp:
         tmp.write_bytes(gzip.compress(records.to_csv(index=False).encode(), mtime=0))
-    write_packed_manifest(dest, len(records), computed_on)
+    write_packed_manifest(dest, len(records), computed_on, compute_time)

@@ -51,6 +51,11 @@ resumed from its saved state may have run its first members on another) and the 
 differs between machines, :mod:`robust_attn.utils.hardware`), and a packed run's
 ``checksums.json`` keeps the count per hardware (``"computed_on"``): :meth:`RunStore.computed_on`,
 shown in the report's model table. Chunks written before this existed count as ``"not recorded"``.
+The entry also keeps the wall seconds its process spent on the chunk (``"seconds"``: from the
+previous chunk it wrote, or from the start of its pass, to this one's write, loading included), so
+what a run cost is summed from its chunks, :meth:`RunStore.compute_time`, however often it was
+killed and resumed (the chunk under way at a kill is lost with its time; an attack resumed from its
+saved state counts the resumed part).
 
 Claims (concurrency): several processes share one run's chunks by claiming each before
 computing it (:mod:`robust_attn.runs.claims`).
@@ -77,7 +82,8 @@ from robust_attn.runs.claims import Claim, claim_chunk
 from robust_attn.runs.identity import VOLATILE_KEYS, why_not_resumable
 from robust_attn.runs.migrations import (SCHEMA_KEY, SCHEMA_VERSION,
                                          current_description, current_records, schema_version, to_stored_layout)
-from robust_attn.runs.packing import PACKED, csv_rows, is_packed, packed_computed_on, verify_packed, write_packed
+from robust_attn.runs.packing import (PACKED, csv_rows, is_packed, packed_compute_time, packed_computed_on,
+                                      verify_packed, write_packed)
 from robust_attn.utils.hardware import hardware_label
 from robust_attn.utils.io import atomic_path, atomic_write_json, sha256_bytes
 
@@ -236,9 +242,10 @@ class RunStore:
             return None
         return claim_chunk(self.chunk_path(condition, start, stop), timeout)
 
-    def write_chunk(self, condition: str, start: int, stop: int, records: pd.DataFrame) -> Path:
+    def write_chunk(self, condition: str, start: int, stop: int, records: pd.DataFrame,
+                    seconds: float | None = None) -> Path:
         """Write the records of items [start, stop) under ``condition``, atomically, after their
-        manifest entry (sha256 and row count)."""
+        manifest entry (sha256, row count and, given, the ``seconds`` spent on it)."""
         if self.packed:
             raise ValueError(f"{self.root} is a packed run (finished, {PACKED}); run into another --out")
         if len(records) != stop - start:
@@ -252,6 +259,8 @@ class RunStore:
         if self.device is not None:
             entry["device"] = self.device
             entry["hardware"] = hardware_label(self.device)
+        if seconds is not None:
+            entry["seconds"] = round(float(seconds), 3)
         atomic_write_json(self.checksum_path(path), entry)
         with atomic_path(path) as tmp:
             tmp.write_bytes(data)
@@ -423,6 +432,15 @@ class RunStore:
                          for entry in self.manifest_entries().values())
         return dict(sorted(counts.items()))
 
+    def compute_time(self) -> dict:
+        """``{"seconds", "timed", "chunks"}``: the wall seconds the run's chunks recorded (module
+        docstring), summed over the ``timed`` of its ``chunks`` written that recorded them. A packed
+        run answers from its ``checksums.json`` (``{}`` for a run packed before it kept them)."""
+        if self.packed:
+            return packed_compute_time(self.root)
+        times = [e["seconds"] for e in self.manifest_entries().values() if isinstance(e.get("seconds"), (int, float))]
+        return {"seconds": round(float(sum(times)), 3), "timed": len(times), "chunks": len(self.chunks())}
+
     def manifest_entries(self) -> dict[tuple[str, int, int], dict]:
         """Each record chunk's manifest entry (module docstring), by ``(condition, start, stop)``;
         ``{}`` for a chunk whose entry is missing or unreadable (:meth:`verify` reports those)."""
@@ -445,7 +463,8 @@ class RunStore:
         dest = Path(dest)
         if dest.resolve() == self.root.resolve():
             raise ValueError("pack into another directory than the run itself")
-        write_packed(self.root, dest, self.stored_records(), self.computed_on())   # verified, as stored
+        # the records verified, as stored
+        write_packed(self.root, dest, self.stored_records(), self.computed_on(), self.compute_time())
         return RunStore(dest)
 
 

@@ -274,7 +274,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     log(f"study: writing the report into {report_dir} (packing the runs, {config.bootstrap} bootstrap resamples) ...")
     packed = [RunStore(d).pack(report_dir / "runs" / d.name).root for d in run_dirs]
     files = make_report(packed, report_dir, n_boot=config.bootstrap, seed=config.seed, baseline=config.baseline,
-                        preamble=_preamble(config, runs_dir, len(dataset), len(attack_dataset), chosen),
+                        preamble=_preamble(config, runs_dir, len(dataset), len(attack_dataset), chosen, packed),
                         keep=(TIMINGS_FILE,))
     with atomic_path(report_dir / TIMINGS_FILE) as tmp:
         tmp.write_bytes((runs_dir / TIMINGS_FILE).read_bytes())
@@ -299,10 +299,32 @@ def _described(step, config: StudyConfig) -> str:
     return step.describe(config) if step.describe is not None else f"{step.name}: {step.summary}."
 
 
+def _compute_table(runs: list[Path]) -> list[str]:
+    """Seconds per model and step summed from each run's record chunks
+    (:meth:`~robust_attn.runs.store.RunStore.compute_time`: every resumed or killed call included);
+    ``>=`` where some chunks were written before chunks recorded their time; no lines when none did."""
+    cells: dict[str, dict[str, str]] = {}
+    for run in runs:
+        spent = RunStore(run).compute_time()
+        if spent.get("timed"):
+            step, model = run.name.split("-", 1)
+            mark = "" if spent["timed"] == spent["chunks"] else ">= "
+            cells.setdefault(model, {})[step] = f"{mark}{spent['seconds']:.0f}"
+    if not cells:
+        return []
+    steps = list(dict.fromkeys(step for row in cells.values() for step in row))
+    devices = ", ".join(sorted({h for run in runs for h in RunStore(run).computed_on()}))
+    return ([f"Compute time per model and step (seconds on {devices}; summed from each run's record chunks, every "
+             "resumed call included; >= where some chunks predate the chunks' timing):", "",
+             "| model | " + " | ".join(f"{s} (s)" for s in steps) + " |", "|:--|" + "--:|" * len(steps)]
+            + [f"| {m} | " + " | ".join(row.get(s, "-") for s in steps) + " |" for m, row in cells.items()] + [""])
+
+
 def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_images: int,
-              models: list[StudyModel]) -> list[str]:
+              models: list[StudyModel], runs: list[Path] = ()) -> list[str]:
     """The report's opening: the models and images, then each protocol that ran, in the words
-    of its registration (:mod:`robust_attn.protocols.study_step`), and the wall time spent."""
+    of its registration (:mod:`robust_attn.protocols.study_step`), and the compute time spent
+    (from ``runs``' record chunks, else from the study's ``timings.csv``)."""
     who = f"every zoo model trained on `{config.dataset}`" if not config.models else \
         f"{len(models)} models on `{config.dataset}` ({', '.join(m.name for m in models)}; where each came from: " \
         f"Models, below)"
@@ -313,6 +335,9 @@ def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_i
     attacks = [_described(step, config) for step in ran if step.attack_subset]
     if attacks:
         lines += [f"Attacks on a seeded subset of {num_attack_images} of these images: " + "; ".join(attacks) + ".", ""]
+    table = _compute_table(list(runs))
+    if table:
+        return lines + table
     timings_path = runs_dir / TIMINGS_FILE
     if timings_path.is_file():
         timings = pd.read_csv(timings_path)
@@ -320,7 +345,8 @@ def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_i
                                                                    values="seconds", aggfunc="sum", sort=False)
         if not spent.empty:
             device = ", ".join(sorted(timings["device"].astype(str).unique()))
-            lines += [f"Wall time spent computing ({device}; summed over resumed calls, from `{TIMINGS_FILE}`):", "",
+            lines += [f"Wall time spent computing ({device}; summed over the calls that finished a step, from "
+                      f"`{TIMINGS_FILE}`):", "",
                       "| model | " + " | ".join(f"{c} (s)" for c in spent.columns) + " |",
                       "|:--|" + "--:|" * len(spent.columns)]
             lines += [f"| {m} | " + " | ".join("-" if pd.isna(v) else f"{v:.0f}" for v in row) + " |"
