@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from robust_attn.utils.plugins import Registry
+from robust_attn.utils.radius import RadiusError, parse_radius
 
 __all__ = ["AttackConfig", "AttackOutput", "Attack", "ATTACKS", "register_attack", "make_attack",
            "list_attacks", "parse_eps", "NORMS", "SCHEDULES", "AttackInputError"]
@@ -261,8 +262,6 @@ def parse_eps(text: str | float, norm: str = "linf") -> float:
     """``"8/255"`` -> 8/255; ``"0.5"`` or ``0.5`` -> 0.5 (image units): the radius syntax of every
     command and config (:func:`robust_attn.utils.radius.parse_radius`), with its errors raised as
     :class:`AttackInputError`."""
-    from robust_attn.utils.radius import RadiusError, parse_radius
-
     try:
         return parse_radius(text, option="eps", norm=norm)
     except RadiusError as error:
