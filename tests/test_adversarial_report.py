@@ -16,6 +16,7 @@ from robust_attn.protocols.report_section import ReportContext
 from robust_attn.reports.adversarial import adversarial_findings, adversarial_section, pair_models
 from robust_attn.reports.masking_marks import MARK, annotate_masking
 from robust_attn.reports.runs import Run
+from robust_attn.reports.stats import bootstrap_mean_ci
 
 N = 400
 FGSM = {"method": "fgsm", "norm": "linf", "eps": 8 / 255, "eps_255": 8.0, "steps": 1}
@@ -120,6 +121,10 @@ def test_most_robust_family_gain_and_flip_are_the_constructed_ones(study, tmp_pa
     assert best.loc["sasa_resnet26_adv", "minus_best_low"] < 0 <= best.loc["sasa_resnet26_adv", "minus_best_high"]
     assert best.loc["resnet26_adv", "minus_best"] == pytest.approx(-15.0)
     assert best.loc["resnet26_adv", "minus_best_high"] < 0
+    # its interval is that of the per-image differences (one resample of images for both models)
+    paired = bootstrap_mean_ci(h.aa_conv - h.aa_san, n_boot=400, seed=0)
+    shown = best.loc["resnet26_adv", ["minus_best_low", "minus_best_high"]].tolist()
+    assert shown == pytest.approx([paired.low, paired.high])
     # SAN10 pairwise: 40 points weaker under APGD-CE 2/255 when standard, 15 points stronger adversarially
     weak = table[table["question"] == "weakness"].set_index(["family", "attack"])
     assert weak.loc[("standard", "APGD-CE 2/255"), "value"] == pytest.approx(-40.0)

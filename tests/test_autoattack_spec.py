@@ -1,4 +1,5 @@
-"""protocols/autoattack.toml, the AutoAttack specification, agrees with the code that runs it."""
+"""protocols/autoattack.toml, the AutoAttack specification, agrees with the code that runs it; the
+ensemble runs its members as specified (each on the images the earlier ones left robust)."""
 from __future__ import annotations
 
 import sys
@@ -86,3 +87,40 @@ def test_a_short_autoattack_run_on_a_five_class_model_completes(monkeypatch):
         "apgd-ce": None, "apgd-t": 4, "fab-t": 4, "square": None}
     assert out.by == ["", "", ""] and out.adv.shape == images.shape
     assert (out.queries == 1 + 3).all()   # Square's: its clean check and 3 queries per image
+
+
+def test_each_member_attacks_only_the_images_still_robust_and_is_credited_with_its_own(monkeypatch):
+    """Scripted members on a nearest-grey-level model: each fools a fixed set of images (by moving
+    them one level up); a member sees only the images every earlier member left robust (an image
+    misclassified clean is seen by none), and each fooled image is credited to the first member
+    that fooled it."""
+    from robust_attn.attacks.base import AttackOutput
+
+    class Grey(torch.nn.Module):   # class k: mean pixel nearest to k / 10 + 0.05
+        def forward(self, x):
+            return -(x.mean((1, 2, 3))[:, None] - (torch.arange(10) / 10 + 0.05)) ** 2
+
+    fools = {"apgd-ce": {0, 1}, "apgd-t": {1, 2}, "fab-t": {3}, "square": set()}
+    seen = {}
+
+    class Scripted:
+        attack_copy = progress = None
+        portable_progress = False
+
+        def __init__(self, config):
+            self.name = config.attack
+
+        def run(self, model, images, labels):
+            ids = [round(float(x.mean()) * 10 - 0.5) for x in images]   # the image's own grey level
+            seen[self.name] = ids
+            shift = torch.tensor([0.1 if i in fools[self.name] else 0.0 for i in ids]).view(-1, 1, 1, 1)
+            return AttackOutput(images + shift)
+
+    monkeypatch.setattr(autoattack, "make_attack", Scripted)
+    images = (torch.arange(7) / 10 + 0.05).view(-1, 1, 1, 1).expand(7, 3, 4, 4).clone()
+    labels = torch.tensor([0, 1, 2, 3, 4, 5, 0])   # image 6 is misclassified clean
+    out = make_attack(AttackConfig("autoattack", eps=0.15)).run(Grey().eval(), images, labels)   # > one level
+    assert seen == {"apgd-ce": [0, 1, 2, 3, 4, 5], "apgd-t": [2, 3, 4, 5], "fab-t": [3, 4, 5], "square": [4, 5]}
+    assert out.by == ["apgd-ce", "apgd-ce", "apgd-t", "fab-t", "", "", "clean"]
+    with torch.no_grad():
+        assert (Grey()(out.adv).argmax(1) != labels).tolist() == [True] * 4 + [False, False, True]
