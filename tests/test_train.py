@@ -198,6 +198,29 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     assert state["epoch"] == 2 and len(list((tmp_path / "split" / "checkpoints").glob("epoch_*"))) == 1
 
 
+def test_resume_restores_the_global_random_state_a_dropout_model_draws_from(tmp_path):
+    """Augmentation and shuffling draw from their own seeded generators; a model's dropout draws
+    from torch's global one, which resuming must restore for the run to equal an uninterrupted one."""
+    from robust_attn.models.registry import MODELS, register_model
+
+    @register_model(family="test", paper="a test model with dropout")
+    def _dropout_test_net(num_classes=10, resolution="cifar"):
+        return nn.Sequential(nn.Conv2d(3, 8, 3, stride=4), nn.ReLU(), nn.Flatten(), nn.Dropout(0.5),
+                             nn.Linear(8 * 8 * 8, num_classes))   # 32 x 32 images
+
+    try:
+        raw = tiny_recipe(model="_dropout_test_net", data={"limit_train": 16})
+        raw["model_args"] = {}
+        recipe = recipe_from_dict(raw)
+        full = train(recipe, tmp_path / "full", progress=False, log=quiet)
+        train(recipe, tmp_path / "split", progress=False, log=quiet, stop_after=1)
+        torch.manual_seed(12345)   # whatever ran in between moved the global generator
+        second = train(recipe, tmp_path / "split", resume=True, progress=False, log=quiet)
+        assert full["sha256"] == second["sha256"]
+    finally:
+        MODELS.remove("_dropout_test_net")
+
+
 def test_metrics_record_each_epochs_cpu_time_and_older_rows_without_it_stay_readable(tmp_path):
     from robust_attn.train.trainer import _write_csv
 
