@@ -1,5 +1,6 @@
 """SAN operator and SAN10/15/19 (Zhao et al. 2020): paper numbers, invariances, lean == reference."""
 import copy
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -295,14 +296,15 @@ def test_lean_operator_gradcheck_in_training_mode(attention):
 
 
 def test_reflect_pad_equals_torch_and_extends_to_tiny_maps():
+    """Where torch's reflection padding stops (a pad as large as the map: a 7x7 footprint on a CIFAR
+    model's 1x1 to 4x4 maps), the padding keeps reflecting without repeating the edge, as numpy's
+    ``reflect`` mode does."""
     x = torch.randn(1, 2, 5, 6)
     torch.testing.assert_close(reflect_pad(x, 3), F.pad(x, (3, 3, 3, 3), mode="reflect"))
-    for size in (1, 2, 3):
-        tiny = torch.randn(1, 1, size, size)
-        padded = reflect_pad(tiny, 3)
-        assert padded.shape[-2:] == (size + 6, size + 6)
-        assert torch.isin(padded, tiny).all()
-        torch.testing.assert_close(padded[..., 3:3 + size, 3:3 + size], tiny)
+    for height, width, pad in [(1, 1, 3), (2, 2, 3), (3, 3, 3), (2, 4, 3), (4, 4, 5), (3, 2, 1)]:
+        tiny = torch.randn(2, 3, height, width)
+        expected = np.pad(tiny.numpy(), ((0, 0), (0, 0), (pad, pad), (pad, pad)), mode="reflect")
+        torch.testing.assert_close(reflect_pad(tiny, pad), torch.from_numpy(expected))
 
 
 def test_pairwise_without_position_encoding_is_a_set_operation():

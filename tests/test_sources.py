@@ -295,8 +295,8 @@ def test_timm_config_becomes_the_preprocessing(monkeypatch):
         net.pretrained_cfg = {"tag": "fake_in1k"}
         return net
 
-    config = {"input_size": (3, 240, 240), "interpolation": "bicubic", "mean": (0.5, 0.5, 0.5),
-              "std": (0.5, 0.5, 0.5), "crop_pct": 0.9, "crop_mode": "center"}
+    config = {"input_size": (3, 240, 240), "interpolation": "bicubic", "mean": (0.5, 0.45, 0.4),
+              "std": (0.25, 0.2, 0.3), "crop_pct": 0.9, "crop_mode": "center"}
     fake = types.ModuleType("timm")
     fake.__version__ = "0.fake"
     fake.is_model = lambda name: name == "fakenet"
@@ -308,9 +308,10 @@ def test_timm_config_becomes_the_preprocessing(monkeypatch):
     monkeypatch.setitem(sys.modules, "timm.data", fake.data)
     loaded = load_model_spec("timm:fakenet", dataset_info=SYNTH, model_args={"pretrained": False})
     assert calls == {"name": "fakenet", "pretrained": False, "num_classes": 10}
-    assert loaded.preprocessing == Preprocessing(mean=(0.5,) * 3, std=(0.5,) * 3, input_size=240,
+    assert loaded.preprocessing == Preprocessing(mean=(0.5, 0.45, 0.4), std=(0.25, 0.2, 0.3), input_size=240,
                                                  resize_size=int(240 / 0.9), crop_size=240, interpolation="bicubic")
-    torch.testing.assert_close(loaded.model.mean.flatten(), torch.full((3,), 0.5))
+    torch.testing.assert_close(loaded.model.mean.flatten(), torch.tensor([0.5, 0.45, 0.4]))
+    torch.testing.assert_close(loaded.model.std.flatten(), torch.tensor([0.25, 0.2, 0.3]))
     # pretrained (the default): timm's own head is kept, and a 1000-class head is refused on 10 classes
     with pytest.raises(CheckpointError, match="outputs 1000 classes but the dataset has 10"):
         load_model_spec("timm:fakenet", dataset_info=SYNTH)
