@@ -177,6 +177,30 @@ def test_study_runs_every_zoo_model_then_resumes_for_free(tmp_path, tiny_zoo):
     pd.testing.assert_frame_equal(pd.read_csv(report / "comparison.csv"), comparison)
 
 
+def test_the_compute_table_sums_the_chunks_and_bounds_a_run_that_predates_their_timing(tmp_path):
+    from robust_attn.study.run import _compute_table
+
+    def run(name, seconds):   # two chunks, each with its seconds (None: written before chunks kept them)
+        store = RunStore(tmp_path / name)
+        store.open({"protocol": "rotation", "model": name, "num_images": 4, "chunk_size": 2, "command": ["x"],
+                    "conditions": [{"name": "none"}]})
+        for start, spent in zip((0, 2), seconds):
+            store.write_chunk("none", start, start + 2, pd.DataFrame({"index": [start, start + 1], "top1": [1, 0]}),
+                              seconds=spent)
+        return store.root
+
+    runs = [run("rotation-a", (10.0, 20.0)), run("rotation-b", (None, 5.0)), run("rotation-c", (None, None)),
+            run("pgd-c", (None, None))]
+    logged = pd.DataFrame({"model": ["b", "c", "c", "c"], "protocol": ["rotation", "rotation", "rotation", "pgd"],
+                           "seconds": [2.0, 40.0, 1.0, 7.0], "chunks_written": [1, 1, 0, 1]})
+    table = _compute_table(runs, logged)
+    assert table[2:-1] == ["| model | rotation (s) | pgd (s) |", "|:--|--:|--:|",
+                           "| a | 30 | - |",        # every chunk timed: their sum
+                           "| b | >= 5 | - |",      # half timed: the larger of 5 (chunks) and 2 (timings.csv)
+                           "| c | >= 40 | >= 7 |"]  # none timed: timings.csv's calls that wrote chunks
+    assert _compute_table(runs[2:]) == []          # nothing known: no table
+
+
 def test_study_attack_protocols_end_to_end(tmp_path, tiny_zoo):
     """AutoAttack, Square, the transfer matrix and the masking checks on two tiny models: the
     report's sections agree with the records, and `report` derives them again from the packed runs."""

@@ -299,23 +299,33 @@ def _described(step, config: StudyConfig) -> str:
     return step.describe(config) if step.describe is not None else f"{step.name}: {step.summary}."
 
 
-def _compute_table(runs: list[Path]) -> list[str]:
+def _compute_table(runs: list[Path], logged: pd.DataFrame | None = None) -> list[str]:
     """Seconds per model and step summed from each run's record chunks
-    (:meth:`~robust_attn.runs.store.RunStore.compute_time`: every resumed or killed call included);
-    ``>=`` where some chunks were written before chunks recorded their time; no lines when none did."""
+    (:meth:`~robust_attn.runs.store.RunStore.compute_time`: every resumed or killed call included).
+    Where some of a run's chunks were written before chunks kept their time, a lower bound marked
+    ``>=``: the larger of its timed chunks' sum and ``logged`` (``timings.csv``'s rows, which
+    count only the calls that finished a step). No lines when neither knows anything."""
+    finished = {}
+    if logged is not None and len(logged):
+        done = logged[logged["chunks_written"] > 0]
+        finished = done.groupby(["model", "protocol"])["seconds"].sum().to_dict()
     cells: dict[str, dict[str, str]] = {}
     for run in runs:
+        step, model = run.name.split("-", 1)
         spent = RunStore(run).compute_time()
-        if spent.get("timed"):
-            step, model = run.name.split("-", 1)
-            mark = "" if spent["timed"] == spent["chunks"] else ">= "
-            cells.setdefault(model, {})[step] = f"{mark}{spent['seconds']:.0f}"
+        if spent.get("timed") and spent["timed"] == spent["chunks"]:
+            cells.setdefault(model, {})[step] = f"{spent['seconds']:.0f}"
+            continue
+        lower = max(spent.get("seconds", 0.0), finished.get((model, step), 0.0))
+        if lower > 0:
+            cells.setdefault(model, {})[step] = f">= {lower:.0f}"
     if not cells:
         return []
     steps = list(dict.fromkeys(step for row in cells.values() for step in row))
     devices = ", ".join(sorted({h for run in runs for h in RunStore(run).computed_on()}))
     return ([f"Compute time per model and step (seconds on {devices}; summed from each run's record chunks, every "
-             "resumed call included; >= where some chunks predate the chunks' timing):", "",
+             f"resumed call included; >= a lower bound, where chunks predate the chunks' timing: the larger of the "
+             f"timed chunks' sum and the calls that finished the step in `{TIMINGS_FILE}`):", "",
              "| model | " + " | ".join(f"{s} (s)" for s in steps) + " |", "|:--|" + "--:|" * len(steps)]
             + [f"| {m} | " + " | ".join(row.get(s, "-") for s in steps) + " |" for m, row in cells.items()] + [""])
 
@@ -324,7 +334,7 @@ def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_i
               models: list[StudyModel], runs: list[Path] = ()) -> list[str]:
     """The report's opening: the models and images, then each protocol that ran, in the words
     of its registration (:mod:`robust_attn.protocols.study_step`), and the compute time spent
-    (from ``runs``' record chunks, else from the study's ``timings.csv``)."""
+    (:func:`_compute_table`: ``runs``' record chunks, and the study's ``timings.csv``)."""
     who = f"every zoo model trained on `{config.dataset}`" if not config.models else \
         f"{len(models)} models on `{config.dataset}` ({', '.join(m.name for m in models)}; where each came from: " \
         f"Models, below)"
@@ -335,21 +345,6 @@ def _preamble(config: StudyConfig, runs_dir: Path, num_images: int, num_attack_i
     attacks = [_described(step, config) for step in ran if step.attack_subset]
     if attacks:
         lines += [f"Attacks on a seeded subset of {num_attack_images} of these images: " + "; ".join(attacks) + ".", ""]
-    table = _compute_table(list(runs))
-    if table:
-        return lines + table
     timings_path = runs_dir / TIMINGS_FILE
-    if timings_path.is_file():
-        timings = pd.read_csv(timings_path)
-        spent = timings[timings["chunks_written"] > 0].pivot_table(index="model", columns="protocol",
-                                                                   values="seconds", aggfunc="sum", sort=False)
-        if not spent.empty:
-            device = ", ".join(sorted(timings["device"].astype(str).unique()))
-            lines += [f"Wall time spent computing ({device}; summed over the calls that finished a step, from "
-                      f"`{TIMINGS_FILE}`):", "",
-                      "| model | " + " | ".join(f"{c} (s)" for c in spent.columns) + " |",
-                      "|:--|" + "--:|" * len(spent.columns)]
-            lines += [f"| {m} | " + " | ".join("-" if pd.isna(v) else f"{v:.0f}" for v in row) + " |"
-                      for m, row in spent.iterrows()]
-            lines.append("")
-    return lines
+    logged = pd.read_csv(timings_path) if timings_path.is_file() else None
+    return lines + _compute_table(list(runs), logged)
