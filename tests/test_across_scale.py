@@ -167,3 +167,43 @@ def test_report_compare_zoo_writes_the_table(zoos, tmp_path, capsys):
     # a path holding no runs is an error naming it, not a traceback
     assert main(["report", str(zoos[1]), "--compare-zoo", str(tmp_path / "empty"), "--out", str(out)]) == 2
     assert "holds no runs" in capsys.readouterr().err
+
+
+def test_a_group_on_the_better_side_is_compared_at_its_weakest_model(zoos):
+    # "SAN10 pairwise is the least robust of all under APGD-CE at 1/255" in zoo B: of the others, sasa
+    # (loss 0.75) comes closest to san10_pairwise (1.0), not resnet26 (0.5)
+    finding = _finding("apgd1_least")
+    runs = load_zoo([zoos[1]])
+    result = check_finding(finding, {m: measure_losses(runs, m) for m in finding.measures}, n_boot=100)
+    assert result["detail"] == "san10_pairwise minus sasa_resnet26"
+    assert result["value"] == pytest.approx(25.0) and result["verdict"] == "yes"
+
+
+def test_chance_is_tested_on_the_most_robust_model(tmp_path):
+    # resnet26 keeps half of the images under both attacks, san10_pairwise none: the zoo is not at chance,
+    # which the most robust model shows (its loss 0.5 against chance's 0.9)
+    for model, kept in (("resnet26", HALF), ("san10_pairwise", NONE)):
+        _write(tmp_path / f"square-{model}", "attack", model, model, {"clean": EVERY, "square_linf_eps8": kept})
+        _write(tmp_path / f"autoattack-{model}", "attack", model, model, {"clean": EVERY, "autoattack_linf_eps8": kept})
+    finding = _finding("none_robust_at_8")
+    runs = load_zoo([tmp_path])
+    result = check_finding(finding, {m: measure_losses(runs, m) for m in finding.measures}, n_boot=100)
+    assert result["value"] == pytest.approx(-40.0) and result["verdict"] == "no"
+    assert "minus resnet26's (50.0%)" in result["detail"]
+
+
+def test_the_same_ranking_is_a_no_only_where_every_resample_keeps_it():
+    # one order of the three models under both measures, but a and b differ by 1 image in 200 under
+    # each, on different images: resamples swap them, so "the rankings differ" is unresolved, not false
+    rng = np.random.default_rng(1)
+    close = {m: rng.permutation((np.arange(N) < k).astype(float)) for m, k in (("a", 100), ("b", 101))}
+    first = pd.DataFrame({**close, "c": np.ones(N)})
+    second = pd.DataFrame({m: rng.permutation(v) for m, v in close.items()} | {"c": np.ones(N)})
+    finding = _finding("corruptions_unlike_rotation")
+    measures = {finding.measures[0]: first, finding.against: second}
+    result = check_finding(finding, measures, n_boot=200)
+    assert result["value"] == 1.0 and result["low"] < 1 and result["verdict"] == "unresolved"
+    # well apart (a keeps 150 images, b 100), every resample keeps the order: no
+    apart = {m: pd.DataFrame({"a": (np.arange(N) < 50).astype(float), "b": HALF.astype(float), "c": np.ones(N)})
+             for m in measures}
+    assert check_finding(finding, apart, n_boot=200)["verdict"] == "no"

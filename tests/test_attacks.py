@@ -629,3 +629,18 @@ def test_exact_and_fast_modes_on_a_model_without_batchnorm():
     exact = targeted_pgd(model, images, targets, PAPER_SETTINGS[1], exact=True)
     assert ((fast - exact).abs() <= 1e-6).float().mean().item() >= 0.97
     assert (fast - images).abs().max().item() <= PAPER_SETTINGS[1].eps_abs + 1e-6
+
+
+def test_the_random_start_is_uniform_over_the_whole_eps_ball():
+    """PGD's random start (Madry et al.) draws each pixel's offset uniformly in [-eps, eps]: both signs,
+    centred on the image (a start drawn in [0, eps] brightens every image before the first step)."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10)).eval()
+    images = torch.full((16, 3, 8, 8), 0.5)                     # mid-grey: no offset is clipped
+    torch.manual_seed(0)
+    start = targeted_pgd(model, images, torch.zeros(16, dtype=torch.long),
+                         PGDConfig(eps=8, step=2, steps=0, random_start=True))
+    offset, eps = start - images, 8 / 255
+    assert offset.abs().max() <= eps + 1e-7
+    assert offset.min() < -0.95 * eps and offset.max() > 0.95 * eps
+    assert abs(offset.mean().item()) < 0.05 * eps               # 3,072 draws: the standard error is 0.01 eps
+    assert 0.45 < (offset < 0).float().mean().item() < 0.55
