@@ -369,7 +369,8 @@ def test_a_killed_claimant_is_taken_over_and_a_live_one_is_respected(tmp_path):
 
 def test_a_claim_whose_pid_is_reused_or_a_zombie_is_taken_over_and_a_live_one_is_not(tmp_path):
     """On this host a claim's process is identified by pid and start time: a live pid with another
-    start time (the pid reused) or a zombie (killed, not yet reaped) holds nothing."""
+    start time (the pid reused), a zombie (killed, not yet reaped) or a claim in this process's own
+    pid that it did not make holds nothing."""
     import socket
 
     from robust_attn.runs.claims import _process_start, claim_chunk
@@ -390,6 +391,11 @@ def test_a_claim_whose_pid_is_reused_or_a_zombie_is_taken_over_and_a_live_one_is
     taken = claimed_by(parent, "1")                                       # its pid, another start time
     assert taken is not None and taken.path.name == f"{chunk.name}.claim.1"
     taken.release()
+    # this process's own pid and start time, but a token it never issued: a claim left by an earlier
+    # process that had this pid (a restarted container numbers its processes anew), not one of ours
+    mine = claimed_by(os.getpid(), _process_start(os.getpid()))
+    assert mine is not None and mine.path.name == f"{chunk.name}.claim.1"
+    mine.release()
     pid = os.fork()
     if pid == 0:
         os._exit(0)

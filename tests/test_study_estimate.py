@@ -96,6 +96,9 @@ def test_attack_bounds_and_unknown_protocols_are_said():
 def test_format_seconds_picks_a_readable_unit():
     assert [format_seconds(s) for s in (None, 12.4, 600, 3 * 3600, 5 * 86400)] == ["?", "12 s", "10 min", "3.0 h",
                                                                                     "5.0 days"]
+    # the unit changes at 90 s, 90 min and 2 days
+    assert [format_seconds(s) for s in (89, 90, 5399, 5400, 2 * 86400 - 360, 2 * 86400)] == \
+        ["89 s", "2 min", "90 min", "1.5 h", "47.9 h", "2.0 days"]
 
 
 def test_clock_scales_what_is_left_by_how_the_finished_steps_went():
