@@ -505,3 +505,24 @@ def test_a_report_that_fails_part_way_leaves_the_earlier_report_as_it_was(runs, 
     with pytest.raises(KeyboardInterrupt):
         make_report(runs[1:2], out, n_boot=30, plots=False)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_the_robust_accuracy_table_orders_radii_by_value_and_names_columns_on_fewer_images():
+    """The wide RobustBench table: radii in numeric order (16/255 after 2/255, not before it as text
+    sorts), and a model whose attacks ran on different numbers of images says so (AutoAttack at 2/255
+    on a seeded 500 of the 1,000 attack images) instead of giving the largest count alone."""
+    from robust_attn.reports.attacks import format_robust_accuracy
+
+    def row(model, column, n, top1):
+        return {"model": model, "dataset": "cifar10", "column": column, "n": n, "top1": top1, "low": top1 - 2,
+                "high": top1 + 2}
+
+    long = pd.DataFrame([row("a", "clean", 1000, 80.0), row("a", "AutoAttack 16/255", 1000, 0.0),
+                         row("a", "AutoAttack 2/255", 500, 5.0), row("a", "APGD-CE 8/255", 1000, 1.0),
+                         row("b", "clean", 1000, 70.0), row("b", "AutoAttack 2/255", 1000, 4.0)])
+    wide = format_robust_accuracy(long).set_index("model")
+    assert list(wide.columns) == ["dataset", "clean", "APGD-CE 8/255", "AutoAttack 2/255", "AutoAttack 16/255",
+                                  "images"]
+    assert wide.loc["a", "images"] == "1000 (AutoAttack 2/255: 500)"
+    assert wide.loc["b", "images"] == 1000
+    assert wide.loc["a", "AutoAttack 2/255"] == "5.0 [3.0, 7.0]"

@@ -72,7 +72,9 @@ def robust_accuracy_table(runs, n_boot: int = 1000, seed: int = 0, level: float 
 
 
 def format_robust_accuracy(table: pd.DataFrame) -> pd.DataFrame:
-    """Wide: one row per model, ``top1 [low, high]`` per column, clean first, the image count."""
+    """Wide: one row per model, ``top1 [low, high]`` per column, clean first, the image count: the
+    largest of the model's columns, followed by each column on fewer images and its count
+    (``1000 (AutoAttack 2/255: 500)``, an attack run on a subset of the attack images)."""
     if table.empty:
         return table
     cells = table.assign(cell=[f"{v:.1f} [{lo:.1f}, {hi:.1f}]" for v, lo, hi in
@@ -81,8 +83,17 @@ def format_robust_accuracy(table: pd.DataFrame) -> pd.DataFrame:
     wide = cells.pivot_table(index=["model", "dataset"], columns="column", values="cell", aggfunc="first",
                              sort=False)
     wide = wide[[c for c in order if c in wide.columns]].reset_index()
-    n = cells.groupby(["model", "dataset"], sort=False)["n"].max().reset_index()
-    return wide.merge(n, on=["model", "dataset"]).rename(columns={"n": "images"})
+    images = pd.DataFrame([{"model": model, "dataset": dataset, "images": _image_counts(rows)}
+                           for (model, dataset), rows in cells.groupby(["model", "dataset"], sort=False)])
+    return wide.merge(images, on=["model", "dataset"])
+
+
+def _image_counts(rows: pd.DataFrame) -> int | str:
+    """The largest image count of one model's columns (its rows of the long table), then each
+    column on fewer images with its count."""
+    largest = int(rows["n"].max())
+    fewer = [f"{column}: {int(n)}" for column, n in zip(rows["column"], rows["n"]) if n < largest]
+    return largest if not fewer else f"{largest} ({', '.join(fewer)})"
 
 
 def _column_key(label: str) -> tuple:
