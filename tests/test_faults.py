@@ -439,6 +439,7 @@ def test_an_undeclared_unit_model_is_refused_naming_the_flag(unit_file, tmp_path
     assert "--model-input unit" in err and "64 of 64 on [0, 1] images" in err and "Traceback" not in err
     assert not (tmp_path / "probe").exists()
     expected = _nearest_colour_top1()
+    shas = []
     for extra, spec, origin in ((["--model-input", "unit"], f"{unit_file}:build", "flag"),
                                 ([], f"{unit_file}:declared", "declaration")):
         out = tmp_path / origin
@@ -450,7 +451,14 @@ def test_an_undeclared_unit_model_is_refused_naming_the_flag(unit_file, tmp_path
         assert desc["input_contract"] == "unit" and desc["input_contract_from"]["from"] == origin
         records = __import__("robust_attn.runs.store", fromlist=["load_records"]).load_records(out)
         assert 100 * records.loc[records["condition"] == "none", "top1"].mean() == pytest.approx(expected)
+        shas.append(desc["weights_sha256"])
     assert expected > 90
+    # the recorded sha256 is of the model as evaluated, its normalization left out: the same for the flag and
+    # the declaration, another for the same function evaluated on normalized images
+    argv[3] = f"{unit_file}:build"
+    assert main([*argv, "--model-input", "normalized", "--out", str(tmp_path / "normalized")]) == 0
+    normalized = json.loads((tmp_path / "normalized" / "run.json").read_text())["weights_sha256"]
+    assert shas[0] == shas[1] != normalized
 
 
 def test_an_undeclared_normalized_model_passes_the_probe_and_is_evaluated_normalized(unit_file, tmp_path, capsys):
