@@ -256,3 +256,13 @@ def test_gradient_reaches_the_relative_embeddings(name):
     relative = [p for n, p in model.named_parameters() if "rel_" in n]
     assert relative and all(p.grad.abs().sum() > 0 for p in relative)
 
+
+
+def test_relative_embeddings_start_at_the_papers_scale():
+    """AA Figure 8 (``relative_logits``) draws the relative embeddings from N(0, dkh^-1/2): the scale of
+    the content logits q.k after q is scaled by dkh^-1/2, so neither term starts out dominating."""
+    torch.manual_seed(0)
+    layer = AugmentedConv2d(8, 80, dk=64, dv=16, heads=1, feature_size=32)      # dkh 64: std 1/8, 63 x 64 draws
+    for table in (layer.rel_h, layer.rel_w):
+        assert table.shape == (63, 64)
+        assert table.std().item() == pytest.approx(64 ** -0.5, rel=0.05)

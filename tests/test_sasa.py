@@ -45,8 +45,9 @@ def slow_sasa(layer: SASAttention2d, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kernel_size", [3, 5])
 @pytest.mark.parametrize("impl", ["lean", "reference"])
-def test_layer_matches_slow_loop_reference_of_eq3(kernel_size, impl):
-    layer = SASAttention2d(16, 16, kernel_size=kernel_size, heads=4, impl=impl).double()
+@pytest.mark.parametrize("channels", [16, 12], ids=["head_dim4", "head_dim3"])   # 3: rows 1 channel, columns 2
+def test_layer_matches_slow_loop_reference_of_eq3(kernel_size, impl, channels):
+    layer = SASAttention2d(16, channels, kernel_size=kernel_size, heads=4, impl=impl).double()
     x = torch.randn(1, 16, 6, 6, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), slow_sasa(layer, x))
