@@ -194,3 +194,12 @@ def test_checkpoint_round_trip_keeps_outputs(tmp_path):
     x = torch.rand(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), wrapped(x))
+
+
+def test_relative_embeddings_start_at_the_documented_scale():
+    """The paper gives no initialization; the module's docstring chooses AA's N(0, d_k^-1/2)."""
+    torch.manual_seed(0)
+    layer = GlobalSelfAttention2d(8, 64, feature_size=32, heads=1, key_channels=64)   # d_k 64: std 1/8
+    for table in (layer.rel_column, layer.rel_row):
+        assert table.shape == (63, 64)
+        assert table.std().item() == pytest.approx(64 ** -0.5, rel=0.05)

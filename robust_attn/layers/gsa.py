@@ -29,6 +29,10 @@ module of residual groups 2-4 (section 4, "Model").
 
 There is no output projection after the module (the bottleneck's 1x1 expansion follows it);
 with one the parameter counts would overshoot GSA Table 6.
+
+The paper gives no initialization. The 1x1 convolutions use He's (fan out) as the zoo's other
+layers do; the relative embeddings start at ``N(0, d_k^-1/2)``, Attention Augmentation's scale for
+its relative embeddings (AA Figure 8), so that ``q . r`` starts at the scale of ``q . k``.
 """
 from __future__ import annotations
 
