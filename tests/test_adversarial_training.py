@@ -110,6 +110,18 @@ def test_trades_attacks_the_kl_in_eval_mode_and_adds_it_to_the_clean_loss():
     assert torch.allclose(loss, expected, atol=1e-5)
 
 
+def test_trades_starts_from_the_image_plus_a_thousandth_of_gaussian_noise():
+    """TRADES's inner maximization starts at ``x + 0.001 N(0, 1)`` (Zhang et al. 2019, their code): at
+    ``x`` itself the KL and its gradient are zero, and the steps would move on float rounding alone."""
+    from robust_attn.attacks.base import AttackConfig
+
+    attack = adv._TradesPGD(AttackConfig("pgd", norm="linf", eps=EPS, steps=1, step=EPS / 4, seed=0,
+                                         options={"random_start": True, "keep": "last"}))
+    images = torch.full((4, 3, 16, 16), 0.5)
+    offset = attack._random_start(images, torch.Generator().manual_seed(3)) - images
+    assert offset.std().item() == pytest.approx(0.001, rel=0.05) and abs(offset.mean().item()) < 1e-4
+
+
 def test_eps_warm_up_and_step_sizes():
     cfg = AdversarialConfig(method="pgd", eps=EPS, eps_warmup_epochs=2)
     assert [adv.eps_at(cfg, s, 5) for s in (0, 4, 9, 10, 50)] == pytest.approx([EPS / 10, EPS / 2, EPS, EPS, EPS])
