@@ -325,6 +325,49 @@ def test_study_runs_the_shift_protocols_with_one_corrupted_set(tmp_path, tiny_zo
     assert "## Common corruptions" in (report / "report.md").read_text()
 
 
+def test_the_mce_baseline_is_the_model_the_study_labels_so(tmp_path, tiny_zoo):
+    """A study names its models by label (``zoo:resnet26-efficient`` as ``resnet26``): the mCE's
+    baseline is the run of that label, as the findings' baseline is, whatever its zoo entry."""
+    from robust_attn.study.config import StudyConfig, StudyModel
+    from robust_attn.study.run import run_study
+
+    config = StudyConfig(dataset="synthetic", limit=8, batch_size=4, bootstrap=20, protocols=("corruption",),
+                         corruptions="gaussian_noise,contrast", severities=(1, 3), baseline="conv",
+                         models=(StudyModel("zoo:resnet26", label="conv"), StudyModel("zoo:sasa_resnet26",
+                                                                                      label="attn")))
+    runs, report = tmp_path / "runs", tmp_path / "report"
+    run_study(config, runs, report, manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    summary = pd.read_csv(report / "corruption_summary.csv").set_index("model")
+    errors = {m: error_table(load_records(runs / f"corruption-{m}"),
+                             json.loads((runs / f"corruption-{m}" / "run.json").read_text())["conditions"])
+              for m in ("conv", "attn")}
+    assert summary.loc["conv", "mCE"] == pytest.approx(100.0)
+    assert summary.loc["attn", "mCE"] == pytest.approx(mce_summary(errors["attn"], errors["conv"])["mCE"])
+
+
+def test_two_weights_of_the_baseline_name_leave_the_mce_empty(tmp_path, tiny_zoo):
+    """Two zoos in one report, each with its ``resnet26``: which one a third model's mCE is
+    against is not said, so it is left empty (as the findings' paired differences are); each
+    ``resnet26`` is its own baseline (100)."""
+    from robust_attn.reports import make_report
+    from robust_attn.study.config import StudyConfig, StudyModel
+    from robust_attn.study.run import run_study
+
+    common = dict(dataset="synthetic", limit=8, batch_size=4, bootstrap=20, protocols=("corruption",),
+                  corruptions="gaussian_noise", severities=(1,))
+    run_study(StudyConfig(**common, models=(StudyModel("zoo:resnet26"), StudyModel("zoo:sasa_resnet26"))),
+              tmp_path / "a", tmp_path / "report_a", manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    run_study(StudyConfig(**common, baseline="resnet26",
+                          models=(StudyModel("zoo:sasa_resnet26", label="resnet26"), StudyModel("zoo:resnet26",
+                                                                                              label="other"))),
+              tmp_path / "b", tmp_path / "report_b", manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+    make_report([tmp_path / "a" / "corruption-resnet26", tmp_path / "a" / "corruption-sasa_resnet26",
+                  tmp_path / "b" / "corruption-resnet26"], tmp_path / "report", plots=False)
+    summary = pd.read_csv(tmp_path / "report" / "corruption_summary.csv")
+    assert summary.loc[summary["model"] == "resnet26", "mCE"].tolist() == pytest.approx([100.0, 100.0])
+    assert summary.loc[summary["model"] == "sasa_resnet26", "mCE"].isna().all()
+
+
 def test_study_makes_no_corrupted_images_for_finished_runs(tmp_path, tiny_zoo, monkeypatch):
     """A study resumed from finished (here: packed) corruption runs computes nothing, so it makes
     no corrupted copies and needs no frost photographs; a missing chunk makes only its own."""

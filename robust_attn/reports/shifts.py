@@ -53,9 +53,17 @@ def _same_images(a, b) -> bool:
 
 
 def _baseline_run(labelled, run, baseline: str):
-    """The ``baseline`` model's corruption run on ``run``'s images, or None."""
-    return next((r for _, r in labelled if (r.description.get("zoo_entry") or r.model) == baseline
-                 and _same_images(r, run)), None)
+    """The ``baseline`` model's corruption run on ``run``'s images, or None. The baseline is named
+    as the findings name it: by the run's model name (a study's label, e.g. ``resnet26`` for
+    ``zoo:resnet26-efficient``) or by its zoo entry. Where runs of two weights answer to that
+    name on these images (two zoos in one report) and ``run`` is not one of them, none is the
+    baseline: the findings' paired differences leave it out too (``resnet26 (ckpt ...)``)."""
+    from robust_attn.reports.runs import weights_label
+
+    found = [r for _, r in labelled if baseline in (r.model, r.description.get("zoo_entry")) and _same_images(r, run)]
+    if any(r is run for r in found):
+        return run
+    return found[0] if len({weights_label(r) for r in found}) == 1 else None
 
 
 def corruption_summary(runs, baseline: str) -> pd.DataFrame:
