@@ -355,14 +355,14 @@ def test_two_weights_of_the_baseline_name_leave_the_mce_empty(tmp_path, tiny_zoo
 
     common = dict(dataset="synthetic", limit=8, batch_size=4, bootstrap=20, protocols=("corruption",),
                   corruptions="gaussian_noise", severities=(1,))
+    quiet = dict(manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
     run_study(StudyConfig(**common, models=(StudyModel("zoo:resnet26"), StudyModel("zoo:sasa_resnet26"))),
-              tmp_path / "a", tmp_path / "report_a", manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
-    run_study(StudyConfig(**common, baseline="resnet26",
-                          models=(StudyModel("zoo:sasa_resnet26", label="resnet26"), StudyModel("zoo:resnet26",
-                                                                                              label="other"))),
-              tmp_path / "b", tmp_path / "report_b", manifest=tiny_zoo, device="cpu", progress=False, log=lambda *_: None)
+              tmp_path / "a", tmp_path / "report_a", **quiet)
+    swapped = (StudyModel("zoo:sasa_resnet26", label="resnet26"), StudyModel("zoo:resnet26", label="other"))
+    run_study(StudyConfig(**common, baseline="resnet26", models=swapped), tmp_path / "b", tmp_path / "report_b",
+              **quiet)
     make_report([tmp_path / "a" / "corruption-resnet26", tmp_path / "a" / "corruption-sasa_resnet26",
-                  tmp_path / "b" / "corruption-resnet26"], tmp_path / "report", plots=False)
+                 tmp_path / "b" / "corruption-resnet26"], tmp_path / "report", plots=False)
     summary = pd.read_csv(tmp_path / "report" / "corruption_summary.csv")
     assert summary.loc[summary["model"] == "resnet26", "mCE"].tolist() == pytest.approx([100.0, 100.0])
     assert summary.loc[summary["model"] == "sasa_resnet26", "mCE"].isna().all()
