@@ -120,31 +120,50 @@ def test_a_group_is_compared_at_its_closest_pair(zoos):
 
 
 def test_chance_reads_the_worst_case_of_the_attacks_image_by_image(tmp_path):
-    # Square leaves each model the first half of the images, AutoAttack images 50-149: an image
-    # is robust only where both failed, images 50-99 (25%), not the 50% either attack alone gives
-    later_half = np.roll(HALF, N // 4)
+    # Square leaves each model images 0-99, AutoAttack 25-174, APGD-CE 0-74 and 150-199: an image
+    # is robust only where all three failed, images 25-74 (25%), not the 37.5-75% any one or two give
+    index = np.arange(N)
+    square_kept = HALF
+    autoattack_kept = ((index >= 25) & (index < 175)).astype(int)
+    apgd_kept = ((index < 75) | (index >= 150)).astype(int)
     for model in MODELS[:2]:
-        _write(tmp_path / f"square-{model}", "attack", model, model, {"clean": EVERY, "square_linf_eps8": HALF})
+        _write(tmp_path / f"square-{model}", "attack", model, model, {"clean": EVERY, "square_linf_eps8": square_kept})
         _write(tmp_path / f"autoattack-{model}", "attack", model, model,
-               {"clean": EVERY, "autoattack_linf_eps8": later_half})
+               {"clean": EVERY, "autoattack_linf_eps8": autoattack_kept})
+        _write(tmp_path / f"apgd-{model}", "attack", model, model, {"clean": EVERY, "apgd-ce_linf_eps8": apgd_kept})
     finding = _finding("none_robust_at_8")
     runs = load_zoo([tmp_path])
-    losses = {m: measure_losses(runs, m) for m in finding.measures}
-    result = check_finding(finding, losses, n_boot=100)
-    survivors = HALF * later_half
+    losses = {m.title.split(" ")[0]: measure_losses(runs, m) for m in finding.measures}
+
+    def measured(**frames):   # the finding in a zoo that ran the attacks named (their first word)
+        return check_finding(finding, {m: frames[m.title.split(" ")[0]] for m in finding.measures
+                                       if m.title.split(" ")[0] in frames}, n_boot=100)
+
+    def chance_minus(kept):   # chance-level error minus the error of an image set's survivors, in points
+        return bootstrap_mean_ci((1 - kept) - 0.9, n_boot=100)
+
+    result = measured(**losses)
+    survivors = square_kept * autoattack_kept * apgd_kept
     assert survivors.mean() == 0.25
-    chance = bootstrap_mean_ci((1 - survivors) - 0.9, n_boot=100)
-    assert (result["value"], result["low"], result["high"]) == pytest.approx((chance.value, chance.low, chance.high))
+    expected = chance_minus(survivors)
+    assert (result["value"], result["low"], result["high"]) == pytest.approx((expected.value, expected.low,
+                                                                              expected.high))
     assert result["verdict"] == "no" and result["n"] == N
-    assert result["measure"].startswith("worst case of Square 8/255")
-    # Square alone (a zoo without AutoAttack at 8/255): its own 50%
-    alone = check_finding(finding, {finding.measures[0]: losses[finding.measures[0]]}, n_boot=100)
-    assert alone["value"] == pytest.approx(-40.0)
-    # attacks on disjoint image sets share nothing to combine: the first measure stands alone
-    shifted = losses[finding.measures[1]].set_axis(losses[finding.measures[1]].index + N)
-    apart = check_finding(finding, {finding.measures[0]: losses[finding.measures[0]], finding.measures[1]: shifted},
-                          n_boot=100)
-    assert apart["value"] == pytest.approx(-40.0) and apart["measure"] == finding.measures[0].title
+    assert result["measure"] == ("worst case of AutoAttack 8/255: robust error, APGD-CE 8/255: robust error, "
+                                 "Square 8/255: robust error")
+    # Square alone (a zoo without AutoAttack or APGD-CE at 8/255): its own 50%
+    assert measured(Square=losses["Square"])["value"] == pytest.approx(-40.0)
+    # Square beside APGD-CE (a study of AutoAttack at 2/255 only): APGD-CE overturns Square's number
+    assert measured(Square=losses["Square"], **{"APGD-CE": losses["APGD-CE"]})["value"] == pytest.approx(
+        chance_minus(square_kept * apgd_kept).value)
+    # an attack on other images shares nothing to combine: it is left out, the others still combine
+    shifted = losses["Square"].set_axis(losses["Square"].index + N)
+    apart = measured(Square=shifted, AutoAttack=losses["AutoAttack"], **{"APGD-CE": losses["APGD-CE"]})
+    assert apart["measure"] == "worst case of AutoAttack 8/255: robust error, APGD-CE 8/255: robust error"
+    assert apart["value"] == pytest.approx(chance_minus(autoattack_kept * apgd_kept).value)
+    # ... and where none shares the first one's images, the first stands alone
+    alone = measured(Square=shifted, AutoAttack=losses["AutoAttack"])
+    assert alone["measure"] == "AutoAttack 8/255: robust error" and alone["value"] == pytest.approx(-65.0)
 
 
 def test_across_verdicts():

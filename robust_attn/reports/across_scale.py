@@ -88,6 +88,7 @@ CORRUPTIONS = Measure("every corruption and severity: top-1 drop", "corruption",
 APGD1, APGD2 = _attack("apgd-ce", "APGD-CE", 1), _attack("apgd-ce", "APGD-CE", 2)
 AUTOATTACK2 = _attack("autoattack", "AutoAttack", 2)
 SQUARE8, AUTOATTACK8 = _attack("square", "Square", 8), _attack("autoattack", "AutoAttack", 8)
+APGD8 = _attack("apgd-ce", "APGD-CE", 8)
 CLEAN = (Measure("clean error", "rotation", ("none",)), Measure("clean error", "corruption", ("clean",)),
          Measure("clean error", "attack", ("clean",)))
 
@@ -97,7 +98,8 @@ class Finding:
     """A claim about a zoo's models, tested by a statistic positive where it is true (module
     docstring): ``kind`` ``less`` (``better`` loses less than ``worse``), ``chance`` or ``rank``
     (``measures[0]`` against ``against``). ``measures``: the first one a zoo has is used, or with
-    ``worst_case`` the per-image largest loss over all those it has (:func:`worst_case`)."""
+    ``worst_case`` the per-image largest loss over it and every later one it has on images it
+    shares with them (:func:`worst_case`; a measure on other images is left out)."""
 
     key: str
     claim: str
@@ -135,8 +137,9 @@ FINDINGS: tuple[Finding, ...] = (
             better=SASA, worse=(OTHERS,)),
     Finding("sasa_apgd2", "SASA leads at small radii: the most robust under APGD-CE at 2/255", (APGD2,),
             better=SASA, worse=(OTHERS,)),
-    Finding("none_robust_at_8", "No family keeps more than chance-level top-1 at 8/255 (Square and AutoAttack, "
-            "the worst case per image)", (SQUARE8, AUTOATTACK8), kind="chance", worst_case=True),
+    Finding("none_robust_at_8", "No family keeps more than chance-level top-1 at 8/255 (every attack the zoo ran "
+            "there: AutoAttack, APGD-CE, Square; the worst case per image)", (AUTOATTACK8, APGD8, SQUARE8),
+            kind="chance", worst_case=True),
     Finding("corruptions_unlike_rotation", "The corruptions rank the models unlike rotation", (ROTATION,),
             kind="rank", against=CORRUPTIONS),
 )
@@ -250,9 +253,13 @@ def check_finding(finding: Finding, losses: dict[Measure, pd.DataFrame | None], 
     measure, frame = held[0], losses[held[0]]
     shown = {"measure": measure.title, "n": len(frame)}
     if finding.worst_case and len(held) > 1:
-        frame = worst_case([losses[m] for m in held])
-        if frame is not losses[measure]:
-            shown = {"measure": "worst case of " + ", ".join(m.title for m in held), "n": len(frame)}
+        used = [measure]
+        for other in held[1:]:
+            combined = worst_case([frame, losses[other]])
+            if combined is not frame:
+                frame, used = combined, used + [other]
+        if len(used) > 1:
+            shown = {"measure": "worst case of " + ", ".join(m.title for m in used), "n": len(frame)}
     if finding.kind == "rank":
         other = losses.get(finding.against)
         if other is None or len(set(frame.columns) & set(other.columns)) < 3:
