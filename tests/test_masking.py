@@ -407,3 +407,47 @@ def test_saturated_model_flags_every_model_check(bright_batch, resnet):
     checks = {c.name: c for c in run_masking_checks(model, images, labels, 8 / 255, rates=rates, unbounded_steps=5)}
     assert set(checks) == {"unbounded_attack", "gain_with_strength", "input_gradients", "loss_saturation"}
     assert all(c.verdict == "flag" for c in checks.values()), {n: c.detail for n, c in checks.items()}
+
+
+# ------------------------------------------------------------------ the white-box follow-up
+def test_whitebox_followup_is_apgd_t_then_fab_t_on_what_apgd_t_left():
+    from robust_attn.attacks.masking.followup import whitebox_followup
+
+    model, eps = _tiny_resnet(), 0.5 / 255
+    gen = torch.Generator().manual_seed(3)
+    images = torch.rand(8, 3, 32, 32, generator=gen)
+    labels = model(images).argmax(1).detach()   # every image classified "correctly"
+    indices = [4, 9, 17, 30, 31, 55, 56, 80]
+    found = whitebox_followup(model, images, labels, indices, eps, steps=3, seed=2)
+    assert found["index"].tolist() == indices and (found["eps"] == eps).all()
+    # the reference: APGD-T on every image, FAB-T on the images it left, as AutoAttack runs them
+    apgd_t = _fooled(model, make_attack(AttackConfig("apgd-t", eps=eps, steps=3, seed=2)).run(model, images,
+                                                                                             labels).adv, labels)
+    left = np.flatnonzero(apgd_t == 0)
+    assert 0 < len(left) < len(images)   # both members have work to do here
+    fab_t = _fooled(model, make_attack(AttackConfig("fab-t", eps=eps, steps=3, seed=2)).run(
+        model, images[left], labels[left]).adv, labels[left])
+    expected = np.where(apgd_t == 1, "apgd-t", "none").astype(object)
+    expected[left[fab_t == 1]] = "fab-t"
+    assert found["by"].tolist() == expected.tolist()
+
+
+def test_the_followup_clears_only_the_images_it_fools():
+    from robust_attn.attacks.masking.followup import apply_followup, contested, with_followup
+
+    white = _records(range(8), [1, 0, 0, 0, 0, 1, 0, 0])          # APGD-CE alone
+    black = _records(range(8), [1, 1, 1, 1, 0, 0, 0, 0])          # Square: beats it on 1, 2 and 3
+    assert contested(white, black) == [1, 2, 3]
+    followup = pd.DataFrame({"index": [1, 2, 3, 1], "eps": [EPS, EPS, EPS, 8 / 255],
+                             "by": ["apgd-t", "none", "fab-t", "none"]})
+    followed = apply_followup(white, followup, EPS)
+    assert followed["success"].tolist() == [1, 1, 0, 1, 0, 1, 0, 0]   # only the radius asked for
+    assert white["success"].tolist() == [1, 0, 0, 0, 0, 1, 0, 0]      # the caller's records untouched
+    check = with_followup(check_blackbox_beats_whitebox({"square": followed}, {"square": black}),
+                          {"square": ([1, 2, 3], followup[(followup["eps"] - EPS).abs() < 1e-9])})
+    assert check.verdict == "flag" and check.evidence["square"]["beats"] == 1
+    assert check.evidence["square"]["indices"] == [2]
+    assert check.evidence["square"]["followup"] == {"beat_apgd_ce": 3, "apgd-t": 1, "fab-t": 1}
+    assert "APGD-T fooled 1 and FAB-T 1" in check.detail
+    cleared = apply_followup(white, followup.assign(by=["apgd-t", "fab-t", "fab-t", "none"]), EPS)
+    assert check_blackbox_beats_whitebox({"square": cleared}, {"square": black}).verdict == "pass"

@@ -339,6 +339,73 @@ def test_masking_holds_square_and_transfer_to_apgd_ce_at_their_radius_when_autoa
         assert evidence[transfer]["white_success"] == int(fooled.sum())
 
 
+def test_images_beyond_apgd_ce_alone_are_attacked_again_by_the_other_white_box_members(tmp_path, monkeypatch):
+    """With APGD-CE as the only white-box attack at Square's radius (the efficient study's
+    settings) and blind here (it returns the clean images), the images Square or a transfer attack
+    fools are attacked again with APGD-T and FAB-T; the check counts only those they miss too, and
+    the per-image follow-up is saved beside checks.json."""
+    from robust_attn.attacks.apgd import APGDCE
+    from robust_attn.attacks.base import AttackOutput
+    from robust_attn.data import synthetic
+    from robust_attn.runs.store import load_records
+    from helpers import tiny_resnet
+
+    manifest = tmp_path / "zoo" / "manifest.json"
+    models = {"resnet26": tiny_resnet(1, stem_downsample=4), "resnet26_b": tiny_resnet(2, stem_downsample=4)}
+    for name, model in models.items():   # two ResNets with random batch norm
+        path = tmp_path / "ckpt" / f"{name}.safetensors"
+        save_checkpoint(path, model)
+        assert main(["zoo", "add", name, "--dataset", "synthetic", "--checkpoint", str(path),
+                     "--manifest", str(manifest)]) == 0
+    make_images = synthetic.make_images
+
+    def labelled_by_resnet26(split, *args, **kwargs):   # resnet26 classifies every image "correctly"
+        images, _ = make_images(split, *args, **kwargs)
+        with torch.no_grad():
+            return images, models["resnet26"](images.float() / 255).argmax(1)
+
+    monkeypatch.setattr(synthetic, "make_images", labelled_by_resnet26)
+    monkeypatch.setattr(APGDCE, "_run", lambda self, model, images, labels, targets: AttackOutput(images.clone()))
+    config = StudyConfig(dataset="synthetic", limit=24, attack_limit=24, autoattack_eps=(2 / 255,),
+                         apgd_eps=(1 / 255, 8 / 255), square_eps=8 / 255, square_queries=10, attack_steps=2,
+                         transfer_steps=2, masking_images=3, batch_size=24, attack_batch_size=24, bootstrap=10,
+                         protocols=("apgd", "autoattack", "square", "transfer", "masking"))
+    runs = tmp_path / "runs"
+    run_study(config, runs, tmp_path / "report", manifest=manifest, device="cpu", progress=False,
+              log=lambda *_: None)
+    cleared = 0
+    for model, other in (("resnet26", "resnet26_b"), ("resnet26_b", "resnet26")):
+        apgd = load_records(runs / f"apgd-{model}")
+        fooled = apgd.loc[apgd["condition"] == "apgd-ce_linf_eps8_n2"].set_index("index")["success"].astype(bool)
+        sq = load_records(runs / f"square-{model}")
+        sq = sq[sq["condition"] != "clean"].set_index("index")["success"].astype(bool)
+        tr = load_records(runs / f"transfer-{other}")
+        tr = tr[(tr["target_model"] == model) & (tr["target"] == -1) & ~tr["condition"].str.startswith("clean.")]
+        tr = tr[tr["condition"] == tr["condition"].iloc[0]].set_index("index")["success"].astype(bool)
+        contested = {"square 8/255 (against APGD-CE 8/255)": sorted(sq.index[sq & ~fooled.reindex(sq.index)]),
+                     f"transfer from {other} 8/255 (against APGD-CE 8/255)":
+                         sorted(tr.index[tr & ~fooled.reindex(tr.index)])}
+        if model == "resnet26":   # Square fools what the blind APGD-CE cannot
+            assert contested["square 8/255 (against APGD-CE 8/255)"]
+        checks = json.loads((runs / f"masking-{model}" / "checks.json").read_text())
+        check = next(c for c in checks if c["name"] == "blackbox_beats_whitebox")
+        saved = runs / f"masking-{model}" / "whitebox_followup.csv"
+        if not any(contested.values()):
+            assert not saved.exists() and all("followup" not in e for e in check["evidence"].values())
+            continue
+        followup = pd.read_csv(saved)
+        assert sorted(followup["index"]) == sorted(set().union(*contested.values()))
+        assert np.allclose(followup["eps"], 8 / 255) and set(followup["by"]) <= {"apgd-t", "fab-t", "none"}
+        by = followup.set_index("index")["by"]
+        for source, indices in contested.items():
+            evidence = check["evidence"][source]
+            assert evidence["followup"]["beat_apgd_ce"] == len(indices)
+            assert evidence["beats"] == int((by.loc[indices] == "none").sum())
+        assert check["verdict"] == ("flag" if any(check["evidence"][s]["beats"] for s in contested) else "pass")
+        cleared += int((by != "none").sum())
+    assert cleared > 0   # the follow-up fooled images here, so the test tells it from a no-op
+
+
 def test_two_study_workers_share_the_runs_and_equal_one_process(tmp_path, tiny_zoo):
     """Two processes of one thread claim disjoint chunks of every run; the records are those of one
     process, and the report is written once."""

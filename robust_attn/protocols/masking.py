@@ -16,7 +16,10 @@ model:
   Square's eps or at 8/255 (a study of AutoAttack at 2/255 with Square at 8/255), the white-box
   attack there is APGD-CE from the ``apgd`` step, when it ran at that eps; the source's name then
   says so (``square 8/255 (against APGD-CE 8/255)``), and without either the source is not
-  compared;
+  compared. Against APGD-CE alone, the images a source fools and APGD-CE does not are attacked
+  again with AutoAttack's other white-box members, APGD-T and then FAB-T
+  (:mod:`robust_attn.attacks.masking.followup`; per image in ``whitebox_followup.csv``), and
+  count against the white-box attack only where those fail too;
 * ``gain_with_strength``: AutoAttack's success rate must grow with eps; where it ran at one
   radius only (e.g. 8/255 on a CPU), APGD-CE's, at the ``apgd`` step's radii and at AutoAttack's
   radius, read from AutoAttack's records: its first member is APGD-CE with the same iterations,
@@ -48,11 +51,12 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from robust_attn.attacks import masking
+from robust_attn.attacks.masking import followup
 from robust_attn.protocols.study_step import Passes, study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import open_run
 from robust_attn.runs.store import RunStore, load_description, load_records
-from robust_attn.utils.io import atomic_write_json
+from robust_attn.utils.io import atomic_write_json, atomic_write_text
 from robust_attn.utils.radius import shown_radius
 
 __all__ = ["PROTOCOL", "white_box_records", "attack_run_checks", "write_checks"]
@@ -61,6 +65,7 @@ PROTOCOL = "masking"
 CHECKS_FILE = "checks.json"
 PLOT_FILE = "loss_directions.png"
 SWEEP_FILE = "loss_directions.csv"
+FOLLOWUP_FILE = "whitebox_followup.csv"
 WHITE_BOX_MEMBERS = ("clean", "apgd-ce", "apgd-t", "fab-t")
 
 
@@ -106,10 +111,12 @@ def _at(by_eps: dict, eps: float):
 
 
 def write_checks(out: Path, model, images, labels, indices, eps: float, run_info: dict, *, white=None,
-                 black=None, rates=None, baseline=None, seed: int = 0, batch_size: int = 64) -> list[dict]:
+                 black=None, rates=None, baseline=None, seed: int = 0, batch_size: int = 64,
+                 followed=None) -> list[dict]:
     """Run the checks the inputs allow and save them in run directory ``out`` (records of the
     unbounded attack, the loss sweep and its plot, ``checks.json``). Returns the checks. The
-    model sees at most ``batch_size`` images at a time."""
+    model sees at most ``batch_size`` images at a time. ``followed``: the sources whose white-box
+    records carry the white-box follow-up (:func:`robust_attn.attacks.masking.followup.with_followup`)."""
     store = open_run(out, run_info, protocol=PROTOCOL, parameters={"eps": eps, "unbounded_steps": 20,
                                                                    "sweep_images": 4, "seed": seed},
                      conditions=[{"name": "unbounded", "attack": "pgd", "eps": 1.0, "steps": 20}],
@@ -119,7 +126,8 @@ def write_checks(out: Path, model, images, labels, indices, eps: float, run_info
     results = []
     started = time.perf_counter()   # the run's one chunk keeps the time of every check
     if white is not None and black:
-        results.append(masking.check_blackbox_beats_whitebox(white, black))
+        check = masking.check_blackbox_beats_whitebox(white, black)
+        results.append(followup.with_followup(check, followed) if followed else check)
     unbounded = masking.unbounded_success(model, images, labels, steps=20, seed=seed, indices=indices,
                                           batch_size=batch_size)
     results.append(masking.check_unbounded(unbounded))
@@ -195,10 +203,11 @@ class MaskingSettings(ProtocolSettings):
             raise ValueError(f"masking_images must be at least 1, got {self.masking_images}")
 
 
-def _attack_evidence(ctx, entry, entries, eps: float) -> tuple[dict, dict, dict | None]:
+def _attack_evidence(ctx, entry, entries, eps: float) -> tuple[dict, dict, dict | None, dict]:
     """What the attack runs of ``entry`` give the checks: the white-box records at each black-box
     source's radius and the sources' records (both by source name, for ``blackbox_beats_whitebox``),
-    and the success rates against eps (for ``gain_with_strength``; None without them)."""
+    the success rates against eps (for ``gain_with_strength``; None without them), and the
+    sources held to APGD-CE alone, with their radius (for the white-box follow-up)."""
     config = ctx.config
     white, black, rates = {}, {}, None   # white: eps -> the white-box records there
     aa_dir = ctx.run_dir("autoattack", entry.name)
@@ -237,13 +246,52 @@ def _attack_evidence(ctx, entry, entries, eps: float) -> tuple[dict, dict, dict 
             if len(mine):
                 first = mine[mine["condition"] == mine["condition"].iloc[0]]
                 black[f"transfer from {source.name}"] = (8 / 255, first)
-    whites, blacks = {}, {}
+    whites, blacks, against_apgd = {}, {}, {}
     for name, (radius, records) in black.items():
         reference = _at(white, radius)
         if abs(radius - eps) > 1e-9 or top is None:   # compared with APGD-CE there: the name says so
             name = f"{name} {shown_radius(radius)} (against APGD-CE {shown_radius(radius)})"
+            against_apgd[name] = radius
         whites[name], blacks[name] = reference, records
-    return whites, blacks, rates
+    return whites, blacks, rates, against_apgd
+
+
+def _follow_up(ctx, model, out: Path, whites: dict, blacks: dict, against_apgd: dict) -> tuple[dict, dict]:
+    """The white-box follow-up (:mod:`robust_attn.attacks.masking.followup`) of the sources held
+    to APGD-CE alone: per radius, APGD-T and FAB-T on the images some source there fooled and
+    APGD-CE did not, saved per image in ``out/whitebox_followup.csv`` (read back, not computed
+    again, when it holds those images). Returns the white-box records with it applied and, per
+    followed source, its contested indices and the follow-up's records at its radius."""
+    config = ctx.config
+    wanted: dict[float, set] = {}
+    for name, radius in against_apgd.items():
+        wanted.setdefault(radius, set()).update(followup.contested(whites[name], blacks[name]))
+    path = out / FOLLOWUP_FILE
+    saved = pd.read_csv(path) if path.is_file() else None
+    frames = []
+    for radius, indices in sorted(wanted.items()):
+        indices = sorted(indices)
+        if not indices:
+            continue
+        have = None if saved is None else saved[(saved["eps"] - radius).abs() < 1e-9]
+        if have is not None and sorted(have["index"]) == indices:
+            frames.append(have)
+            continue
+        images, labels = next(iter(DataLoader(Subset(ctx.attack_dataset, indices), batch_size=len(indices))))
+        frames.append(followup.whitebox_followup(model, images.to(ctx.device), torch.as_tensor(labels).long().to(
+            ctx.device), indices, radius, steps=config.attack_steps, seed=config.seed,
+            batch_size=config.attack_batch_size))
+    records = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["index", "eps", "by"])
+    if frames:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, records.to_csv(index=False))
+    followed = {}
+    for name, radius in against_apgd.items():
+        indices = followup.contested(whites[name], blacks[name])
+        if indices:
+            followed[name] = (indices, records[(records["eps"] - radius).abs() < 1e-9])
+            whites = {**whites, name: followup.apply_followup(whites[name], records, radius)}
+    return whites, followed
 
 
 def _passes(config) -> Passes:
@@ -266,10 +314,14 @@ def study_masking(ctx, entries, models):
     outs = []
     for entry in entries:
         model = models[entry.name]
-        whites, blacks, rates = _attack_evidence(ctx, entry, entries, eps)
+        whites, blacks, rates, against_apgd = _attack_evidence(ctx, entry, entries, eps)
         out = ctx.run_dir("masking", entry.name)
         if ctx.rank == 0:
+            followed = None
+            if against_apgd and not (out / CHECKS_FILE).is_file():
+                whites, followed = _follow_up(ctx, model, out, whites, blacks, against_apgd)
             write_checks(out, model, images, labels, indices, eps, ctx.run_info(entry, model), white=whites or None,
-                         black=blacks or None, rates=rates, baseline=baseline, seed=config.seed, batch_size=batch)
+                         black=blacks or None, rates=rates, baseline=baseline, seed=config.seed, batch_size=batch,
+                         followed=followed)
         outs.append(out)
     return outs
