@@ -447,7 +447,7 @@ def test_the_followup_clears_only_the_images_it_fools():
                           {"square": ([1, 2, 3], followup[(followup["eps"] - EPS).abs() < 1e-9])})
     assert check.verdict == "flag" and check.evidence["square"]["beats"] == 1
     assert check.evidence["square"]["indices"] == [2]
-    assert check.evidence["square"]["followup"] == {"beat_apgd_ce": 3, "apgd-t": 1, "fab-t": 1}
+    assert check.evidence["square"]["followup"] == {"beat_white_box": 3, "apgd-t": 1, "fab-t": 1}
     assert "APGD-T fooled 1 and FAB-T 1" in check.detail
     cleared = apply_followup(white, followup.assign(by=["apgd-t", "fab-t", "fab-t", "none"]), EPS)
     assert check_blackbox_beats_whitebox({"square": cleared}, {"square": black}).verdict == "pass"

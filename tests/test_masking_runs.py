@@ -146,3 +146,39 @@ def test_a_flagged_model_ranked_first_is_not_called_most_robust_without_the_mark
     assert "the lead is resolved" in text
     assert "not evidence" not in _sentence(group.iloc[::-1].reset_index(drop=True).assign(
         model=["plain", "other"]))
+
+
+def test_eval_attack_sends_what_square_alone_fooled_to_apgd_t_and_fab_t(tmp_path, monkeypatch):
+    """``eval attack`` with APGD-CE and Square at one eps: with APGD-CE blind (it returns the clean
+    images), the images Square fools go to APGD-T and FAB-T, and the check counts only those they
+    miss too; the follow-up is saved per image in the run's masking folder."""
+    import pandas as pd
+
+    from robust_attn.attacks.apgd import APGDCE
+    from robust_attn.attacks.base import AttackOutput
+    from robust_attn.runs.store import load_records
+    from helpers import tiny_resnet
+
+    monkeypatch.setattr(APGDCE, "_run", lambda self, model, images, labels, targets: AttackOutput(images.clone()))
+    model = tiny_resnet(1, stem_downsample=4)
+    gen = torch.Generator().manual_seed(0)
+    images = (torch.rand(12, 3, 32, 32, generator=gen) * 255).round().to(torch.uint8)
+    with torch.no_grad():
+        labels = model(images.float() / 255).argmax(1)   # every image classified "correctly"
+    eps = 4 / 255
+    configs = [AttackConfig("apgd-ce", eps=eps, steps=3), AttackConfig("square", eps=eps, queries=20)]
+    store = run_attack(model, TensorImageDataset(images, labels), tmp_path / "run", configs=configs,
+                       num_classes=10, batch_size=12, progress=False, checks=True)
+    records = load_records(store.root)
+    square = records[records["condition"] == configs[1].name].set_index("index")["success"].astype(bool)
+    assert not records.loc[records["condition"] == configs[0].name, "success"].any()   # the blind APGD-CE
+    assert square.any()
+    followup = pd.read_csv(store.root / "masking" / "whitebox_followup.csv")
+    assert sorted(followup["index"]) == sorted(square.index[square])
+    check = next(c for c in json.loads((store.root / "checks.json").read_text())
+                 if c["name"] == "blackbox_beats_whitebox")
+    evidence = check["evidence"]["square"]
+    assert evidence["followup"]["beat_white_box"] == int(square.sum())
+    assert evidence["beats"] == int((followup["by"] == "none").sum()) < int(square.sum())
+    assert "beyond APGD-CE" in check["detail"]
+    assert check["verdict"] == ("flag" if evidence["beats"] else "pass")

@@ -399,7 +399,7 @@ def test_images_beyond_apgd_ce_alone_are_attacked_again_by_the_other_white_box_m
         by = followup.set_index("index")["by"]
         for source, indices in contested.items():
             evidence = check["evidence"][source]
-            assert evidence["followup"]["beat_apgd_ce"] == len(indices)
+            assert evidence["followup"]["beat_white_box"] == len(indices)
             assert evidence["beats"] == int((by.loc[indices] == "none").sum())
         assert check["verdict"] == ("flag" if any(check["evidence"][s]["beats"] for s in contested) else "pass")
         cleared += int((by != "none").sum())

@@ -36,7 +36,8 @@ For a single ``eval attack`` run (:func:`attack_run_checks`) the checks the run 
 unbounded attack, the input gradients (no baseline), the loss sweep, success against eps when
 several eps of one attack ran, and black-box against white-box: AutoAttack's white-box members
 against its own Square member (and a Square condition at the same eps), or else Square against
-a white-box condition at the same eps. ``docs/masking-checks.md`` lists which checks each
+a white-box condition at the same eps, with the images Square alone fools attacked again with
+APGD-T and FAB-T as in the study. ``docs/masking-checks.md`` lists which checks each
 command runs.
 """
 from __future__ import annotations
@@ -112,11 +113,12 @@ def _at(by_eps: dict, eps: float):
 
 def write_checks(out: Path, model, images, labels, indices, eps: float, run_info: dict, *, white=None,
                  black=None, rates=None, baseline=None, seed: int = 0, batch_size: int = 64,
-                 followed=None) -> list[dict]:
+                 followed=None, reference: str = "APGD-CE") -> list[dict]:
     """Run the checks the inputs allow and save them in run directory ``out`` (records of the
     unbounded attack, the loss sweep and its plot, ``checks.json``). Returns the checks. The
     model sees at most ``batch_size`` images at a time. ``followed``: the sources whose white-box
-    records carry the white-box follow-up (:func:`robust_attn.attacks.masking.followup.with_followup`)."""
+    records (of ``reference`` alone) carry the white-box follow-up
+    (:func:`robust_attn.attacks.masking.followup.with_followup`)."""
     store = open_run(out, run_info, protocol=PROTOCOL, parameters={"eps": eps, "unbounded_steps": 20,
                                                                    "sweep_images": 4, "seed": seed},
                      conditions=[{"name": "unbounded", "attack": "pgd", "eps": 1.0, "steps": 20}],
@@ -127,7 +129,7 @@ def write_checks(out: Path, model, images, labels, indices, eps: float, run_info
     started = time.perf_counter()   # the run's one chunk keeps the time of every check
     if white is not None and black:
         check = masking.check_blackbox_beats_whitebox(white, black)
-        results.append(followup.with_followup(check, followed) if followed else check)
+        results.append(followup.with_followup(check, followed, reference) if followed else check)
     unbounded = masking.unbounded_success(model, images, labels, steps=20, seed=seed, indices=indices,
                                           batch_size=batch_size)
     results.append(masking.check_unbounded(unbounded))
@@ -182,10 +184,17 @@ def attack_run_checks(run_dir, model, dataset, configs, device, images: int = 64
     if sweeps:
         cs = sorted(sweeps[0], key=lambda c: c.eps)
         rates = {c.name: float(records.loc[records["condition"] == c.name, "success"].mean()) for c in cs}
+    followed, reference = None, "APGD-CE"
+    if whites and not ensembles and not (run_dir / "masking" / CHECKS_FILE).is_file():
+        # Square against one white-box attack: what it alone missed goes to APGD-T and FAB-T
+        held, reference = {"square": w.eps}, w.attack.upper()
+        found, followed = _follow_up(model, dataset, device, run_dir / "masking", {"square": white}, black, held,
+                                     steps=w.steps, seed=w.seed, batch_size=batch_size)
+        white = found["square"]
     description = load_description(run_dir)
     info = {k: description[k] for k in ("model", "dataset", "checkpoint") if k in description}
     checks = write_checks(run_dir / "masking", model, x, y, idx, eps, info, white=white, black=black, rates=rates,
-                          batch_size=batch_size)
+                          batch_size=batch_size, followed=followed, reference=reference)
     atomic_write_json(run_dir / CHECKS_FILE, checks)
     return checks
 
@@ -256,15 +265,16 @@ def _attack_evidence(ctx, entry, entries, eps: float) -> tuple[dict, dict, dict 
     return whites, blacks, rates, against_apgd
 
 
-def _follow_up(ctx, model, out: Path, whites: dict, blacks: dict, against_apgd: dict) -> tuple[dict, dict]:
-    """The white-box follow-up (:mod:`robust_attn.attacks.masking.followup`) of the sources held
-    to APGD-CE alone: per radius, APGD-T and FAB-T on the images some source there fooled and
-    APGD-CE did not, saved per image in ``out/whitebox_followup.csv`` (read back, not computed
-    again, when it holds those images). Returns the white-box records with it applied and, per
-    followed source, its contested indices and the follow-up's records at its radius."""
-    config = ctx.config
+def _follow_up(model, dataset, device, out: Path, whites: dict, blacks: dict, held: dict, *, steps, seed,
+               batch_size: int) -> tuple[dict, dict]:
+    """The white-box follow-up (:mod:`robust_attn.attacks.masking.followup`) of the sources in
+    ``held`` (name -> radius: those held to one white-box attack alone): per radius, APGD-T and
+    FAB-T on the images of ``dataset`` some source there fooled and the white-box attack did not,
+    saved per image in ``out/whitebox_followup.csv`` (read back, not computed again, when it
+    holds those images). Returns the white-box records with it applied and, per source it
+    followed, its contested indices and the follow-up's records at its radius."""
     wanted: dict[float, set] = {}
-    for name, radius in against_apgd.items():
+    for name, radius in held.items():
         wanted.setdefault(radius, set()).update(followup.contested(whites[name], blacks[name]))
     path = out / FOLLOWUP_FILE
     saved = pd.read_csv(path) if path.is_file() else None
@@ -277,16 +287,15 @@ def _follow_up(ctx, model, out: Path, whites: dict, blacks: dict, against_apgd: 
         if have is not None and sorted(have["index"]) == indices:
             frames.append(have)
             continue
-        images, labels = next(iter(DataLoader(Subset(ctx.attack_dataset, indices), batch_size=len(indices))))
-        frames.append(followup.whitebox_followup(model, images.to(ctx.device), torch.as_tensor(labels).long().to(
-            ctx.device), indices, radius, steps=config.attack_steps, seed=config.seed,
-            batch_size=config.attack_batch_size))
+        images, labels = next(iter(DataLoader(Subset(dataset, indices), batch_size=len(indices))))
+        frames.append(followup.whitebox_followup(model, images.to(device), torch.as_tensor(labels).long().to(device),
+                                                 indices, radius, steps=steps, seed=seed, batch_size=batch_size))
     records = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["index", "eps", "by"])
     if frames:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, records.to_csv(index=False))
     followed = {}
-    for name, radius in against_apgd.items():
+    for name, radius in held.items():
         indices = followup.contested(whites[name], blacks[name])
         if indices:
             followed[name] = (indices, records[(records["eps"] - radius).abs() < 1e-9])
@@ -319,7 +328,8 @@ def study_masking(ctx, entries, models):
         if ctx.rank == 0:
             followed = None
             if against_apgd and not (out / CHECKS_FILE).is_file():
-                whites, followed = _follow_up(ctx, model, out, whites, blacks, against_apgd)
+                whites, followed = _follow_up(model, ctx.attack_dataset, ctx.device, out, whites, blacks, against_apgd,
+                                              steps=config.attack_steps, seed=config.seed, batch_size=batch)
             write_checks(out, model, images, labels, indices, eps, ctx.run_info(entry, model), white=whites or None,
                          black=blacks or None, rates=rates, baseline=baseline, seed=config.seed, batch_size=batch,
                          followed=followed)

@@ -73,19 +73,21 @@ def apply_followup(white: pd.DataFrame, followup: pd.DataFrame, eps: float) -> p
     return out
 
 
-def with_followup(check: MaskingCheck, followed: Mapping[str, tuple[list[int], pd.DataFrame]]) -> MaskingCheck:
+def with_followup(check: MaskingCheck, followed: Mapping[str, tuple[list[int], pd.DataFrame]],
+                  reference: str = "APGD-CE") -> MaskingCheck:
     """``check`` (``blackbox_beats_whitebox``, computed against the white-box records with the
     follow-up applied) with each followed source's evidence saying what the follow-up did:
-    ``followup``: the images the source fooled and APGD-CE did not, and how many each member
-    fooled (``followed``: source -> (those indices, the follow-up's records at its radius))."""
+    ``followup``: the images the source fooled and the white-box attack (``reference``, alone)
+    did not, and how many each member fooled (``followed``: source -> (those indices, the
+    follow-up's records at its radius))."""
     evidence = {k: dict(v) for k, v in check.evidence.items()}
     notes = []
     for source, (indices, records) in followed.items():
         mine = records[records["index"].isin(indices)]
         counts = {m: int((mine["by"] == m).sum()) for m in FOLLOWUP_MEMBERS}
-        evidence[source]["followup"] = {"beat_apgd_ce": len(indices), **counts}
-        notes.append(f"{source}: {len(indices)} image(s) beyond APGD-CE, of which APGD-T fooled {counts['apgd-t']} "
-                     f"and FAB-T {counts['fab-t']}")
-    detail = check.detail + ("; the white-box follow-up (AutoAttack's APGD-T and FAB-T where APGD-CE alone ran): "
-                             + "; ".join(notes) if notes else "")
+        evidence[source]["followup"] = {"beat_white_box": len(indices), **counts}
+        notes.append(f"{source}: {len(indices)} image(s) beyond {reference}, of which APGD-T fooled "
+                     f"{counts['apgd-t']} and FAB-T {counts['fab-t']}")
+    detail = check.detail + (f"; the white-box follow-up (AutoAttack's APGD-T and FAB-T where {reference} alone "
+                             "ran): " + "; ".join(notes) if notes else "")
     return MaskingCheck(check.name, check.verdict, detail, evidence)
