@@ -182,3 +182,41 @@ def test_eval_attack_sends_what_square_alone_fooled_to_apgd_t_and_fab_t(tmp_path
     assert evidence["beats"] == int((followup["by"] == "none").sum()) < int(square.sum())
     assert "beyond APGD-CE" in check["detail"]
     assert check["verdict"] == ("flag" if evidence["beats"] else "pass")
+
+
+def test_the_followup_is_read_back_only_for_the_images_it_holds(tmp_path, monkeypatch):
+    """A masking step resumed after the follow-up was saved reads it back instead of attacking
+    again, but only when the saved file holds exactly the images now contested."""
+    import pandas as pd
+
+    from robust_attn.attacks.masking import followup
+    from robust_attn.protocols import masking as masking_protocol
+    from helpers import tiny_resnet
+
+    model = tiny_resnet(1, stem_downsample=4)
+    images = (torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 255).round().to(torch.uint8)
+    with torch.no_grad():
+        labels = model(images.float() / 255).argmax(1)
+    data = TensorImageDataset(images, labels)
+
+    def records(success):
+        return pd.DataFrame({"index": range(6), "success": success})
+
+    white, square = {"s": records([0] * 6)}, {"s": records([1, 1, 0, 0, 0, 0])}
+    calls = []
+    original = followup.whitebox_followup
+    monkeypatch.setattr(followup, "whitebox_followup", lambda *a, **k: (calls.append(a[3]), original(*a, **k))[1])
+
+    def run():
+        return masking_protocol._follow_up(model, data, "cpu", tmp_path, white, square, {"s": 4 / 255}, steps=2,
+                                           seed=0, batch_size=6)
+
+    first, followed = run()
+    assert calls == [[0, 1]] and followed["s"][0] == [0, 1]
+    again, _ = run()                                    # the same images contested: read back
+    assert calls == [[0, 1]]
+    pd.testing.assert_frame_equal(again["s"], first["s"])
+    square["s"] = records([1, 1, 1, 0, 0, 0])           # now three: attacked again, and saved
+    run()
+    assert calls == [[0, 1], [0, 1, 2]]
+    assert sorted(pd.read_csv(tmp_path / "whitebox_followup.csv")["index"]) == [0, 1, 2]
