@@ -310,6 +310,15 @@ def test_masking_checks_gain_with_eps_on_the_apgd_sweep_when_autoattack_ran_at_o
         assert gain["evidence"]["rates"] == pytest.approx(expected)
 
 
+def _efficient_settings(images: int) -> StudyConfig:
+    """The efficient CIFAR-10 study's attack settings, tiny: AutoAttack at 2/255, APGD-CE at 1 and
+    8/255, Square and the transfer attacks at 8/255, then the masking checks, on ``images`` images."""
+    return StudyConfig(dataset="synthetic", limit=images, attack_limit=images, autoattack_eps=(2 / 255,),
+                       apgd_eps=(1 / 255, 8 / 255), square_eps=8 / 255, square_queries=10, attack_steps=2,
+                       transfer_steps=2, masking_images=3, batch_size=images, attack_batch_size=images, bootstrap=10,
+                       protocols=("apgd", "autoattack", "square", "transfer", "masking"))
+
+
 def test_masking_holds_square_and_transfer_to_apgd_ce_at_their_radius_when_autoattack_ran_at_another(tmp_path,
                                                                                                     tiny_zoo):
     """AutoAttack at 2/255 and Square and the transfer attacks at 8/255 (the efficient study's
@@ -317,10 +326,7 @@ def test_masking_holds_square_and_transfer_to_apgd_ce_at_their_radius_when_autoa
     same images, and their names say so; AutoAttack's own Square member with AutoAttack."""
     from robust_attn.runs.store import load_records
 
-    config = StudyConfig(dataset="synthetic", limit=6, attack_limit=6, autoattack_eps=(2 / 255,),
-                         apgd_eps=(1 / 255, 8 / 255), square_eps=8 / 255, square_queries=10, attack_steps=2,
-                         transfer_steps=2, masking_images=3, batch_size=6, attack_batch_size=6, bootstrap=10,
-                         protocols=("apgd", "autoattack", "square", "transfer", "masking"))
+    config = _efficient_settings(6)
     runs = tmp_path / "runs"
     run_study(config, runs, tmp_path / "report", manifest=tiny_zoo, device="cpu", progress=False,
               log=lambda *_: None)
@@ -366,10 +372,7 @@ def test_images_beyond_apgd_ce_alone_are_attacked_again_by_the_other_white_box_m
 
     monkeypatch.setattr(synthetic, "make_images", labelled_by_resnet26)
     monkeypatch.setattr(APGDCE, "_run", lambda self, model, images, labels, targets: AttackOutput(images.clone()))
-    config = StudyConfig(dataset="synthetic", limit=24, attack_limit=24, autoattack_eps=(2 / 255,),
-                         apgd_eps=(1 / 255, 8 / 255), square_eps=8 / 255, square_queries=10, attack_steps=2,
-                         transfer_steps=2, masking_images=3, batch_size=24, attack_batch_size=24, bootstrap=10,
-                         protocols=("apgd", "autoattack", "square", "transfer", "masking"))
+    config = _efficient_settings(24)
     runs = tmp_path / "runs"
     run_study(config, runs, tmp_path / "report", manifest=manifest, device="cpu", progress=False,
               log=lambda *_: None)
