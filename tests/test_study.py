@@ -373,7 +373,7 @@ def test_images_beyond_apgd_ce_alone_are_attacked_again_by_the_other_white_box_m
 
     monkeypatch.setattr(synthetic, "make_images", labelled_by_resnet26)
     monkeypatch.setattr(APGDCE, "_run", lambda self, model, images, labels, targets: AttackOutput(images.clone()))
-    config = dataclasses.replace(_efficient_settings(12), autoattack_limit=4)
+    config = dataclasses.replace(_efficient_settings(12), autoattack_limit=4, models=tuple(models))
     runs = tmp_path / "runs"
     run_study(config, runs, tmp_path / "report", manifest=manifest, device="cpu", progress=False,
               log=lambda *_: None)

@@ -222,3 +222,32 @@ def test_wrongly_typed_values_are_refused_naming_the_key(tmp_path, text, message
     with pytest.raises(StudyConfigError) as caught:
         load_study_config(_write(tmp_path, text))
     assert message in str(caught.value) and str(tmp_path / "study.toml") in str(caught.value)
+
+
+def test_a_study_without_models_takes_one_zoo_entry_per_architecture(tmp_path):
+    """The zoo's other versions of a family (``-efficient``, ``-adv``) stay out of the default study,
+    so the presets run the seven models their docs name and the committed reports' commands run
+    the models those reports hold; an architecture registered only under other names keeps them all."""
+    from robust_attn.models.manifest import Manifest, ZooEntry
+    from robust_attn.study.config import StudyConfig
+    from robust_attn.study.models import default_zoo_models, study_models
+
+    for dataset in ("cifar10", "fashion_mnist"):
+        logged = []
+        chosen = study_models(StudyConfig(dataset=dataset), Manifest(), log=logged.append)
+        assert sorted(m.name for m in chosen) == sorted(["resnet26", "san10_pairwise", "san10_patchwise",
+                                                         "sasa_resnet26", "gsa_resnet26", "aa_resnet26",
+                                                         "ea_resnet26"])
+        assert all(m.spec == f"zoo:{m.name}" for m in chosen)
+        entries = [name for name, d in Manifest().entries if d == dataset]
+        if len(entries) > 7:   # CIFAR-10 holds the efficient and adversarial versions too: said, not run
+            assert "left out: " in logged[0] and "resnet26-adv" in logged[0]
+    sha = "0" * 64
+    entries = [ZooEntry("resnet26", "d", weights="a", sha256=sha, arch={"name": "resnet26"}),
+               ZooEntry("resnet26-v2", "d", weights="b", sha256=sha, arch={"name": "resnet26"}),
+               ZooEntry("my_sasa", "d", weights="c", sha256=sha, arch={"name": "sasa_resnet26"}),
+               ZooEntry("my_sasa_long", "d", weights="e", sha256=sha, arch={"name": "sasa_resnet26"})]
+    assert default_zoo_models(entries) == (["resnet26", "my_sasa", "my_sasa_long"], ["resnet26-v2"])
+    # named models are the study's whatever their names
+    chosen = study_models(StudyConfig(dataset="cifar10", models=("resnet26-adv",)), Manifest())
+    assert [m.spec for m in chosen] == ["zoo:resnet26-adv"]

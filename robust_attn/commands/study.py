@@ -1,4 +1,4 @@
-"""``robust-attn study``: SAN section 5.4 on every zoo model of a dataset (rotation, Table 10
+"""``robust-attn study``: SAN section 5.4 on the zoo models of a dataset (rotation, Table 10
 PGD and an eps sweep on the same images), then the report with the findings
 (:mod:`robust_attn.study.run`). ``robust-attn study CONFIG.toml`` runs the models a study config
 names, from any source (:mod:`robust_attn.study.config`); the options below then override the
@@ -26,13 +26,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     d = study_config_class()()
     p = sub.add_parser("study", help="rotation, Table 10 PGD, AutoAttack, Square, transfer and gradient-masking "
-                                     "checks on every zoo model of a dataset, or on the models of a study config "
+                                     "checks on the zoo models of a dataset, or on the models of a study config "
                                      "(any source), then the report")
     p.add_argument("config", nargs="?", metavar="CONFIG.toml",
                    help="a study config: models from any source, dataset, protocols (e.g. zoo/studies/imagenet.toml);"
-                        " without it, every zoo model of --dataset")
+                        " without it, the zoo models of --dataset (one per architecture)")
     p.add_argument("--dataset", help=f"zoo dataset (default {d.dataset})")
-    p.add_argument("--models", help="comma list of zoo entries (default: every entry for --dataset); with CONFIG: "
+    p.add_argument("--models", help="comma list of zoo entries (default: one per architecture of --dataset, "
+                                    "the entry named after it); with CONFIG: "
                                     "the labels of the config's models to run")
     p.add_argument("--root", help="data folder (default: the config's root, $ROBUST_ATTN_DATA, ./data or the "
                                   "system copy)")

@@ -98,7 +98,7 @@ class StudySettings:
     dataset: str = "fashion_mnist"
     split: str = "test"
     limit: int | None = None           # None: the whole split
-    models: tuple[str | StudyModel, ...] = ()   # zoo entry names or StudyModels; empty: every zoo entry for ``dataset``
+    models: tuple[str | StudyModel, ...] = ()   # zoo entry names or StudyModels; empty: one per architecture
     root: str | None = None            # data root (None: run_study's root, $ROBUST_ATTN_DATA or ./data)
     batch_size: int | None = None      # None: the default of the dataset's resolution (robust_attn.study.batches)
     seed: int = 0                      # attack targets

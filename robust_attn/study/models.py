@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from robust_attn.study.config import StudyModel
 
-__all__ = ["StudyEntry", "study_models", "missing_zoo_models", "missing_zoo_message", "load_models", "model_inputs"]
+__all__ = ["StudyEntry", "study_models", "default_zoo_models", "missing_zoo_models", "missing_zoo_message",
+           "load_models", "model_inputs"]
 
 
 @dataclass
@@ -26,10 +27,25 @@ class StudyEntry:
     description: dict
 
 
-def study_models(config, manifest) -> list[StudyModel]:
+def _architecture(entry) -> str:
+    return (entry.arch or {}).get("name") or (entry.torchvision or {}).get("model") or entry.name
+
+
+def default_zoo_models(entries) -> tuple[list[str], list[str]]:
+    """The zoo entries a study without ``models`` covers, and those it leaves out, by name in
+    manifest order: one model per architecture, the entry named after it (``resnet26``, not
+    ``resnet26-efficient`` or ``resnet26-adv``: the other versions of a family are studied by a
+    config that names them, e.g. ``zoo/studies/cifar10_efficient.toml``); an architecture without
+    such an entry (a user's own names) keeps every entry of it."""
+    named_after = {e.name for e in entries if e.name == _architecture(e)}
+    chosen = [e.name for e in entries if e.name in named_after or _architecture(e) not in named_after]
+    return chosen, [e.name for e in entries if e.name not in chosen]
+
+
+def study_models(config, manifest, log=None) -> list[StudyModel]:
     """The models the study covers: ``config.models`` (a zoo entry name becomes ``zoo:NAME``), or
-    every zoo entry for the dataset in manifest order; a named zoo model the zoo lacks is an error
-    that lists what it has."""
+    the dataset's zoo entries of :func:`default_zoo_models` (``log`` says which it leaves out); a
+    named zoo model the zoo lacks is an error that lists what it has."""
     zoo_names = [m for m in config.models if isinstance(m, str)]
     if config.models and not zoo_names:
         return list(config.models)
@@ -41,7 +57,13 @@ def study_models(config, manifest) -> list[StudyModel]:
     unknown = [m for m in zoo_names if m not in by_name]
     if unknown:
         raise ValueError(f"no zoo model {unknown} for {config.dataset!r}; the zoo has {sorted(by_name)}")
-    chosen = config.models or tuple(by_name)
+    chosen = config.models
+    if not chosen:
+        chosen, left = default_zoo_models(have)
+        if left and log is not None:
+            log(f"study: {len(chosen)} of the {len(have)} {config.dataset} zoo entries, one per architecture (the "
+                f"entry named after it); left out: {', '.join(left)} (name them with --models, or use a study "
+                f"config such as zoo/studies/)")
     return [StudyModel(f"zoo:{m}", label=m) if isinstance(m, str) else m for m in chosen]
 
 

@@ -169,7 +169,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
 
     check_attention_path(attention_path)   # before any model is loaded
     manifest = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
-    chosen = study_models(config, manifest)
+    chosen = study_models(config, manifest, log=log)
     root = root if root is not None else config.root
     info = dataset_info(config.dataset, root=root)
     if info.num_classes < 2:
