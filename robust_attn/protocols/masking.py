@@ -273,9 +273,10 @@ def _follow_up(model, dataset, device, out: Path, whites: dict, blacks: dict, he
     saved per image in ``out/whitebox_followup.csv`` (read back, not computed again, when it
     holds those images). Returns the white-box records with it applied and, per source it
     followed, its contested indices and the follow-up's records at its radius."""
+    contested = {name: followup.contested(whites[name], blacks[name]) for name in held}
     wanted: dict[float, set] = {}
     for name, radius in held.items():
-        wanted.setdefault(radius, set()).update(followup.contested(whites[name], blacks[name]))
+        wanted.setdefault(radius, set()).update(contested[name])
     path = out / FOLLOWUP_FILE
     saved = pd.read_csv(path) if path.is_file() else None
     frames = []
@@ -296,9 +297,8 @@ def _follow_up(model, dataset, device, out: Path, whites: dict, blacks: dict, he
         atomic_write_text(path, records.to_csv(index=False))
     followed = {}
     for name, radius in held.items():
-        indices = followup.contested(whites[name], blacks[name])
-        if indices:
-            followed[name] = (indices, records[(records["eps"] - radius).abs() < 1e-9])
+        if contested[name]:
+            followed[name] = (contested[name], records[(records["eps"] - radius).abs() < 1e-9])
             whites = {**whites, name: followup.apply_followup(whites[name], records, radius)}
     return whites, followed
 
