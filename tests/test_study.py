@@ -66,6 +66,34 @@ def test_comparison_finds_the_model_that_loses_least_with_paired_intervals():
     assert "sasa_resnet26 loses least" in text and "the lead is not established" in text
 
 
+def test_a_small_drop_from_a_low_clean_top1_is_named_as_such():
+    """A drop ranks what a model loses, not what it keeps: a model that starts from 40% and keeps
+    30% under rotation loses least, and the finding says that its rotated top-1 is 20 points below
+    that of the model that starts from 100% and keeps 50%. Where the model that loses least also
+    keeps most, nothing is added."""
+    n = 1000
+    idx = np.arange(n)
+    strong = _rotation_run("resnet26", np.ones(n, dtype=int), (idx % 2 == 0).astype(int))      # 100% -> 50%
+    weak = _rotation_run("resnet26-adv", (idx % 10 < 4).astype(int), (idx % 10 < 3).astype(int))   # 40% -> 30%
+    table = compare_models([strong, weak], n_boot=200, seed=0)
+    rows = table.set_index("model")
+    assert rows.loc["resnet26-adv", "rank"] == 1
+    assert rows.loc["resnet26-adv", ["clean", "kept"]].tolist() == pytest.approx([40.0, 30.0])
+    assert rows.loc["resnet26", ["clean", "kept"]].tolist() == pytest.approx([100.0, 50.0])
+    assert (rows["kept_top"] == "resnet26").all()
+    assert rows.loc["resnet26-adv", "kept_minus_top"] == pytest.approx(-20.0)
+    low, high = rows.loc["resnet26-adv", ["kept_minus_top_low", "kept_minus_top_high"]]
+    assert low < -20.0 < high < 0
+    text = findings_text(table)[2]
+    assert text.startswith("**rotation: mean top-1 drop over 90°, 180°, 270° and upside-down**: "
+                           "resnet26-adv loses least")
+    assert ("its own clean top-1 (40.00%): resnet26-adv's rotated top-1 (mean over the four rotations) itself, "
+            "30.00%, is 20.00 points [") in text and "below resnet26's 50.00%, the highest." in text
+    both = compare_models([strong, _rotation_run("resnet26-adv", np.ones(n, dtype=int), (idx % 10 < 6).astype(int))],
+                          n_boot=200, seed=0)
+    assert "its own clean top-1" not in findings_text(both)[2]
+
+
 def _attack_run(model: str, clean: np.ndarray, attacked: dict[str, np.ndarray]) -> Run:
     """An attack run: 'clean' hits ``clean``, each attack condition its own hits."""
     n = len(clean)

@@ -19,6 +19,11 @@ difference of every other model to it, and to the convolutional baseline, is boo
 images *paired* (one resample of image indices serves both models), which is what makes a
 difference of a few tenths of a point resolvable on 10,000 images when the separate intervals
 overlap. A difference whose interval contains 0 is reported as not resolved.
+
+A drop starts from the model's own clean top-1, so a model with less to lose can lose least
+and still keep less (an adversarially trained one beside standard ones): for every drop the
+rows also carry the clean top-1 and the top-1 under the condition, and the finding says when
+the model that loses least keeps a resolved lower top-1 than the model that keeps most.
 """
 from __future__ import annotations
 
@@ -80,36 +85,50 @@ def per_image_losses(runs) -> dict[tuple[str, str], pd.DataFrame]:
     the same images are compared. A model with several runs of a protocol contributes each
     condition once (the first run that has it). Models are named by
     :func:`~robust_attn.reports.runs.model_names` (two checkpoints of one model stay apart)."""
+    return _per_image(runs)[0]
+
+
+def _per_image(runs) -> tuple[dict, dict]:
+    """:func:`per_image_losses`, and beside it for every drop measure the clean top-1 hits its
+    losses start from (same keys, same images and models; a measure that is no drop has none)."""
     columns: dict[tuple[str, str], dict[str, pd.Series]] = {}
+    cleans: dict[tuple[str, str], dict[str, pd.Series]] = {}
     names = model_names(runs)
 
-    def put(run, key: str, values: pd.Series) -> None:
+    def put(run, key: str, values: pd.Series, clean: pd.Series | None = None) -> None:
         images = json.dumps(run.description["dataset"], sort_keys=True)
-        columns.setdefault((images, key), {}).setdefault(names[id(run)], values.astype(float))
+        if names[id(run)] in columns.get((images, key), {}):
+            return
+        columns.setdefault((images, key), {})[names[id(run)]] = values.astype(float)
+        if clean is not None:
+            cleans.setdefault((images, key), {})[names[id(run)]] = clean.astype(float)
 
     shift_kinds = shift_protocols()
     for run in runs:
         if run.protocol == "rotation":
             top1 = _hits(run.records, "top1")
             if "none" in top1 and all(c in top1 for c in ROTATED):
-                put(run, "rotation_drop", top1["none"] - top1[list(ROTATED)].mean(axis=1))
+                put(run, "rotation_drop", top1["none"] - top1[list(ROTATED)].mean(axis=1), top1["none"])
         elif run.protocol == "attack":
             top1 = _hits(run.records, "top1")
             for condition in (c for c in top1.columns if c != CLEAN and CLEAN in top1):
-                put(run, f"attack_drop:{condition}", top1[CLEAN] - top1[condition])
+                put(run, f"attack_drop:{condition}", top1[CLEAN] - top1[condition], top1[CLEAN])
         elif run.protocol in shift_kinds:
             top1 = _hits(run.records, "top1")
             shifted = [c for c in top1.columns if c != CLEAN]
             if CLEAN in top1 and shifted:
-                put(run, f"shift_drop:{run.protocol}", top1[CLEAN] - top1[shifted].mean(axis=1))
+                put(run, f"shift_drop:{run.protocol}", top1[CLEAN] - top1[shifted].mean(axis=1), top1[CLEAN])
         elif run.protocol == "pgd":
             top1, success = _hits(run.records, "top1"), _hits(run.records, "success")
             for setting in (c for c in top1.columns if c != CLEAN):
                 if CLEAN in top1:
-                    put(run, f"pgd_drop:{setting}", top1[CLEAN] - top1[setting])
+                    put(run, f"pgd_drop:{setting}", top1[CLEAN] - top1[setting], top1[CLEAN])
                 put(run, f"pgd_success:{setting}", success[setting])
     ordered = sorted(columns, key=lambda k: (k[0], _measure_order(k[1])))   # independent of the runs' order
-    return {key: pd.DataFrame(columns[key]).sort_index(axis=1).dropna() for key in ordered}
+    losses = {key: pd.DataFrame(columns[key]).sort_index(axis=1).dropna() for key in ordered}
+    clean = {key: pd.DataFrame(cleans[key]).reindex(index=losses[key].index, columns=losses[key].columns)
+             for key in ordered if key in cleans}
+    return losses, clean
 
 
 def _measure_order(key: str) -> tuple:
@@ -155,11 +174,14 @@ def compare_models(runs, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
     differences to the best model and to ``baseline`` with theirs (``nan`` where not defined).
     Rows of a measure are sorted best first (``rank`` 1)."""
     rows, families = [], _families(runs)
-    for (images, key), losses in per_image_losses(runs).items():
+    all_losses, all_clean = _per_image(runs)
+    for (images, key), losses in all_losses.items():
         if losses.empty:
             continue
         means = losses.mean().sort_values(kind="stable")
         best, measure = means.index[0], _measure(key)
+        clean = all_clean.get((images, key))
+        top = None if clean is None else (clean - losses).mean().sort_values(ascending=False, kind="stable").index[0]
         for rank, model in enumerate(means.index, start=1):
             own = bootstrap_mean_ci(losses[model], n_boot=n_boot, seed=seed, level=level)
             row = {"images": images, "measure": key, "title": measure.title, "unit": measure.unit,
@@ -172,8 +194,31 @@ def compare_models(runs, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
                                 f"minus_{name}_high": diff.high})
                 else:
                     row.update({f"minus_{name}": np.nan, f"minus_{name}_low": np.nan, f"minus_{name}_high": np.nan})
+            row.update(_kept(clean, losses, model, top, n_boot, seed, level))
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _kept(clean: pd.DataFrame | None, losses: pd.DataFrame, model: str, top: str | None, n_boot: int, seed: int,
+          level: float) -> dict:
+    """For a drop measure: the model's clean top-1 and its top-1 under the measure's conditions
+    (clean minus drop, %), the model with the highest such top-1 (``kept_top``), and the paired
+    difference of the model's from it (points; nan for that model itself and for a measure that
+    is no drop)."""
+    row = {"clean": np.nan, "kept": np.nan, "kept_top": "", "kept_minus_top": np.nan,
+           "kept_minus_top_low": np.nan, "kept_minus_top_high": np.nan}
+    if clean is None:
+        return row
+    kept = clean - losses
+    row.update(clean=100 * clean[model].mean(), kept=100 * kept[model].mean(), kept_top=top)
+    if model != top:
+        diff = bootstrap_mean_ci(kept[model] - kept[top], n_boot=n_boot, seed=seed, level=level)
+        row.update(kept_minus_top=diff.value, kept_minus_top_low=diff.low, kept_minus_top_high=diff.high)
+    return row
+
+
+_KEPT = {"rotation_drop": "rotated top-1 (mean over the four rotations)", "pgd_drop": "top-1 under the attack",
+         "attack_drop": "top-1 under the attack", "shift_drop": "top-1 under the shift"}
 
 
 def _resolved(low: float, high: float) -> bool:
@@ -208,6 +253,13 @@ def _sentence(group: pd.DataFrame) -> str:
         if len(group) > 2:
             worst = group.iloc[-1]
             text += f" Last: {worst['model']} ({worst['value']:.2f} {first['unit']})."
+    if first.get("kept_top", "") not in ("", first["model"]) and first["kept_minus_top_high"] < 0:
+        top = group[group["model"] == first["kept_top"]].iloc[0]
+        text += (f" A drop counts what a model loses from its own clean top-1 ({first['clean']:.2f}%): "
+                 f"{first['model']}'s {_KEPT.get(first['measure'].partition(':')[0], 'top-1')} itself, "
+                 f"{first['kept']:.2f}%, is {-first['kept_minus_top']:.2f} points "
+                 f"[{-first['kept_minus_top_high']:.2f}, {-first['kept_minus_top_low']:.2f}] below "
+                 f"{first['kept_top']}'s {top['kept']:.2f}%, the highest.")
     return text
 
 
