@@ -30,6 +30,8 @@ def test_add_then_load_model_returns_the_same_model_in_eval_mode(tmp_path, check
     assert not loaded.training
     x = torch.rand(2, 3, 32, 32)
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    as_spec = load_model("zoo:resnet26", dataset="synthetic", manifest=manifest_path)   # as the reports write it
+    torch.testing.assert_close(as_spec(x), model(x), rtol=0, atol=0)
 
 
 def test_tampered_weights_are_refused_and_verify_reports_them(tmp_path, checkpoint, capsys):

@@ -165,9 +165,10 @@ def load_entry(entry: ZooEntry, manifest: Manifest, device: str = "cpu") -> Norm
 def load_model(name: str, dataset: str, manifest: str | os.PathLike | Manifest | None = None,
                device: str = "cpu") -> nn.Module:
     """The trained zoo model ``name`` for ``dataset``: sha256-checked, wrapped for [0, 1] input,
-    in eval mode (RobustBench's ``load_model``, without special cases by name)."""
+    in eval mode (RobustBench's ``load_model``, without special cases by name). ``name`` may be
+    written as the model spec the command line and the reports use (``zoo:resnet26-adv``)."""
     manifest = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
-    return load_entry(manifest.get(name, dataset), manifest, device)
+    return load_entry(manifest.get(name.removeprefix("zoo:"), dataset), manifest, device)
 
 
 def verify_zoo(manifest: Manifest | None = None) -> list[tuple[ZooEntry, str | None]]:
