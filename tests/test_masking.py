@@ -451,3 +451,52 @@ def test_the_followup_clears_only_the_images_it_fools():
     assert "APGD-T fooled 1 and FAB-T 1" in check.detail
     cleared = apply_followup(white, followup.assign(by=["apgd-t", "fab-t", "fab-t", "none"]), EPS)
     assert check_blackbox_beats_whitebox({"square": cleared}, {"square": black}).verdict == "pass"
+
+
+# ------------------------------------------------------------------ near misses of a working gradient
+def test_margins_are_the_label_logit_minus_the_largest_other_before_and_after_apgd_t():
+    from robust_attn.attacks.masking.near_miss import margins
+
+    model, eps = _tiny_resnet(), 0.5 / 255
+    images = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    labels = model(images).argmax(1).detach()
+    got = margins(model, images, labels, [3, 5, 8, 13, 21, 34], eps, steps=3, seed=1, batch_size=4)
+    assert got["index"].tolist() == [3, 5, 8, 13, 21, 34] and (got["eps"] == eps).all()
+    adv = torch.cat([make_attack(AttackConfig("apgd-t", eps=eps, steps=3, seed=1)).run(model, images[s:s + 4],
+                                                                                         labels[s:s + 4]).adv
+                     for s in (0, 4)])
+    for column, x in (("clean_margin", images), ("margin", adv)):
+        with torch.no_grad():
+            logits = model(x).double()
+        others = logits.masked_fill(torch.nn.functional.one_hot(labels, 10).bool(), float("-inf"))
+        expected = logits[torch.arange(6), labels] - others.max(1).values
+        np.testing.assert_allclose(got[column].to_numpy(), expected.numpy(), rtol=0, atol=1e-9)
+    assert (got["clean_margin"] > 0).all() and (got["margin"] < got["clean_margin"]).all()   # APGD-T moved them
+
+
+def test_a_near_miss_is_an_image_whose_margin_the_attack_closed_by_half():
+    from robust_attn.attacks.masking.near_miss import near_misses
+
+    records = pd.DataFrame({"index": [0, 1, 2, 3, 4, 0], "eps": [EPS] * 5 + [8 / 255],
+                            "clean_margin": [2.0, 2.0, 2.0, 1.0, -0.5, 2.0],
+                            "margin": [1.0, 1.01, -0.2, 0.9, -1.0, 0.1]})
+    assert near_misses(records, EPS) == {0, 2}      # half closed, or crossed; 1 and 3 are short of half
+    assert near_misses(records, 8 / 255) == {0}
+    assert near_misses(records, EPS, share=0.05) == {0, 1, 2, 3}   # 4: misclassified clean, no margin to close
+
+
+def test_near_misses_are_reported_apart_and_do_not_flag():
+    white = _records(range(6), [1, 0, 0, 0, 0, 0])
+    black = {"square": _records(range(6), [1, 1, 1, 0, 0, 0]), "transfer": _records(range(6), [0, 0, 1, 1, 0, 0])}
+    flagged = check_blackbox_beats_whitebox(white, black, near={"square": {1}})
+    assert flagged.verdict == "flag"
+    assert flagged.evidence["square"] == {"compared": 6, "black_success": 3, "white_success": 1, "beats": 1,
+                                          "indices": [2], "near_misses": 1, "near_miss_indices": [1]}
+    assert flagged.evidence["transfer"]["beats"] == 2 and "near_misses" not in flagged.evidence["transfer"]
+    cleared = check_blackbox_beats_whitebox(white, black, near={"square": {1, 2}, "transfer": {2, 3, 5}})
+    assert cleared.verdict == "pass" and cleared.evidence["transfer"]["near_misses"] == 2
+    assert cleared.detail.startswith("the white-box attack fools every image the black-box/transfer attacks fool, "
+                                     "near misses aside (square: 6 compared; transfer: 6 compared); near misses of "
+                                     "the white-box attack, not counted")
+    assert cleared.detail.endswith("their clean margin): square: 2; transfer: 2")
+    assert check_blackbox_beats_whitebox(white, black, near={"square": {1, 2}}).verdict == "flag"   # per source

@@ -179,9 +179,31 @@ def test_eval_attack_sends_what_square_alone_fooled_to_apgd_t_and_fab_t(tmp_path
                  if c["name"] == "blackbox_beats_whitebox")
     evidence = check["evidence"]["square"]
     assert evidence["followup"]["beat_white_box"] == int(square.sum())
-    assert evidence["beats"] == int((followup["by"] == "none").sum()) < int(square.sum())
+    left = int((followup["by"] == "none").sum())
+    assert evidence["beats"] + evidence.get("near_misses", 0) == left < int(square.sum())
+    margins = store.root / "masking" / "whitebox_margins.csv"    # measured on what the follow-up left
+    assert (sorted(pd.read_csv(margins)["index"]) if left else []) == sorted(followup.loc[followup["by"] == "none",
+                                                                                          "index"])
+    assert margins.is_file() == bool(left)
     assert "beyond APGD-CE" in check["detail"]
     assert check["verdict"] == ("flag" if evidence["beats"] else "pass")
+
+
+def _six_images():
+    """A tiny ResNet and six images it classifies "correctly" (labelled by its own prediction)."""
+    from helpers import tiny_resnet
+
+    model = tiny_resnet(1, stem_downsample=4)
+    images = (torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 255).round().to(torch.uint8)
+    with torch.no_grad():
+        labels = model(images.float() / 255).argmax(1)
+    return model, TensorImageDataset(images, labels)
+
+
+def _six_records(success):
+    import pandas as pd
+
+    return pd.DataFrame({"index": range(6), "success": success})
 
 
 def test_the_followup_is_read_back_only_for_the_images_it_holds(tmp_path, monkeypatch):
@@ -191,17 +213,8 @@ def test_the_followup_is_read_back_only_for_the_images_it_holds(tmp_path, monkey
 
     from robust_attn.attacks.masking import followup
     from robust_attn.protocols import masking as masking_protocol
-    from helpers import tiny_resnet
-
-    model = tiny_resnet(1, stem_downsample=4)
-    images = (torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 255).round().to(torch.uint8)
-    with torch.no_grad():
-        labels = model(images.float() / 255).argmax(1)
-    data = TensorImageDataset(images, labels)
-
-    def records(success):
-        return pd.DataFrame({"index": range(6), "success": success})
-
+    model, data = _six_images()
+    records = _six_records
     white, square = {"s": records([0] * 6)}, {"s": records([1, 1, 0, 0, 0, 0])}
     calls = []
     original = followup.whitebox_followup
@@ -220,3 +233,38 @@ def test_the_followup_is_read_back_only_for_the_images_it_holds(tmp_path, monkey
     run()
     assert calls == [[0, 1], [0, 1, 2]]
     assert sorted(pd.read_csv(tmp_path / "whitebox_followup.csv")["index"]) == [0, 1, 2]
+
+
+def test_near_miss_margins_are_measured_once_per_image_and_radius(tmp_path, monkeypatch):
+    """The masking step measures the margins of the images each source still wins, at that
+    source's radius, saves them, and measures only images it has not measured on a resumed run;
+    per source, the near misses are those of its own images at its own radius."""
+    import pandas as pd
+
+    from robust_attn.attacks.masking import near_miss
+    from robust_attn.protocols import masking as masking_protocol
+    model, data = _six_images()
+    records = _six_records
+    calls = []
+
+    def fake(model, images, labels, indices, eps, **kwargs):   # image i closes (i + 1) / 6 of a margin of 1
+        calls.append((list(indices), round(eps * 255)))
+        return pd.DataFrame({"index": indices, "eps": eps, "clean_margin": 1.0,
+                             "margin": [1 - (i + 1) / 6 for i in indices]})
+
+    monkeypatch.setattr(near_miss, "margins", fake)
+    white = {"a": records([0] * 6), "b": records([0] * 6)}
+    black = {"a": records([1, 1, 0, 1, 0, 0]), "b": records([0, 0, 0, 1, 1, 0])}
+    radii = {"a": 8 / 255, "b": 2 / 255}
+
+    def run():
+        return masking_protocol._near_misses(model, data, "cpu", tmp_path, white, black, radii, steps=2, seed=0,
+                                             batch_size=6)
+
+    assert run() == {"a": {3}, "b": {3, 4}}            # closed by half: images 2 and above
+    assert sorted(calls) == [([0, 1, 3], 8), ([3, 4], 2)]
+    assert run() == {"a": {3}, "b": {3, 4}} and len(calls) == 2   # read back
+    black["a"] = records([1, 1, 0, 1, 0, 1])
+    assert run() == {"a": {3, 5}, "b": {3, 4}} and calls[2:] == [([5], 8)]
+    saved = pd.read_csv(tmp_path / "whitebox_margins.csv")
+    assert sorted(zip(saved["index"], (saved["eps"] * 255).round())) == [(0, 8), (1, 8), (3, 2), (3, 8), (4, 2), (5, 8)]

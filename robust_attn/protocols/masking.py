@@ -19,7 +19,9 @@ model:
   compared. Against APGD-CE alone, the images a source fools and APGD-CE does not are attacked
   again with AutoAttack's other white-box members, APGD-T and then FAB-T
   (:mod:`robust_attn.attacks.masking.followup`; per image in ``whitebox_followup.csv``), and
-  count against the white-box attack only where those fail too;
+  count against the white-box attack only where those fail too. An image a source still wins is
+  a near miss, reported and not counted, where APGD-T closes at least half of its clean margin
+  (:mod:`robust_attn.attacks.masking.near_miss`; per image in ``whitebox_margins.csv``);
 * ``gain_with_strength``: AutoAttack's success rate must grow with eps; where it ran at one
   radius only (e.g. 8/255 on a CPU), APGD-CE's, at the ``apgd`` step's radii and at AutoAttack's
   radius, read from AutoAttack's records: its first member is APGD-CE with the same iterations,
@@ -52,7 +54,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from robust_attn.attacks import masking
-from robust_attn.attacks.masking import followup
+from robust_attn.attacks.masking import followup, near_miss
 from robust_attn.protocols.study_step import Passes, study_protocol
 from robust_attn.protocols.settings import ProtocolSettings, setting
 from robust_attn.protocols.runner import open_run
@@ -67,6 +69,7 @@ CHECKS_FILE = "checks.json"
 PLOT_FILE = "loss_directions.png"
 SWEEP_FILE = "loss_directions.csv"
 FOLLOWUP_FILE = "whitebox_followup.csv"
+MARGINS_FILE = "whitebox_margins.csv"
 WHITE_BOX_MEMBERS = ("clean", "apgd-ce", "apgd-t", "fab-t")
 
 
@@ -113,12 +116,13 @@ def _at(by_eps: dict, eps: float):
 
 def write_checks(out: Path, model, images, labels, indices, eps: float, run_info: dict, *, white=None,
                  black=None, rates=None, baseline=None, seed: int = 0, batch_size: int = 64,
-                 followed=None, reference: str = "APGD-CE") -> list[dict]:
+                 followed=None, reference: str = "APGD-CE", near=None) -> list[dict]:
     """Run the checks the inputs allow and save them in run directory ``out`` (records of the
     unbounded attack, the loss sweep and its plot, ``checks.json``). Returns the checks. The
     model sees at most ``batch_size`` images at a time. ``followed``: the sources whose white-box
     records (of ``reference`` alone) carry the white-box follow-up
-    (:func:`robust_attn.attacks.masking.followup.with_followup`)."""
+    (:func:`robust_attn.attacks.masking.followup.with_followup`); ``near``: per source, the images
+    that are near misses of the white-box attack (:func:`_near_misses`)."""
     store = open_run(out, run_info, protocol=PROTOCOL, parameters={"eps": eps, "unbounded_steps": 20,
                                                                    "sweep_images": 4, "seed": seed},
                      conditions=[{"name": "unbounded", "attack": "pgd", "eps": 1.0, "steps": 20}],
@@ -128,7 +132,7 @@ def write_checks(out: Path, model, images, labels, indices, eps: float, run_info
     results = []
     started = time.perf_counter()   # the run's one chunk keeps the time of every check
     if white is not None and black:
-        check = masking.check_blackbox_beats_whitebox(white, black)
+        check = masking.check_blackbox_beats_whitebox(white, black, near=near)
         results.append(followup.with_followup(check, followed, reference) if followed else check)
     unbounded = masking.unbounded_success(model, images, labels, steps=20, seed=seed, indices=indices,
                                           batch_size=batch_size)
@@ -191,10 +195,16 @@ def attack_run_checks(run_dir, model, dataset, configs, device, images: int = 64
         found, followed = _follow_up(model, dataset, device, run_dir / "masking", {"square": white}, black, held,
                                      steps=w.steps, seed=w.seed, batch_size=batch_size)
         white = found["square"]
+    near = None
+    if white is not None and black and not (run_dir / "masking" / CHECKS_FILE).is_file():
+        radius = aa.eps if ensembles else w.eps
+        near = _near_misses(model, dataset, device, run_dir / "masking", white, black, dict.fromkeys(black, radius),
+                            steps=(aa if ensembles else w).steps, seed=(aa if ensembles else w).seed,
+                            batch_size=batch_size)
     description = load_description(run_dir)
     info = {k: description[k] for k in ("model", "dataset", "checkpoint") if k in description}
     checks = write_checks(run_dir / "masking", model, x, y, idx, eps, info, white=white, black=black, rates=rates,
-                          batch_size=batch_size, followed=followed, reference=reference)
+                          batch_size=batch_size, followed=followed, reference=reference, near=near)
     atomic_write_json(run_dir / CHECKS_FILE, checks)
     return checks
 
@@ -303,6 +313,33 @@ def _follow_up(model, dataset, device, out: Path, whites: dict, blacks: dict, he
     return whites, followed
 
 
+def _near_misses(model, dataset, device, out: Path, whites, blacks: dict, radii: dict, *, steps, seed,
+                 batch_size: int) -> dict[str, set[int]]:
+    """Per source of ``blacks`` (at its radius in ``radii``), the images it still wins against the
+    white-box records (``whites``: one frame for every source, or one per source) that are near
+    misses of a working gradient (:mod:`robust_attn.attacks.masking.near_miss`). Their margins are
+    saved per image in ``out/whitebox_margins.csv`` and read back, not measured again."""
+    white_of = whites if isinstance(whites, dict) else dict.fromkeys(blacks, whites)
+    won = {name: followup.contested(white_of[name], blacks[name]) for name in blacks}
+    path = out / MARGINS_FILE
+    frames = [pd.read_csv(path)] if path.is_file() else []
+    measured = len(frames)
+    for radius in sorted(set(radii.values())):
+        have = {int(i) for f in frames[:measured] for i in f.loc[(f["eps"] - radius).abs() < 1e-9, "index"]}
+        wanted = sorted({i for name, r in radii.items() if abs(r - radius) < 1e-9 for i in won[name]} - have)
+        if wanted:
+            images, labels = next(iter(DataLoader(Subset(dataset, wanted), batch_size=len(wanted))))
+            frames.append(near_miss.margins(model, images.to(device), torch.as_tensor(labels).long().to(device),
+                                            wanted, radius, steps=steps, seed=seed, batch_size=batch_size))
+    if not frames:
+        return {}
+    records = pd.concat(frames, ignore_index=True)
+    if len(frames) > measured:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, records.to_csv(index=False))
+    return {name: near_miss.near_misses(records, radii[name]) & set(won[name]) for name in blacks if won[name]}
+
+
 def _passes(config) -> Passes:
     """Per model, on ``masking_images`` images: the unbounded 20-step PGD, one input gradient and
     a few forward passes (the loss sweep on 4 images is small beside them)."""
@@ -326,12 +363,16 @@ def study_masking(ctx, entries, models):
         whites, blacks, rates, against_apgd = _attack_evidence(ctx, entry, entries, eps)
         out = ctx.run_dir("masking", entry.name)
         if ctx.rank == 0:
-            followed = None
+            followed = near = None
             if against_apgd and not (out / CHECKS_FILE).is_file():
                 whites, followed = _follow_up(model, ctx.attack_dataset, ctx.device, out, whites, blacks, against_apgd,
                                               steps=config.attack_steps, seed=config.seed, batch_size=batch)
+            if blacks and not (out / CHECKS_FILE).is_file():
+                radii = {name: against_apgd.get(name, eps) for name in blacks}
+                near = _near_misses(model, ctx.attack_dataset, ctx.device, out, whites, blacks, radii,
+                                    steps=config.attack_steps, seed=config.seed, batch_size=batch)
             write_checks(out, model, images, labels, indices, eps, ctx.run_info(entry, model), white=whites or None,
                          black=blacks or None, rates=rates, baseline=baseline, seed=config.seed, batch_size=batch,
-                         followed=followed)
+                         followed=followed, near=near)
         outs.append(out)
     return outs

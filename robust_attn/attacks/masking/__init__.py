@@ -9,7 +9,9 @@ masked or obfuscated gradients follow Athalye et al. 2018 (section 3.1) and Carl
 ("On evaluating adversarial robustness", section 5.2/5.3):
 
 * ``blackbox_beats_whitebox``: images a black-box (Square) or transfer attack fools that the
-  white-box attack at the same eps did not (:func:`check_blackbox_beats_whitebox`).
+  white-box attack at the same eps did not (:func:`check_blackbox_beats_whitebox`), less the
+  near misses of a working gradient (:mod:`.near_miss`) and, where the white-box attack was
+  APGD-CE alone, what AutoAttack's other white-box members find (:mod:`.followup`).
 * ``unbounded_attack``: a gradient attack at L-inf eps = 1, where the whole image may change, must
   move every image off the model's prediction, starting from the clean image so that the random
   start alone cannot pass the check (:func:`unbounded_success`, :func:`check_unbounded`).

@@ -2,15 +2,17 @@
 the white-box attack at the same eps did not (Carlini et al. 2019, section 5.2)."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Collection, Mapping
 
 import pandas as pd
 
+from robust_attn.attacks.masking.near_miss import NEAR_MISS
 from robust_attn.attacks.masking.evidence import MaskingCheck, first_indices, verdict_word, success_by_index
 
 
 def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFrame],
-                                  black: Mapping[str, pd.DataFrame], condition: str | None = None) -> MaskingCheck:
+                                  black: Mapping[str, pd.DataFrame], condition: str | None = None,
+                                  near: Mapping[str, Collection[int]] | None = None) -> MaskingCheck:
     """Flag when any image that a black-box or transfer attack fools was not fooled by the
     white-box attack at the same eps (Carlini et al. 2019, 5.2: a gradient-free or transfer
     attack beating the white-box one means the gradients mislead it).
@@ -23,6 +25,10 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
     ``white``; each black-box frame must hold one condition. Evidence per source: compared,
     black-box and white-box successes, ``beats`` (the count) and the first :data:`MAX_INDICES` of
     their indices.
+
+    ``near``: source name -> the images that are near misses of the white-box attack
+    (:mod:`robust_attn.attacks.masking.near_miss`). Those a source wins are counted apart
+    (``near_misses``, with their indices) and do not flag.
     """
     if not isinstance(black, Mapping) or not black:
         raise ValueError("black must map a source name (e.g. 'square', 'transfer:resnet26') to its records")
@@ -41,14 +47,24 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
             raise ValueError(f"records of {source!r} share no image index with the white-box records; "
                              f"compare attacks run on the same images")
         w, b = white_success.loc[common], black_success.loc[common]
-        beats = common[(b & ~w).to_numpy()]
+        won = common[(b & ~w).to_numpy()]
+        close = set((near or {}).get(source, ()))
+        beats = [i for i in won if int(i) not in close]
         total += len(beats)
         evidence[source] = {"compared": len(common), "black_success": int(b.sum()), "white_success": int(w.sum()),
                             "beats": len(beats), "indices": first_indices(beats)}
+        if len(won) > len(beats):
+            missed = [i for i in won if int(i) in close]
+            evidence[source].update(near_misses=len(missed), near_miss_indices=first_indices(missed))
     parts = [f"{s}: {e['beats']} of {e['compared']}" for s, e in evidence.items()]
+    nears = [f"{s}: {e['near_misses']}" for s, e in evidence.items() if e.get("near_misses")]
     if total:
         detail = "images fooled by a black-box/transfer attack but not by the white-box one: " + "; ".join(parts)
     else:
-        detail = "the white-box attack fools every image the black-box/transfer attacks fool (" + "; ".join(
-            f"{s}: {e['compared']} compared" for s, e in evidence.items()) + ")"
+        detail = ("the white-box attack fools every image the black-box/transfer attacks fool"
+                  + (", near misses aside" if nears else "") + " ("
+                  + "; ".join(f"{s}: {e['compared']} compared" for s, e in evidence.items()) + ")")
+    if nears:
+        detail += (f"; near misses of the white-box attack, not counted (APGD-T closed at least {NEAR_MISS:.0%} of "
+                   "their clean margin): " + "; ".join(nears))
     return MaskingCheck("blackbox_beats_whitebox", verdict_word(total > 0), detail, evidence)
