@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 
@@ -40,7 +42,18 @@ def _grey_images(n=8, size=16, seed=0):
     return 0.5 + 0.04 * torch.rand(n, 3, size, size, generator=gen)
 
 
-def test_autoattack_run_compares_its_white_box_members_with_its_own_square(tmp_path):
+@pytest.mark.parametrize("faked_near_misses", [False, True])
+def test_autoattack_run_compares_its_white_box_members_with_its_own_square(tmp_path, monkeypatch, faked_near_misses):
+    """The zero-gradient model leaves every image to AutoAttack's Square member, and APGD-T leaves
+    their margins where they were: flagged. Were APGD-T to close their margins (faked), the same
+    images would be near misses and pass."""
+    import pandas as pd
+
+    from robust_attn.attacks.masking import near_miss
+
+    if faked_near_misses:
+        monkeypatch.setattr(near_miss, "margins", lambda model, images, labels, indices, eps, **kw: pd.DataFrame(
+            {"index": indices, "eps": eps, "clean_margin": 1.0, "margin": 0.5}))
     model = RoundedBrightness().eval()
     images = _grey_images()
     labels = model(images).argmax(1)
@@ -56,8 +69,15 @@ def test_autoattack_run_compares_its_white_box_members_with_its_own_square(tmp_p
     assert square_only > 0   # this model's zero gradient leaves every image to Square
     checks = {c["name"]: c for c in json.loads((store.root / "checks.json").read_text())}
     check = checks["blackbox_beats_whitebox"]
-    assert check["verdict"] == "flag"
-    assert check["evidence"]["autoattack's square"]["beats"] == square_only
+    evidence = check["evidence"]["autoattack's square"]
+    margins = pd.read_csv(store.root / "masking" / "whitebox_margins.csv")
+    assert sorted(margins["index"]) == sorted(records.loc[records["by"] == "square", "index"])
+    assert np.allclose(margins["eps"], 8 / 255)
+    if faked_near_misses:
+        assert check["verdict"] == "pass" and evidence["beats"] == 0 and evidence["near_misses"] == square_only
+    else:
+        assert (margins["margin"] == margins["clean_margin"]).all()   # the zero gradient moved nothing
+        assert check["verdict"] == "flag" and evidence["beats"] == square_only and "near_misses" not in evidence
 
 
 def test_zero_gradient_model_is_flagged_on_a_subset_without_the_noise_class():
@@ -253,18 +273,19 @@ def test_near_miss_margins_are_measured_once_per_image_and_radius(tmp_path, monk
                              "margin": [1 - (i + 1) / 6 for i in indices]})
 
     monkeypatch.setattr(near_miss, "margins", fake)
-    white = {"a": records([0] * 6), "b": records([0] * 6)}
-    black = {"a": records([1, 1, 0, 1, 0, 0]), "b": records([0, 0, 0, 1, 1, 0])}
-    radii = {"a": 8 / 255, "b": 2 / 255}
+    white = {"a": records([0] * 6), "b": records([0] * 6), "c": records([0] * 6)}
+    black = {"a": records([1, 1, 0, 1, 0, 0]), "b": records([0, 0, 0, 1, 1, 0]), "c": records([0, 0, 0, 0, 1, 0])}
+    radii = {"a": 8 / 255, "b": 2 / 255, "c": 8 / 255}
 
     def run():
         return masking_protocol._near_misses(model, data, "cpu", tmp_path, white, black, radii, steps=2, seed=0,
                                              batch_size=6)
 
-    assert run() == {"a": {3}, "b": {3, 4}}            # closed by half: images 2 and above
-    assert sorted(calls) == [([0, 1, 3], 8), ([3, 4], 2)]
-    assert run() == {"a": {3}, "b": {3, 4}} and len(calls) == 2   # read back
+    assert run() == {"a": {3}, "b": {3, 4}, "c": {4}}   # closed by half: images 2 and above, each its own
+    assert sorted(calls) == [([0, 1, 3, 4], 8), ([3, 4], 2)]
+    assert run() == {"a": {3}, "b": {3, 4}, "c": {4}} and len(calls) == 2   # read back
     black["a"] = records([1, 1, 0, 1, 0, 1])
-    assert run() == {"a": {3, 5}, "b": {3, 4}} and calls[2:] == [([5], 8)]
+    assert run() == {"a": {3, 5}, "b": {3, 4}, "c": {4}} and calls[2:] == [([5], 8)]
     saved = pd.read_csv(tmp_path / "whitebox_margins.csv")
-    assert sorted(zip(saved["index"], (saved["eps"] * 255).round())) == [(0, 8), (1, 8), (3, 2), (3, 8), (4, 2), (5, 8)]
+    assert sorted(zip(saved["index"], (saved["eps"] * 255).round())) == [(0, 8), (1, 8), (3, 2), (3, 8), (4, 2),
+                                                                         (4, 8), (5, 8)]

@@ -92,6 +92,11 @@ def test_a_small_drop_from_a_low_clean_top1_is_named_as_such():
     both = compare_models([strong, _rotation_run("resnet26-adv", np.ones(n, dtype=int), (idx % 10 < 6).astype(int))],
                           n_boot=200, seed=0)
     assert "its own clean top-1" not in findings_text(both)[2]
+    close = _rotation_run("resnet26-adv", (idx % 100 < 51).astype(int), (idx < 499).astype(int))   # 51% -> 49.9%
+    near = compare_models([strong, close], n_boot=200, seed=0).set_index("model")
+    assert near.loc["resnet26-adv", "rank"] == 1 and near.loc["resnet26-adv", "kept_minus_top"] == pytest.approx(-0.1)
+    assert near.loc["resnet26-adv", "kept_minus_top_low"] < 0 < near.loc["resnet26-adv", "kept_minus_top_high"]
+    assert "its own clean top-1" not in findings_text(near.reset_index())[2]   # keeps less, but not resolved
 
 
 def _attack_run(model: str, clean: np.ndarray, attacked: dict[str, np.ndarray]) -> Run:

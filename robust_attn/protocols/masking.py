@@ -20,8 +20,9 @@ model:
   again with AutoAttack's other white-box members, APGD-T and then FAB-T
   (:mod:`robust_attn.attacks.masking.followup`; per image in ``whitebox_followup.csv``), and
   count against the white-box attack only where those fail too. An image a source still wins is
-  a near miss, reported and not counted, where APGD-T closes at least half of its clean margin
-  (:mod:`robust_attn.attacks.masking.near_miss`; per image in ``whitebox_margins.csv``);
+  a near miss, reported and not counted, where PGD from the clean image closes at least half of
+  its clean margin (:mod:`robust_attn.attacks.masking.near_miss`; per image in
+  ``whitebox_margins.csv``);
 * ``gain_with_strength``: AutoAttack's success rate must grow with eps; where it ran at one
   radius only (e.g. 8/255 on a CPU), APGD-CE's, at the ``apgd`` step's radii and at AutoAttack's
   radius, read from AutoAttack's records: its first member is APGD-CE with the same iterations,

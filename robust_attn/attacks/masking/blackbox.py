@@ -65,6 +65,6 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
                   + (", near misses aside" if nears else "") + " ("
                   + "; ".join(f"{s}: {e['compared']} compared" for s, e in evidence.items()) + ")")
     if nears:
-        detail += (f"; near misses of the white-box attack, not counted (APGD-T closed at least {NEAR_MISS:.0%} of "
-                   "their clean margin): " + "; ".join(nears))
+        detail += ("; near misses of the white-box attack, not counted (PGD from the clean image closed at least "
+                   f"{NEAR_MISS:.0%} of their clean margin): " + "; ".join(nears))
     return MaskingCheck("blackbox_beats_whitebox", verdict_word(total > 0), detail, evidence)
