@@ -380,15 +380,14 @@ def test_masking_holds_square_and_transfer_to_apgd_ce_at_their_radius_when_autoa
         assert evidence[transfer]["white_success"] == int(fooled.sum())
 
 
-def test_images_beyond_apgd_ce_alone_are_attacked_again_by_the_other_white_box_members(tmp_path, monkeypatch):
-    """With APGD-CE as the only white-box attack at Square's radius (the efficient study's
-    settings) and blind here (it returns the clean images), the images Square or a transfer attack
-    fools are attacked again with APGD-T and FAB-T; the check counts only those they miss too, and
-    the per-image follow-up is saved beside checks.json."""
+def _blind_apgd_ce_study(tmp_path, monkeypatch):
+    """The efficient study's attack settings on two tiny ResNets (a zoo in ``tmp_path``), the
+    synthetic images labelled by resnet26's own prediction, and APGD-CE blind (it returns the
+    clean images): every image Square fools is beyond APGD-CE. Returns the config, the manifest
+    and the models."""
     from robust_attn.attacks.apgd import APGDCE
     from robust_attn.attacks.base import AttackOutput
     from robust_attn.data import synthetic
-    from robust_attn.runs.store import load_records
     from helpers import tiny_resnet
 
     manifest = tmp_path / "zoo" / "manifest.json"
@@ -407,7 +406,49 @@ def test_images_beyond_apgd_ce_alone_are_attacked_again_by_the_other_white_box_m
 
     monkeypatch.setattr(synthetic, "make_images", labelled_by_resnet26)
     monkeypatch.setattr(APGDCE, "_run", lambda self, model, images, labels, targets: AttackOutput(images.clone()))
-    config = dataclasses.replace(_efficient_settings(12), autoattack_limit=4, models=tuple(models))
+    return dataclasses.replace(_efficient_settings(12), autoattack_limit=4, models=tuple(models)), manifest, models
+
+
+def test_what_the_followup_leaves_is_measured_for_near_misses_at_each_sources_radius(tmp_path, monkeypatch):
+    """Where the white-box follow-up fools nothing (faked), every image a black-box source fools
+    beyond the blind APGD-CE goes to the near-miss measurement at that source's radius (8/255 for
+    Square and the transfer attacks, held to APGD-CE there); with every margin closed (faked) they
+    are all near misses, and none flags."""
+    from robust_attn.attacks.masking import followup, near_miss
+
+    config, manifest, models = _blind_apgd_ce_study(tmp_path, monkeypatch)
+    monkeypatch.setattr(followup, "whitebox_followup", lambda model, images, labels, indices, eps, **kw: pd.DataFrame(
+        {"index": [int(i) for i in indices], "eps": float(eps), "by": "none"}))
+    measured = []
+
+    def closed(model, images, labels, indices, eps, **kw):
+        measured.append((round(eps * 255), sorted(int(i) for i in indices)))
+        return pd.DataFrame({"index": indices, "eps": eps, "clean_margin": 1.0, "margin": 0.25})
+
+    monkeypatch.setattr(near_miss, "margins", closed)
+    runs = tmp_path / "runs"
+    run_study(config, runs, tmp_path / "report", manifest=manifest, device="cpu", progress=False,
+              log=lambda *_: None)
+    assert {radius for radius, _ in measured} <= {2, 8}   # AutoAttack's own Square at its 2/255, the rest at 8
+    followed = [model for model in models if (runs / f"masking-{model}" / "whitebox_followup.csv").is_file()]
+    assert "resnet26" in followed   # Square fools images the blind APGD-CE cannot
+    for model in followed:
+        check = next(c for c in json.loads((runs / f"masking-{model}" / "checks.json").read_text())
+                     if c["name"] == "blackbox_beats_whitebox")
+        won = sorted(pd.read_csv(runs / f"masking-{model}" / "whitebox_followup.csv")["index"])   # all at 8/255
+        assert (8, won) in measured
+        assert check["verdict"] == "pass" and all(e["beats"] == 0 for e in check["evidence"].values())
+        assert sum(e.get("near_misses", 0) for e in check["evidence"].values()) >= len(won) > 0
+
+
+def test_images_beyond_apgd_ce_alone_are_attacked_again_by_the_other_white_box_members(tmp_path, monkeypatch):
+    """With APGD-CE as the only white-box attack at Square's radius (the efficient study's
+    settings) and blind here (it returns the clean images), the images Square or a transfer attack
+    fools are attacked again with APGD-T and FAB-T; the check counts only those they miss too, and
+    the per-image follow-up is saved beside checks.json."""
+    from robust_attn.runs.store import load_records
+
+    config, manifest, models = _blind_apgd_ce_study(tmp_path, monkeypatch)
     runs = tmp_path / "runs"
     run_study(config, runs, tmp_path / "report", manifest=manifest, device="cpu", progress=False,
               log=lambda *_: None)
