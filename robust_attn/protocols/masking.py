@@ -198,10 +198,9 @@ def attack_run_checks(run_dir, model, dataset, configs, device, images: int = 64
         white = found["square"]
     near = None
     if white is not None and black and not (run_dir / "masking" / CHECKS_FILE).is_file():
-        radius = aa.eps if ensembles else w.eps
-        near = _near_misses(model, dataset, device, run_dir / "masking", white, black, dict.fromkeys(black, radius),
-                            steps=(aa if ensembles else w).steps, seed=(aa if ensembles else w).seed,
-                            batch_size=batch_size)
+        ref = aa if ensembles else w    # the white-box attack the black-box wins are held to
+        near = _near_misses(model, dataset, device, run_dir / "masking", white, black, dict.fromkeys(black, ref.eps),
+                            steps=ref.steps, seed=ref.seed, batch_size=batch_size)
     description = load_description(run_dir)
     info = {k: description[k] for k in ("model", "dataset", "checkpoint") if k in description}
     checks = write_checks(run_dir / "masking", model, x, y, idx, eps, info, white=white, black=black, rates=rates,
