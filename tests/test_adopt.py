@@ -150,3 +150,29 @@ def test_attack_runs_record_their_subset_so_studies_of_other_limits_share_them(t
         else:
             with pytest.raises(RunMismatchError, match="dataset"):
                 run_study(config, large, tmp_path / "r3", **quiet)
+
+
+def test_the_plan_names_the_runs_that_may_adopt_and_writes_nothing(tmp_path, tiny_zoo, capsys):
+    """--plan with --reuse-runs (nothing written yet) and a study whose reuse.json names the folder
+    say which of its runs have a run of their name there; a folder without them, and no reuse at
+    all, say so or nothing."""
+    first, second, other = tmp_path / "first", tmp_path / "second", tmp_path / "other"
+    run_study(_config((1 / 255,)), first, tmp_path / "r1", manifest=tiny_zoo, device="cpu", progress=False,
+              log=lambda *_: None)
+    other.mkdir()
+    plan = ["study", "--dataset", "synthetic", "--manifest", str(tiny_zoo), "--models", "resnet26", "--limit", "8",
+            "--attack-limit", "8", "--protocols", "rotation,apgd,square", "--device", "cpu", "--plan",
+            "--no-progress", "--runs", str(second), "--out", str(tmp_path / "out")]
+    assert main(plan + ["--reuse-runs", str(first)]) == 0
+    line = [s for s in capsys.readouterr().out.splitlines() if "reusing" in s]
+    assert line == [f"  (reusing {first.resolve()}: 2 of these runs have a run of their name there (apgd-resnet26, "
+                    f"square-resnet26); each adopts its records of the same computation when it opens, so those runs "
+                    f"may take less than planned)"]
+    assert not second.exists() and not (tmp_path / "out").exists()
+    assert main(plan) == 0
+    assert "reusing" not in capsys.readouterr().out
+    write_reuse_sources(second, [other])   # as a study started with --reuse-runs leaves it
+    assert main(plan) == 0
+    assert f"  (reusing {other.resolve()}: no run of this study has a run of its name there)" in capsys.readouterr().out
+    assert main(plan + ["--reuse-runs", str(first)]) == 0
+    assert f"(reusing {other.resolve()}, {first.resolve()}: 2 of these runs" in capsys.readouterr().out

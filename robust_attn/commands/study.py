@@ -134,7 +134,8 @@ def run_study_cmd(args) -> int:
     try:
         run_study(config, runs, args.out or f"runs/study-{name}-report",
                   root=args.root, device=args.device, manifest=args.manifest, progress=not args.no_progress,
-                  workers=workers, attention_path=args.attention_path, plan_only=args.plan)
+                  workers=workers, attention_path=args.attention_path, plan_only=args.plan,
+                  reuse=args.reuse_runs or ())
     finally:
         cleanup()   # leave the torchrun process group, also on errors
     return 0

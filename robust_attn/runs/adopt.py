@@ -39,17 +39,16 @@ from robust_attn.runs.identity import VOLATILE_KEYS, differing_keys
 from robust_attn.runs.store import DamagedRecordsError, RunStore, condition_definitions
 from robust_attn.utils.io import atomic_path, atomic_write_json
 
-__all__ = ["REUSE_FILE", "reuse_sources", "write_reuse_sources", "adopt_records", "adopted_chunks",
+__all__ = ["REUSE_FILE", "reuse_folders", "reuse_sources", "write_reuse_sources", "adopt_records", "adopted_chunks",
            "why_not_the_same_run"]
 
 REUSE_FILE = "reuse.json"
 
 
-def reuse_sources(run_dir: str | Path) -> list[Path]:
-    """The runs ``run_dir`` may adopt from: the run of its name in each folder that the
-    ``reuse.json`` beside it names (module docstring); [] without one."""
-    run_dir = Path(run_dir)
-    path = run_dir.parent / REUSE_FILE
+def reuse_folders(runs_dir: str | Path) -> list[Path]:
+    """The folders of runs that the ``reuse.json`` in ``runs_dir`` names (module docstring); []
+    without one."""
+    path = Path(runs_dir) / REUSE_FILE
     if not path.is_file():
         return []
     try:
@@ -57,7 +56,14 @@ def reuse_sources(run_dir: str | Path) -> list[Path]:
     except (ValueError, KeyError, TypeError):
         raise ValueError(f"{path} is not a reuse file ({{\"runs\": [FOLDER, ...]}}); write it again with "
                          f"`robust-attn study ... --reuse-runs FOLDER` or delete it") from None
-    return [(path.parent / f).resolve() / run_dir.name for f in folders]
+    return [(path.parent / f).resolve() for f in folders]
+
+
+def reuse_sources(run_dir: str | Path) -> list[Path]:
+    """The runs ``run_dir`` may adopt from: the run of its name in each folder that the
+    ``reuse.json`` beside it names (module docstring); [] without one."""
+    run_dir = Path(run_dir)
+    return [folder / run_dir.name for folder in reuse_folders(run_dir.parent)]
 
 
 def write_reuse_sources(runs_dir: str | Path, folders) -> list[str]:

@@ -26,13 +26,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from robust_attn.protocols.study_step import Passes
 from robust_attn.utils.durations import format_seconds
 
 __all__ = ["Passes", "PlanRow", "protocol_passes", "probe_model", "plan_rows", "format_plan", "format_seconds",
            "StudyClock", "log_plan", "log_unprobed_plan", "probe_images", "study_total",
-           "done_fractions"]
+           "done_fractions", "reuse_note"]
 
 def protocol_passes(name: str, config) -> Passes | None:
     """The passes per image of protocol ``name`` under ``config``, as its study step registered
@@ -256,18 +257,45 @@ def probe_images(dataset, n: int = 16):
     return torch.stack([dataset[i][0] for i in range(min(n, len(dataset)))])
 
 
-def log_unprobed_plan(config, models: list[str], root, device, workers: int, log, runs_dir=None) -> None:
+def log_unprobed_plan(config, models: list[str], root, device, workers: int, log, runs_dir=None,
+                      reuse=()) -> None:
     """Log the plan of a study whose models cannot be loaded: what would run, on how many images,
     and what ``runs_dir``'s runs hold already, without times (the study's images are counted; no
-    model is built)."""
+    model is built); ``reuse``: as for :func:`log_plan`."""
     from robust_attn.data import build_dataset
 
     num_images = len(build_dataset(config.dataset, root=root, split=config.split, limit=config.limit))
     done = done_fractions(config, models, runs_dir) if runs_dir is not None else None
     rows = plan_rows(config, models, {}, num_images, min(num_images, config.attack_limit or num_images), workers,
                      done)
-    for line in format_plan(rows, device=str(device), workers=workers):
+    for line in format_plan(rows, device=str(device), workers=workers) + reuse_note(config, models, runs_dir, reuse):
         log(line)
+
+
+def reuse_note(config, models: list[str], runs_dir, reuse=()) -> list[str]:
+    """The plan's note on adoption (:mod:`robust_attn.runs.adopt`): which of the study's runs have
+    a run of their name in a folder of runs it reuses (``runs_dir``'s ``reuse.json`` and the
+    folders ``reuse``, --reuse-runs). Whether their records are the same computation is known only
+    when each run opens, so the plan's times count them as still to compute; [] when nothing is
+    reused."""
+    from robust_attn.protocols.study_step import STUDY_PROTOCOLS, study_run_dir
+    from robust_attn.runs.adopt import reuse_folders
+
+    try:
+        folders = reuse_folders(runs_dir) if runs_dir is not None else []
+    except ValueError:   # a damaged reuse.json: the study itself says so when a run opens
+        folders = []
+    folders += [f for f in (Path(f).resolve() for f in reuse) if f not in folders]
+    if not folders:
+        return []
+    held = [f"{protocol}-{model}" for protocol in config.protocols if STUDY_PROTOCOLS[protocol].per_model
+            for model in models
+            if any((study_run_dir(folder, protocol, model) / "run.json").is_file() for folder in folders)]
+    shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
+    return [f"  (reusing {', '.join(map(str, folders))}: " + (
+        f"{len(held)} of these runs have a run of their name there ({shown}); each adopts its records of the "
+        f"same computation when it opens, so those runs may take less than planned)" if held else
+        "no run of this study has a run of its name there)")]
 
 
 def done_fractions(config, models: list[str], runs_dir) -> dict[tuple[str, str], float]:
@@ -293,10 +321,13 @@ def done_fractions(config, models: list[str], runs_dir) -> dict[tuple[str, str],
     return fractions
 
 
-def log_plan(config, loaded: dict, inputs: dict, device, workers: int, log, runs_dir=None) -> StudyClock:
+def log_plan(config, loaded: dict, inputs: dict, device, workers: int, log, runs_dir=None,
+             reuse=()) -> StudyClock:
     """Probe every model (:func:`probe_model`, on the first images of its attack subset), log the
-    plan (:func:`format_plan`; what ``runs_dir``'s runs hold already is left out of the times)
-    and return the clock that tells the time left as steps finish."""
+    plan (:func:`format_plan`; what ``runs_dir``'s runs hold already is left out of the times, and
+    :func:`reuse_note` says which runs may adopt records from the folders of runs reused: those
+    ``runs_dir``'s ``reuse.json`` names and ``reuse``) and return the clock that tells the time
+    left as steps finish."""
     log("study: timing each model on a few images to estimate the study's cost ...")
     probes = {}
     for name, model in loaded.items():
@@ -304,6 +335,7 @@ def log_plan(config, loaded: dict, inputs: dict, device, workers: int, log, runs
     dataset, attack_dataset, _ = next(iter(inputs.values()))
     done = done_fractions(config, list(loaded), runs_dir) if runs_dir is not None else None
     rows = plan_rows(config, list(loaded), probes, len(dataset), len(attack_dataset), workers, done)
-    for line in format_plan(rows, device=str(device), workers=workers):
+    for line in format_plan(rows, device=str(device), workers=workers) + reuse_note(config, list(loaded), runs_dir,
+                                                                                   reuse):
         log(line)
     return StudyClock(rows)

@@ -143,7 +143,7 @@ def autoattack_cost_note(config: StudyConfig, num_models: int, runs_dir) -> str:
 
 def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=None, manifest=None,
               progress: bool = True, log=print, workers: int = 1, attention_path: str = "lean",
-              plan_only: bool = False, _worker: bool = False) -> list[Path]:
+              plan_only: bool = False, reuse=(), _worker: bool = False) -> list[Path]:
     """Run (or resume) the study and write the report; returns the report's files.
 
     The protocols run in the order of ``config.protocols``: every per-model step
@@ -161,7 +161,9 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
 
     Before it starts, the study logs its plan: every (protocol, model) it will run with the
     estimated time (:mod:`robust_attn.study.estimate`, from a short probe of each model), and
-    after each step the time left. ``plan_only``: log the plan and return ``[]``."""
+    after each step the time left. ``plan_only``: log the plan and return ``[]``. ``reuse``: the
+    folders of runs given with ``--reuse-runs``, for the plan's note on adoption (the study adopts
+    from those its ``reuse.json`` names, :mod:`robust_attn.runs.adopt`)."""
     from robust_attn.data import dataset_info, locate_dataset
     from robust_attn.reports import make_report
     from robust_attn.sources.inputs import record_preprocessing
@@ -181,7 +183,7 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     missing = missing_zoo_models(chosen, manifest, config.dataset)
     if missing:   # said before anything is loaded; --plan still shows what would run
         if plan_only and rank == 0 and not _worker:
-            log_unprobed_plan(config, [m.name for m in chosen], root, device, workers, log, runs_dir)
+            log_unprobed_plan(config, [m.name for m in chosen], root, device, workers, log, runs_dir, reuse)
         raise ValueError(missing_zoo_message(missing, chosen, manifest, config.dataset))
     loaded = load_models(chosen, info, device, manifest, config.seed, log)
     for name, entry in loaded.items():
@@ -193,7 +195,8 @@ def run_study(config: StudyConfig, runs_dir, report_dir, *, root=None, device=No
     dataset, attack_dataset, _ = next(iter(inputs.values()))
     clock = None
     if rank == 0 and not _worker:
-        clock = log_plan(config, loaded, inputs, device, workers if world_size == 1 else world_size, log, runs_dir)
+        clock = log_plan(config, loaded, inputs, device, workers if world_size == 1 else world_size, log, runs_dir,
+                         reuse)
     if plan_only:
         return []
     runs_dir = Path(runs_dir)
