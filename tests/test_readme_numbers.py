@@ -9,7 +9,9 @@ table and statement by statement:
   report folder's README to its own report (and those a ``<!-- numbers: reports/A reports/B -->``
   line before the table names, of the same dataset). Each numeric cell is looked up by its row's
   model and its column's header in that report's CSVs (robust accuracy by column, Tables 9 and 10
-  by condition, the findings' measures by the bold title above the table, timings by protocol):
+  by condition, the findings' measures by the bold title above the table, the adversarial-training
+  answers by ``AutoAttack E/255 gain``, ``AutoAttack E/255 minus best`` and ``clean``/``rotated``/
+  ``corrupted top-1 change``, timings by protocol; a model is a family's or its ``-adv`` one):
   a header no rule knows, a model the report lacks, another dataset, or a value that differs at
   the decimals written is an error;
 - a table of other numbers says where they come from on the line before it:
@@ -19,7 +21,8 @@ table and statement by statement:
 - each ``X [L, H]`` in the text is a value with its interval that one of the statement's reports
   gives for a model the statement names, at a radius it names (``4/255``; Table 10's ``{8, 2, 4}``
   is 8/255), and as a difference (``more``, ``less``, ``larger`` ...) only where the statement
-  says so near it.
+  says so near it (the adversarial-training gains, the differences from the most robust model of
+  one training, and SAN10 pairwise minus ResNet-26 under each training are such differences).
 
 A number copied by hand into the wrong column, condition, dataset or model, rounded twice, or left
 behind when a report was regenerated fails here."""
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -39,8 +43,9 @@ NUMBER = r"[-+]?\d+(?:\.\d+)?"
 INTERVAL = re.compile(rf"({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
 TAU = re.compile(rf"Kendall's tau ({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
 NOTE = re.compile(r"^<!-- numbers: (.*?) -->$")
-MODELS = {"resnet26", "aa_resnet26", "ea_resnet26", "gsa_resnet26", "sasa_resnet26", "san10_pairwise",
-          "san10_patchwise"}
+FAMILIES = {"resnet26", "aa_resnet26", "ea_resnet26", "gsa_resnet26", "sasa_resnet26", "san10_pairwise",
+            "san10_patchwise"}
+MODELS = FAMILIES | {f"{m}-adv" for m in FAMILIES}   # a family's model, and its adversarially trained one
 # how the text names the models (besides their zoo names)
 MODEL_NAMES = {"ResNet-26": "resnet26", "SASA": "sasa_resnet26", "AA": "aa_resnet26", "GSA": "gsa_resnet26",
                "EA": "ea_resnet26", "External Attention": "ea_resnet26", "SAN10 pairwise": "san10_pairwise",
@@ -85,62 +90,90 @@ def reports() -> dict[str, Report]:
     """Every committed report folder, keyed by its path from the repository root."""
     found = {}
     for md in sorted(ROOT.glob("reports/**/report.md")):
-        folder = md.parent
-        if "runs" in folder.relative_to(ROOT).parts:
+        if "runs" in md.parent.relative_to(ROOT).parts:
             continue
-        csvs = {p.stem: pd.read_csv(p) for p in folder.glob("*.csv")}
-        datasets = {d for t in csvs.values() if "dataset" in t for d in t["dataset"].dropna().unique()}
-        report = Report(folder.relative_to(ROOT).as_posix(), datasets.pop() if len(datasets) == 1 else "")
-        if "robust_accuracy" in csvs:
-            for model, column, *v in _triples(csvs["robust_accuracy"], ["model", "column", "top1", "low", "high"]):
-                report.add(model, ("robust", column), v)
-        for name in ("table9_rotation", "table10_pgd"):
-            if name in csvs:
-                table = csvs[name][csvs[name]["source"] == "ours"]
-                for row in table.to_dict("records"):
-                    for key, value in row.items():
-                        if isinstance(value, float):
-                            report.add(row["model"], (name, key), [value])
-        if "comparison" in csvs:
-            comparison = csvs["comparison"]
-            # the other model of each difference: the measure's best, and the baseline (no difference of its own)
-            best = comparison[comparison["minus_best"].isna()].set_index("measure")["model"].to_dict()
-            baseline = comparison[comparison["minus_baseline"].isna()].set_index("measure")["model"].to_dict()
-            for row in comparison.to_dict("records"):
-                for kind, other in (("value", None), ("minus_best", best), ("minus_baseline", baseline)):
-                    cols = [kind, f"{kind}_low", f"{kind}_high"] if kind != "value" else ["value", "low", "high"]
-                    if not pd.isna(row[cols[0]]):
-                        report.add(row["model"], ("measure", row["measure"], kind), [row[c] for c in cols])
-                        report.add(row["model"], ("title", row["title"], kind), [row[c] for c in cols])
-                        if other is not None:   # for the text: a difference between two models
-                            report.add(row["model"], ("pair", row["measure"], kind, other.get(row["measure"])),
-                                       [row[c] for c in cols])
-        if "corruption_summary" in csvs:
-            for model, value in _triples(csvs["corruption_summary"], ["model", "relative_mCE"]):
-                report.add(model, ("relative_mCE",), [value])
-        if "transfer_matrix" in csvs:
-            matrix = csvs["transfer_matrix"].set_index("source")
-            for model in matrix.index:
-                report.add(model, ("whitebox_pgd10",), [matrix.loc[model, model]])
-        if "autoattack_members" in csvs:
-            members = csvs["autoattack_members"]
-            for row in members.to_dict("records"):
-                report.add(row["model"], ("members", row["attack"], "apgd-t"), [row["apgd-t"]])
-            for model, group in members.groupby("model"):
-                for member in ("fab-t", "square"):
-                    report.add(model, ("members_all", member), [group[member].sum()])
-        if "headline_ci" in csvs:
-            for model, metric, *v in _triples(csvs["headline_ci"], ["model", "metric", "value", "low", "high"]):
-                report.add(model, ("headline", metric), v)
-        if "timings" in csvs:
-            timed = csvs["timings"][csvs["timings"]["chunks_written"] > 0]
-            report.timings = timed.groupby(["model", "protocol"])["seconds"].sum().to_dict()
-        text = md.read_text()
-        for m in TAU.finditer(text):
-            report.add("*", ("tau",), m.groups())
-        report.text = " ".join(text.split())
+        report = read_report(md.parent)
         found[report.path] = report
     return found
+
+
+def _adversarial_training(report: Report, table: pd.DataFrame) -> None:
+    """The adversarial-training section's answers (robust_attn/reports/adversarial.py): each
+    model's difference from the most robust of its training, each adversarial model's gain over
+    its standard one per measure, and SAN10 pairwise minus the baseline per attack and training."""
+    for row in table.to_dict("records"):
+        value = [row["value"], row["low"], row["high"]]
+        if row["question"] == "most_robust" and not pd.isna(row["minus_best"]):
+            same = table[(table["question"] == "most_robust") & (table["training"] == row["training"])]
+            best = same.loc[same["minus_best"].isna(), "model"].iloc[0]
+            minus = [row["minus_best"], row["minus_best_low"], row["minus_best_high"]]
+            report.add(row["model"], ("adversarial", "minus best"), minus)
+            report.add(row["model"], ("pair", "adversarial:most_robust", "minus_best", best), minus)
+        elif row["question"] == "gain":
+            report.add(row["model"], ("adversarial_gain", row["measure"]), value)
+            report.add(row["model"], ("pair", f"adversarial_gain:{row['measure']}", "gain", row["standard"]), value)
+        elif row["question"] == "weakness":
+            weak, baseline = row["model"].split(" minus ")
+            report.add(weak, ("pair", f"weakness:{row['family']}:{row['attack']}", "minus_baseline", baseline), value)
+
+
+def read_report(folder: Path) -> Report:
+    """What one report folder's CSVs give, per model."""
+    csvs = {p.stem: pd.read_csv(p) for p in folder.glob("*.csv")}
+    datasets = {d for t in csvs.values() if "dataset" in t for d in t["dataset"].dropna().unique()}
+    report = Report(folder.relative_to(ROOT).as_posix() if folder.is_relative_to(ROOT) else str(folder),
+                    datasets.pop() if len(datasets) == 1 else "")
+    if "robust_accuracy" in csvs:
+        for model, column, *v in _triples(csvs["robust_accuracy"], ["model", "column", "top1", "low", "high"]):
+            report.add(model, ("robust", column), v)
+    for name in ("table9_rotation", "table10_pgd"):
+        if name in csvs:
+            table = csvs[name][csvs[name]["source"] == "ours"]
+            for row in table.to_dict("records"):
+                for key, value in row.items():
+                    if isinstance(value, float):
+                        report.add(row["model"], (name, key), [value])
+    if "comparison" in csvs:
+        comparison = csvs["comparison"]
+        # the other model of each difference: the measure's best, and the baseline (no difference of its own)
+        best = comparison[comparison["minus_best"].isna()].set_index("measure")["model"].to_dict()
+        baseline = comparison[comparison["minus_baseline"].isna()].set_index("measure")["model"].to_dict()
+        for row in comparison.to_dict("records"):
+            for kind, other in (("value", None), ("minus_best", best), ("minus_baseline", baseline)):
+                cols = [kind, f"{kind}_low", f"{kind}_high"] if kind != "value" else ["value", "low", "high"]
+                if not pd.isna(row[cols[0]]):
+                    report.add(row["model"], ("measure", row["measure"], kind), [row[c] for c in cols])
+                    report.add(row["model"], ("title", row["title"], kind), [row[c] for c in cols])
+                    if other is not None:   # for the text: a difference between two models
+                        report.add(row["model"], ("pair", row["measure"], kind, other.get(row["measure"])),
+                                   [row[c] for c in cols])
+    if "corruption_summary" in csvs:
+        for model, value in _triples(csvs["corruption_summary"], ["model", "relative_mCE"]):
+            report.add(model, ("relative_mCE",), [value])
+    if "transfer_matrix" in csvs:
+        matrix = csvs["transfer_matrix"].set_index("source")
+        for model in matrix.index:
+            report.add(model, ("whitebox_pgd10",), [matrix.loc[model, model]])
+    if "autoattack_members" in csvs:
+        members = csvs["autoattack_members"]
+        for row in members.to_dict("records"):
+            report.add(row["model"], ("members", row["attack"], "apgd-t"), [row["apgd-t"]])
+        for model, group in members.groupby("model"):
+            for member in ("fab-t", "square"):
+                report.add(model, ("members_all", member), [group[member].sum()])
+    if "headline_ci" in csvs:
+        for model, metric, *v in _triples(csvs["headline_ci"], ["model", "metric", "value", "low", "high"]):
+            report.add(model, ("headline", metric), v)
+    if "timings" in csvs:
+        timed = csvs["timings"][csvs["timings"]["chunks_written"] > 0]
+        report.timings = timed.groupby(["model", "protocol"])["seconds"].sum().to_dict()
+    if "adversarial_training" in csvs:
+        _adversarial_training(report, csvs["adversarial_training"])
+    text = (folder / "report.md").read_text()
+    for m in TAU.finditer(text):
+        report.add("*", ("tau",), m.groups())
+    report.text = " ".join(text.split())
+    return report
 
 
 def _matches(written, values) -> bool:
@@ -261,6 +294,15 @@ def cell_keys(header: str, caption: str) -> tuple[tuple, tuple | None] | None:
     m = re.fullmatch(r"(FAB-T|Square) added, all radii", h)
     if m:
         return ("members_all", m.group(1).lower()), None
+    m = re.fullmatch(r"(AutoAttack \d+/255) gain", h)   # adversarial minus standard training, per family
+    if m:
+        return ("adversarial_gain", m.group(1)), None
+    changed = {"clean top-1 change": "clean", "rotated top-1 change": "rotation",
+               "corrupted top-1 change": "corruption"}
+    if h in changed:
+        return ("adversarial_gain", changed[h]), None
+    if re.fullmatch(r"AutoAttack \d+/255 minus best", h):   # under the same adversarial training
+        return ("adversarial", "minus best"), None
     title = _title(caption)
     kinds = {"points [interval]": "value", "% [interval]": "value", "minus best": "minus_best",
              "minus resnet26": "minus_baseline"}
@@ -439,6 +481,68 @@ def test_a_cell_in_the_wrong_column_or_dataset_is_caught():
         assert table_problems(tables(path, text)[0]), text
     unnoted = "| thing | ms |\n|---|--:|\n| a step | 12.5 |\n"
     assert table_problems(tables(ROOT / "docs" / "x.md", unnoted)[0])
+
+
+def _adversarial_report(tmp_path) -> Report:
+    """A report folder with the adversarial-training section's CSV as robust_attn/reports/adversarial.py
+    writes it (two families, made-up numbers) and the robust accuracies beside it."""
+    folder = tmp_path / "adv"
+    folder.mkdir()
+    training = "adversarial fgsm, eps 8/255, 1 step"
+    rows = [("most_robust", "resnet26-adv", "resnet", 31.3, 28.6, 34.3, None, None, None, None, None, None),
+            ("most_robust", "sasa_resnet26-adv", "sasa", 30.3, 27.4, 33.3, -1.0, -3.0, 0.8, None, None, None),
+            ("weakness", "san10_pairwise minus resnet26", "standard", -19.0, -22.3, -15.8, None, None, None,
+             "APGD-CE 1/255", None, None),
+            ("weakness", "san10_pairwise minus resnet26", "adversarial", -3.6, -5.8, -1.4, None, None, None,
+             "AutoAttack 8/255", None, None),
+            ("gain", "resnet26-adv", "resnet", 31.3, 28.6, 34.3, None, None, None, None, "resnet26",
+             "AutoAttack 8/255"),
+            ("gain", "resnet26-adv", "resnet", -26.5, -29.7, -23.4, None, None, None, None, "resnet26", "clean"),
+            ("gain", "sasa_resnet26-adv", "sasa", 30.3, 27.4, 33.3, None, None, None, None, "sasa_resnet26",
+             "AutoAttack 8/255"),
+            ("gain", "sasa_resnet26-adv", "sasa", -8.1, -10.6, -5.6, None, None, None, None, "sasa_resnet26",
+             "rotation")]
+    pd.DataFrame([(training, *r) for r in rows], columns=[
+        "training", "question", "model", "family", "value", "low", "high", "minus_best", "minus_best_low",
+        "minus_best_high", "attack", "standard", "measure"]).to_csv(folder / "adversarial_training.csv", index=False)
+    pd.DataFrame([("resnet26-adv", "cifar10", "AutoAttack 8/255", 31.3, 28.6, 34.3),
+                  ("sasa_resnet26-adv", "cifar10", "AutoAttack 8/255", 30.3, 27.4, 33.3)],
+                 columns=["model", "dataset", "column", "top1", "low", "high"]).to_csv(folder / "robust_accuracy.csv",
+                                                                                     index=False)
+    (folder / "report.md").write_text("# Robustness report\n")
+    return read_report(folder)
+
+
+def test_the_adversarial_training_answers_are_checked_in_tables_and_text(tmp_path, monkeypatch):
+    """A README's table of the adversarially trained models (robust top-1, minus the best, the gain
+    and the change per measure) and its sentences on the gain and on SAN10 pairwise's weakness are
+    checked against the adversarial-training CSV: right as written, caught in another row, column or
+    model."""
+    known = {"reports/adv": _adversarial_report(tmp_path)}
+    monkeypatch.setattr(sys.modules[__name__], "reports", lambda: known)
+    path = ROOT / "reports" / "adv" / "README.md"
+    header = ("| model | AutoAttack 8/255 | AutoAttack 8/255 minus best | AutoAttack 8/255 gain | clean top-1 change | "
+              "rotated top-1 change |\n|---|--:|--:|--:|--:|--:|\n")
+    right = header + ("| resnet26-adv | 31.3 [28.6, 34.3] | - | 31.3 [28.6, 34.3] | -26.5 [-29.7, -23.4] | - |\n"
+                      "| sasa_resnet26-adv | 30.3 | -1.0 [-3.0, +0.8] (n.s.) | 30.3 [27.4, 33.3] | - | -8.1 |\n")
+    assert not table_problems(tables(path, right)[0])
+    for wrong in (right.replace("| -26.5 [-29.7, -23.4] | - |", "| - | -26.5 [-29.7, -23.4] |"),   # another column
+                  right.replace("| -1.0 [-3.0, +0.8] (n.s.) |", "| -1.1 [-3.0, +0.8] (n.s.) |"),
+                  right.replace("| resnet26-adv |", "| resnet26 |"),                                  # another model
+                  right.replace("| - | 31.3 [28.6, 34.3] |", "| -1.0 [-3.0, +0.8] | 31.3 [28.6, 34.3] |")):
+        assert table_problems(tables(path, wrong)[0]), wrong
+    said = {
+        "Adversarial training gives resnet26-adv 31.3 [28.6, 34.3] points more than resnet26 at 8/255.": True,
+        "Adversarial training gives sasa_resnet26-adv 31.3 [28.6, 34.3] points more than sasa_resnet26 at 8/255.":
+            False,
+        "After adversarial training SAN10 pairwise keeps 3.6 [1.4, 5.8] points less than ResNet-26 at 8/255.": True,
+        "After adversarial training SASA keeps 3.6 [1.4, 5.8] points less than ResNet-26 at 8/255.": False,
+        "After adversarial training SAN10 pairwise keeps 3.6 [1.4, 5.8] points less than ResNet-26 at 4/255.": False,
+        "sasa_resnet26-adv keeps 1.0 [-0.8, 3.0] points less than resnet26-adv at 8/255.": True,
+        "sasa_resnet26-adv keeps 1.0 [-0.8, 3.0] points less than resnet26 at 8/255.": False,
+    }
+    for text, ok in said.items():
+        assert in_reports(prose_intervals(path, text + "\n")[0]) is ok, text
 
 
 # -- intervals in the text -----------------------------------------------------------------------
