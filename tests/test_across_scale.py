@@ -96,6 +96,7 @@ def test_one_finding_holds_one_flips_one_is_unresolved(zoos):
     assert by.loc[("table10_vs_resnet26", "other"), "verdict"] == "no"
     assert by.loc[("apgd1_vs_resnet26", "reference"), "verdict"] == "unresolved"
     assert by.loc[("apgd1_vs_resnet26", "other"), "verdict"] == "yes"
+    assert set(table["dataset"]) == {"synthetic"}   # each zoo's runs', for whoever reads the CSV alone
     # the statistic: resnet26's rotation drop minus san10_pairwise's, in points (0.5 - 0), with the
     # interval of the PAIRED per-image difference
     row = by.loc[("rotation_vs_resnet26", "other")]

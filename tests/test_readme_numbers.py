@@ -117,6 +117,24 @@ def _adversarial_training(report: Report, table: pd.DataFrame) -> None:
             report.add(weak, ("pair", f"weakness:{row['family']}:{row['attack']}", "minus_baseline", baseline), value)
 
 
+def _across_scale(report: Report, table: pd.DataFrame) -> None:
+    """The across-scale findings (robust_attn/reports/across_scale.py): each finding's statistic in
+    each zoo under its claim and verdict (for the tables that copy them), and for the text as a
+    difference between the two models it compares (``A minus B``), or model-free (a chance level,
+    a Kendall's tau)."""
+    for row in table.to_dict("records"):
+        if row["verdict"] == "not measured":
+            continue
+        value = [row["value"], row["low"], row["high"]]
+        report.add("*", ("across_claim", row["claim"], row["zoo"], row["verdict"]), value)
+        key = f"across:{row['finding']}:{row['zoo']}:{row['measure']}"
+        pair = re.fullmatch(r"(\S+) minus (\S+)", str(row["detail"]))
+        if row["kind"] == "less" and pair:
+            report.add(pair.group(1), ("pair", key, "minus", pair.group(2)), value)
+        else:
+            report.add("*", ("across", key), value)
+
+
 def read_report(folder: Path) -> Report:
     """What one report folder's CSVs give, per model."""
     csvs = {p.stem: pd.read_csv(p) for p in folder.glob("*.csv")}
@@ -169,6 +187,8 @@ def read_report(folder: Path) -> Report:
         report.timings = timed.groupby(["model", "protocol"])["seconds"].sum().to_dict()
     if "adversarial_training" in csvs:
         _adversarial_training(report, csvs["adversarial_training"])
+    if "across_scale" in csvs:
+        _across_scale(report, csvs["across_scale"])
     text = (folder / "report.md").read_text()
     for m in TAU.finditer(text):
         report.add("*", ("tau",), m.groups())
@@ -397,8 +417,41 @@ TRAIN_STEP_COLUMNS = {"params": "params_M", "ms/step": "ms_per_step", "img/s": "
                       "memory x resnet26": "memory_vs_resnet26"}
 
 
+# a cell of an across-scale table: "yes: +5.6 [+4.7, +6.5] (resnet26 minus san10_pairwise; 10,000 images)"
+VERDICT_CELL = re.compile(rf"^(yes|no|unresolved): ({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
+
+
+def across_problems(table: Table) -> list[str]:
+    """A table of findings laid out as the across-scale report's (``finding``: a claim as it
+    writes it; then the reference zoo, the other zoo): each ``verdict: value [low, high]`` cell is
+    that claim's in its column's zoo, with that verdict, in the reports the table names."""
+    where = f"{table.path.relative_to(ROOT)}:{table.line}"
+    found = table_reports(table)
+    if not found:
+        return [f"{where}: the table names no report (a `<!-- numbers: reports/... -->` line before it)"]
+    problems = []
+    for line, cells in table.rows:
+        for column, cell in enumerate(cells[1:], start=1):
+            m = VERDICT_CELL.match(cell)
+            if m is None:
+                continue
+            if column > 2:
+                problems.append(f"{where} line {line}: {cell}: a finding's statistic in column {column + 1}; the "
+                                f"table's columns are the finding, the reference zoo and the other zoo")
+                continue
+            verdict, *written = m.groups()
+            zoo = ("reference", "other")[column - 1]
+            values = [v for r in found for v in r.values.get(("*", ("across_claim", cells[0], zoo, verdict)), ())]
+            if not any(_matches(written, v) for v in values):
+                problems.append(f"{where} line {line}: {cells[0]!r} | {cell}: the reports give "
+                                f"{sorted(values) if values else f'no such claim with that verdict in the {zoo} zoo'}")
+    return problems
+
+
 def table_problems(table: Table) -> list[str]:
     """Every number of ``table`` that is not tied to where it comes from."""
+    if table.header and table.header[0] == "finding":
+        return across_problems(table)
     numeric = [(line, cells) for line, cells in table.rows if any(has_number(c) for c in cells[1:])]
     if not numeric:
         return []
@@ -448,7 +501,8 @@ def table_problems(table: Table) -> list[str]:
     return problems
 
 
-TABLES = [t for doc in DOCS for t in tables(doc) if any(has_number(c) for _, cells in t.rows for c in cells[1:])]
+TABLES = [t for doc in DOCS for t in tables(doc) if any(has_number(c) or VERDICT_CELL.match(c)
+                                                       for _, cells in t.rows for c in cells[1:])]
 
 
 @pytest.mark.parametrize("table", TABLES, ids=[f"{t.path.relative_to(ROOT)}:{t.line}" for t in TABLES])
@@ -540,6 +594,52 @@ def test_the_adversarial_training_answers_are_checked_in_tables_and_text(tmp_pat
         "After adversarial training SAN10 pairwise keeps 3.6 [1.4, 5.8] points less than ResNet-26 at 4/255.": False,
         "sasa_resnet26-adv keeps 1.0 [-0.8, 3.0] points less than resnet26-adv at 8/255.": True,
         "sasa_resnet26-adv keeps 1.0 [-0.8, 3.0] points less than resnet26 at 8/255.": False,
+    }
+    for text, ok in said.items():
+        assert in_reports(prose_intervals(path, text + "\n")[0]) is ok, text
+
+
+def test_the_across_scale_findings_are_checked_in_tables_and_text(tmp_path, monkeypatch):
+    """A table of findings copied from the across-scale report (robust_attn/reports/across_scale.py)
+    and sentences quoting a finding's statistic are checked against across_scale.csv (made-up
+    numbers): right as written; caught under another claim or verdict, with another number, for
+    other models, or where a finding was not measured."""
+    folder = tmp_path / "across"
+    folder.mkdir()
+    rotation = "SAN10 pairwise loses less top-1 to rotation than ResNet-26"
+    chance = "No family keeps more than chance-level top-1 at 8/255"
+    pd.DataFrame([("rotation_vs_resnet26", rotation, "less", "reference", "rotation", 10000, 5.57, 4.66, 6.51,
+                   "resnet26 minus san10_pairwise", "yes", "holds"),
+                  ("rotation_vs_resnet26", rotation, "less", "other", "rotation", 1000, 4.28, 1.17, 7.33,
+                   "resnet26 minus san10_pairwise", "yes", "holds"),
+                  ("none_robust_at_8", chance, "chance", "reference", "chance", 1000, 10.0, 10.0, 10.0,
+                   "chance-level top-1 10% minus aa_resnet26's (0.0%)", "yes", "not measured"),
+                  ("none_robust_at_8", chance, "chance", "other", "-", 0, None, None, None, "", "not measured",
+                   "not measured")],
+                 columns=["finding", "claim", "kind", "zoo", "measure", "n", "value", "low", "high", "detail",
+                          "verdict", "across"]).assign(dataset="cifar10").to_csv(folder / "across_scale.csv",
+                                                                                 index=False)
+    (folder / "report.md").write_text("# What survives across scale\n")
+    known = {"reports/across": read_report(folder)}
+    monkeypatch.setattr(sys.modules[__name__], "reports", lambda: known)
+    path = ROOT / "reports" / "across" / "README.md"
+    right = (f"| finding | width 0.25 | efficient | across scale |\n|---|--:|--:|--:|\n"
+             f"| {rotation} | yes: +5.6 [+4.7, +6.5] (resnet26 minus san10_pairwise) | yes: +4.3 [+1.2, +7.3] | "
+             f"holds |\n"
+             f"| {chance} | yes: +10.0 [+10.0, +10.0] | not measured | not measured |\n")
+    assert not table_problems(tables(path, right)[0])
+    for wrong in (right.replace("yes: +4.3", "no: +4.3"), right.replace("+4.3 [+1.2", "+4.4 [+1.2"),
+                  right.replace(f"| {rotation} |", "| SAN10 pairwise loses less top-1 to rotation |"),
+                  right.replace("| not measured | not measured |", "| yes: +10.0 [+10.0, +10.0] | not measured |"),
+                  right.replace("| yes: +5.6 [+4.7, +6.5] (resnet26 minus san10_pairwise) | yes: +4.3 [+1.2, +7.3] |",
+                                "| yes: +4.3 [+1.2, +7.3] | yes: +5.6 [+4.7, +6.5] |")):   # the zoos swapped
+        assert table_problems(tables(path, wrong)[0]), wrong
+    said = {
+        "On CIFAR-10 SAN10 pairwise loses 4.3 [1.2, 7.3] points less than ResNet-26 to rotation.": True,
+        "On CIFAR-10 SASA loses 4.3 [1.2, 7.3] points less than ResNet-26 to rotation.": False,
+        "On Fashion-MNIST SAN10 pairwise loses 4.3 [1.2, 7.3] points less than ResNet-26 to rotation.": False,
+        "The best model keeps 10.0 [10.0, 10.0] points less than chance at 8/255.": True,
+        "SAN10 pairwise keeps 4.3 [1.2, 7.3] points at 8/255.": False,   # the rotation pair, as a value
     }
     for text, ok in said.items():
         assert in_reports(prose_intervals(path, text + "\n")[0]) is ok, text
@@ -649,8 +749,8 @@ def in_reports(p: Prose) -> bool:
             if key == ("tau",):
                 if not p.tau:
                     continue
-            elif p.named and model not in p.named:
-                continue
+            elif key[0] == "across_claim" or (p.named and model not in p.named and model != "*"):
+                continue   # a claim's cell is for the tables; the text reads its pair or model-free value
             radius = _radius_of(key)
             if p.radii and radius is not None and radius not in p.radii:
                 continue
@@ -659,7 +759,7 @@ def in_reports(p: Prose) -> bool:
             difference = key[0] == "pair"
             if difference and p.named and key[3] not in p.named:
                 continue   # a difference between two models: the text names both
-            if key != ("tau",) and difference != p.difference and not (key[0] == "headline"):
+            if key != ("tau",) and difference != p.difference and key[0] not in ("headline", "across"):
                 continue
             for v in values:
                 if len(v) < 3:

@@ -313,8 +313,8 @@ def _zoo_summary(runs: list[Run]) -> str:
 
 def compare_zoos(reference: list[Run], other: list[Run], findings=FINDINGS, n_boot: int = 1000, seed: int = 0,
                  level: float = 0.95) -> pd.DataFrame:
-    """One row per finding and zoo (``zoo``: ``reference`` or ``other``), with ``across``: the
-    verdict across the two (:func:`across_verdict`)."""
+    """One row per finding and zoo (``zoo``: ``reference`` or ``other``; ``dataset``: the zoo's
+    runs'), with ``across``: the verdict across the two (:func:`across_verdict`)."""
     rows = []
     zoos = {"reference": (reference, {}, {}), "other": (other, {}, {})}   # runs, losses by measure, hits by run
     for finding in findings:
@@ -328,7 +328,8 @@ def compare_zoos(reference: list[Run], other: list[Run], findings=FINDINGS, n_bo
             classes = next((r.num_classes for r in runs if r.num_classes), 10)
             result = check_finding(finding, losses, n_boot=n_boot, seed=seed, level=level, num_classes=classes)
             verdicts[zoo] = result["verdict"]
-            rows.append({"finding": finding.key, "claim": finding.claim, "kind": finding.kind, "zoo": zoo, **result})
+            rows.append({"finding": finding.key, "claim": finding.claim, "kind": finding.kind, "zoo": zoo,
+                         "dataset": ",".join(sorted({r.dataset for r in runs})), **result})
         for row in rows[-2:]:
             row["across"] = across_verdict(verdicts["reference"], verdicts["other"])
     return pd.DataFrame(rows)
