@@ -485,18 +485,45 @@ def test_a_near_miss_is_an_image_whose_margin_the_attack_closed_by_half():
 
 
 def test_near_misses_are_reported_apart_and_do_not_flag():
-    white = _records(range(6), [1, 0, 0, 0, 0, 0])
-    black = {"square": _records(range(6), [1, 1, 1, 0, 0, 0]), "transfer": _records(range(6), [0, 0, 1, 1, 0, 0])}
+    """On 200 images, where two near misses per source are rare enough (1%)."""
+    rest = [0] * 194
+    white = _records(range(200), [1, 0, 0, 0, 0, 0] + rest)
+    black = {"square": _records(range(200), [1, 1, 1, 0, 0, 0] + rest),
+             "transfer": _records(range(200), [0, 0, 1, 1, 0, 0] + rest)}
     flagged = check_blackbox_beats_whitebox(white, black, near={"square": {1}})
     assert flagged.verdict == "flag"
-    assert flagged.evidence["square"] == {"compared": 6, "black_success": 3, "white_success": 1, "beats": 1,
-                                          "indices": [2], "near_misses": 1, "near_miss_indices": [1]}
+    assert flagged.evidence["square"] == {"compared": 200, "black_success": 3, "white_success": 1, "beats": 1,
+                                          "indices": [2], "near_misses": 1, "near_miss_indices": [1],
+                                          "near_misses_counted": False}
     assert flagged.evidence["transfer"]["beats"] == 2 and "near_misses" not in flagged.evidence["transfer"]
     cleared = check_blackbox_beats_whitebox(white, black, near={"square": {1, 2}, "transfer": {2, 3, 5}})
     assert cleared.verdict == "pass" and cleared.evidence["transfer"]["near_misses"] == 2
     assert cleared.detail.startswith("the white-box attack fools every image the black-box/transfer attacks fool, "
-                                     "near misses aside (square: 6 compared; transfer: 6 compared); near misses of "
+                                     "near misses aside (square: 200 compared; transfer: 200 compared); near misses of "
                                      "the white-box attack, not counted")
     assert cleared.detail.endswith("their clean margin): square: 2; transfer: 2")
     per_source = check_blackbox_beats_whitebox(white, black, near={"square": {1, 2}, "transfer": {3}})
     assert per_source.verdict == "flag" and per_source.evidence["transfer"]["indices"] == [2]   # not square's
+
+
+def test_near_misses_count_again_once_they_are_not_rare():
+    """Past 1% of the images compared (one image always passes) every near miss counts as a beat:
+    a gradient that keeps stopping short where a black-box attack crosses is what masking looks like."""
+    from robust_attn.attacks.masking.near_miss import RARE, excused
+
+    assert RARE == 0.01
+    assert excused(1, 6) and not excused(2, 6) and excused(2, 200) and not excused(3, 200)
+    assert excused(10, 1000) and not excused(11, 1000) and excused(11, 1000, rare=0.02)
+    white = _records(range(200), [0] * 200)
+    black = {"square": _records(range(200), [1, 1, 1, 1] + [0] * 196)}
+    rare = check_blackbox_beats_whitebox(white, black, near={"square": {0, 1}})
+    assert rare.verdict == "flag" and rare.evidence["square"]["beats"] == 2   # images 2 and 3: no near misses
+    many = check_blackbox_beats_whitebox(white, black, near={"square": {0, 1, 2}})
+    assert many.verdict == "flag" and many.evidence["square"]["beats"] == 4
+    assert many.evidence["square"]["indices"] == [0, 1, 2, 3] and many.evidence["square"]["near_misses_counted"]
+    assert many.detail.endswith("counted among them, as more than 1% of the compared images: near misses (a gradient "
+                                "that keeps stopping short of the boundary where a black-box attack crosses it): "
+                                "square: 3 of 200")
+    cleared = check_blackbox_beats_whitebox(white, {"square": _records(range(200), [1, 1, 0] + [0] * 197)},
+                                            near={"square": {0, 1}})
+    assert cleared.verdict == "pass" and cleared.evidence["square"]["near_misses"] == 2

@@ -42,18 +42,22 @@ def _grey_images(n=8, size=16, seed=0):
     return 0.5 + 0.04 * torch.rand(n, 3, size, size, generator=gen)
 
 
-@pytest.mark.parametrize("faked_near_misses", [False, True])
+@pytest.mark.parametrize("faked_near_misses", ["none", "rare", "many"])
 def test_autoattack_run_compares_its_white_box_members_with_its_own_square(tmp_path, monkeypatch, faked_near_misses):
-    """The zero-gradient model leaves every image to AutoAttack's Square member, and APGD-T leaves
-    their margins where they were: flagged. Were APGD-T to close their margins (faked), the same
-    images would be near misses and pass."""
+    """The zero-gradient model leaves every image to AutoAttack's Square member, and PGD from the
+    clean image leaves their margins where they were: flagged. Were PGD to close their margins
+    (faked), the same images would be near misses: passed while near misses may be that many
+    ("rare": the bound raised to every image), flagged as they are here, all of the images
+    compared ("many")."""
     import pandas as pd
 
     from robust_attn.attacks.masking import near_miss
 
-    if faked_near_misses:
+    if faked_near_misses != "none":
         monkeypatch.setattr(near_miss, "margins", lambda model, images, labels, indices, eps, **kw: pd.DataFrame(
             {"index": indices, "eps": eps, "clean_margin": 1.0, "margin": 0.5}))
+    if faked_near_misses == "rare":
+        monkeypatch.setattr(near_miss, "RARE", 1.0)
     model = RoundedBrightness().eval()
     images = _grey_images()
     labels = model(images).argmax(1)
@@ -73,8 +77,13 @@ def test_autoattack_run_compares_its_white_box_members_with_its_own_square(tmp_p
     margins = pd.read_csv(store.root / "masking" / "whitebox_margins.csv")
     assert sorted(margins["index"]) == sorted(records.loc[records["by"] == "square", "index"])
     assert np.allclose(margins["eps"], 8 / 255)
-    if faked_near_misses:
+    if faked_near_misses == "rare":
         assert check["verdict"] == "pass" and evidence["beats"] == 0 and evidence["near_misses"] == square_only
+        assert evidence["near_misses_counted"] is False
+    elif faked_near_misses == "many":
+        assert square_only > 1   # more than the one image the bound always excuses
+        assert check["verdict"] == "flag" and evidence["beats"] == evidence["near_misses"] == square_only
+        assert evidence["near_misses_counted"] is True and "counted among them" in check["detail"]
     else:
         assert (margins["margin"] == margins["clean_margin"]).all()   # the zero gradient moved nothing
         assert check["verdict"] == "flag" and evidence["beats"] == square_only and "near_misses" not in evidence

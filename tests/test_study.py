@@ -426,6 +426,7 @@ def test_what_the_followup_leaves_is_measured_for_near_misses_at_each_sources_ra
         return pd.DataFrame({"index": indices, "eps": eps, "clean_margin": 1.0, "margin": 0.25})
 
     monkeypatch.setattr(near_miss, "margins", closed)
+    monkeypatch.setattr(near_miss, "RARE", 1.0)   # every image may be a near miss here (the bound: test_masking.py)
     runs = tmp_path / "runs"
     run_study(config, runs, tmp_path / "report", manifest=manifest, device="cpu", progress=False,
               log=lambda *_: None)

@@ -6,7 +6,7 @@ from typing import Collection, Mapping
 
 import pandas as pd
 
-from robust_attn.attacks.masking.near_miss import NEAR_MISS
+from robust_attn.attacks.masking import near_miss
 from robust_attn.attacks.masking.evidence import MaskingCheck, first_indices, verdict_word, success_by_index
 
 
@@ -28,7 +28,9 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
 
     ``near``: source name -> the images that are near misses of the white-box attack
     (:mod:`robust_attn.attacks.masking.near_miss`). Those a source wins are counted apart
-    (``near_misses``, with their indices) and do not flag.
+    (``near_misses``, with their indices) and do not flag while they are rare
+    (:func:`~robust_attn.attacks.masking.near_miss.excused`); past that they count as beats too
+    (``near_misses_counted``).
     """
     if not isinstance(black, Mapping) or not black:
         raise ValueError("black must map a source name (e.g. 'square', 'transfer:resnet26') to its records")
@@ -49,15 +51,19 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
         w, b = white_success.loc[common], black_success.loc[common]
         won = common[(b & ~w).to_numpy()]
         close = set((near or {}).get(source, ()))
-        beats = [i for i in won if int(i) not in close]
+        missed = [i for i in won if int(i) in close]
+        counted = not near_miss.excused(len(missed), len(common))
+        beats = list(won) if counted else [i for i in won if int(i) not in close]
         total += len(beats)
         evidence[source] = {"compared": len(common), "black_success": int(b.sum()), "white_success": int(w.sum()),
                             "beats": len(beats), "indices": first_indices(beats)}
-        if len(won) > len(beats):
-            missed = [i for i in won if int(i) in close]
-            evidence[source].update(near_misses=len(missed), near_miss_indices=first_indices(missed))
+        if missed:
+            evidence[source].update(near_misses=len(missed), near_miss_indices=first_indices(missed),
+                                    near_misses_counted=counted)
     parts = [f"{s}: {e['beats']} of {e['compared']}" for s, e in evidence.items()]
-    nears = [f"{s}: {e['near_misses']}" for s, e in evidence.items() if e.get("near_misses")]
+    nears = [f"{s}: {e['near_misses']}" for s, e in evidence.items()
+             if e.get("near_misses") and not e["near_misses_counted"]]
+    many = [f"{s}: {e['near_misses']} of {e['compared']}" for s, e in evidence.items() if e.get("near_misses_counted")]
     if total:
         detail = "images fooled by a black-box/transfer attack but not by the white-box one: " + "; ".join(parts)
     else:
@@ -66,5 +72,9 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
                   + "; ".join(f"{s}: {e['compared']} compared" for s, e in evidence.items()) + ")")
     if nears:
         detail += ("; near misses of the white-box attack, not counted (PGD from the clean image closed at least "
-                   f"{NEAR_MISS:.0%} of their clean margin): " + "; ".join(nears))
+                   f"{near_miss.NEAR_MISS:.0%} of their clean margin): " + "; ".join(nears))
+    if many:
+        detail += (f"; counted among them, as more than {near_miss.RARE:.0%} of the compared images: near misses "
+                   "(a gradient that keeps stopping short of the boundary where a black-box attack crosses it): "
+                   + "; ".join(many))
     return MaskingCheck("blackbox_beats_whitebox", verdict_word(total > 0), detail, evidence)
