@@ -1,7 +1,8 @@
 """Every relative link of the project's Markdown files leads somewhere: the file or folder it
 names exists beside the page, and an anchor into a Markdown page names one of its headings (as
 GitHub derives a heading's anchor). Links inside code blocks and to web addresses are not
-checked."""
+checked. And every repository path the pages a reader is sent to name in inline code
+(`robust_attn/...`, `zoo/...`, ...) exists."""
 from __future__ import annotations
 
 import re
@@ -16,10 +17,13 @@ def _pages() -> list[Path]:
     return sorted(p for p in ROOT.rglob("*.md") if not SKIP & set(p.relative_to(ROOT).parts))
 
 
+def _without_blocks(text: str) -> str:
+    return re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.S | re.M)
+
+
 def _prose(text: str) -> str:
     """The page without its fenced code blocks and inline code."""
-    text = re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.S | re.M)
-    return re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"`[^`\n]*`", "", _without_blocks(text))
 
 
 def anchor(heading: str) -> str:
@@ -68,3 +72,32 @@ def test_the_checker_finds_a_missing_file_and_a_missing_anchor(tmp_path):
                     "[ok](https://example.org/x) ![ok](there.md)\n[bad](missing.md) [bad](there.md#nowhere)\n"
                     "```\n[in code](nowhere.md)\n```\n`[inline](nowhere.md)`\n")
     assert [b.split(" ")[0] for b in broken_links(page)] == ["missing.md", "there.md#nowhere"]
+
+
+# a repository path in inline code: `robust_attn/attacks/square.py`, `zoo/manifest.json`, `zoo/studies/`
+PATH = re.compile(r"`((?:robust_attn|zoo|benchmarks|tests|docs|reports|protocols)/[\w./-]*?)/?(?::[\w.]+)?`")
+
+
+def missing_paths(page: Path, root: Path = ROOT) -> list[str]:
+    """The paths in the page's inline code (outside code blocks) that exist neither from the
+    repository root nor, for a page naming a module by its place in the package, under robust_attn/."""
+    return [m.group(1) for m in PATH.finditer(_without_blocks(page.read_text()))
+            if not (root / m.group(1)).exists() and not (root / "robust_attn" / m.group(1)).exists()]
+
+
+def test_every_repository_path_the_documentation_names_exists():
+    pages = [ROOT / "README.md", ROOT / "zoo" / "README.md", ROOT / "benchmarks" / "README.md",
+             ROOT / "reports" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = sum(len(PATH.findall(_without_blocks(p.read_text()))) for p in pages)
+    assert named > 100
+    missing = {str(p.relative_to(ROOT)): m for p in pages if (m := missing_paths(p))}
+    assert not missing, "\n".join(f"{page}: {path}" for page, paths in missing.items() for path in paths)
+
+
+def test_the_path_checker_finds_a_module_that_moved(tmp_path):
+    (tmp_path / "robust_attn" / "utils").mkdir(parents=True)
+    (tmp_path / "robust_attn" / "utils" / "radius.py").write_text("")
+    page = tmp_path / "page.md"
+    page.write_text("`robust_attn/utils/radius.py` `utils/radius.py`... no: `robust_attn/commands/eps.py`, "
+                    "`robust_attn/utils/` `robust_attn/utils/radius.py:parse_radius`\n```\n`zoo/not/here`\n```\n")
+    assert missing_paths(page, tmp_path) == ["robust_attn/commands/eps.py"]
