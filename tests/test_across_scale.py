@@ -120,6 +120,29 @@ def test_a_group_is_compared_at_its_closest_pair(zoos):
     assert result["value"] == pytest.approx(25.0) and result["verdict"] == "yes"
 
 
+def test_a_group_is_yes_only_where_every_pair_is_resolved():
+    """"a loses the least of all" on 100 images: b, the runner-up by point estimate, loses more
+    than a on 10 images and never less (resolved), but c, behind b on average, loses more on 56
+    images and less on 44, so its interval covers 0: unresolved, naming c. With c losing every
+    image: yes, against the runner-up b."""
+    import dataclasses
+
+    index = np.arange(100)
+    a = (index < 44).astype(float)
+    b = a + ((index >= 44) & (index < 54))
+    c = (index >= 44).astype(float)
+    frame = pd.DataFrame({"a": a, "b": b, "c": c})
+    assert frame.mean()["a"] < frame.mean()["b"] < frame.mean()["c"]
+    finding = dataclasses.replace(_finding("rotation_least"), better=("a",), worse=("*",))
+    result = check_finding(finding, {finding.measures[0]: frame}, n_boot=300)
+    assert result["value"] == pytest.approx(10.0) and result["low"] > 0       # b minus a alone: resolved
+    assert result["verdict"] == "unresolved"
+    assert result["detail"].startswith("b minus a; c minus a not resolved (+12.0 [")
+    frame["c"] = 1.0
+    resolved = check_finding(finding, {finding.measures[0]: frame}, n_boot=300)
+    assert resolved["verdict"] == "yes" and resolved["detail"] == "b minus a"
+
+
 def test_chance_reads_the_worst_case_of_the_attacks_image_by_image(tmp_path):
     # Square leaves each model images 0-99, AutoAttack 25-174, APGD-CE 0-74 and 150-199: an image
     # is robust only where all three failed, images 25-74 (25%), not the 37.5-75% any one or two give

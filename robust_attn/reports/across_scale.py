@@ -13,7 +13,10 @@ true:
   paired difference (:func:`robust_attn.reports.stats.bootstrap_mean_ci` of the per-image
   differences, one resample of images for both models) between the closest pair by point
   estimate, the best of ``worse`` minus the worst of ``better``, as the study's findings compare a
-  leader with its runner-up. ``*`` stands for every other model of the zoo.
+  leader with its runner-up. ``*`` stands for every other model of the zoo. The claim is *yes*
+  only where every pair of a ``better`` and a ``worse`` model is resolved (each pair's interval
+  above 0): a runner-up by point estimate need not be the pair with the widest interval, and a
+  pair left unresolved makes the finding unresolved, named in its ``detail``.
 * ``chance``: every model keeps less top-1 than chance (one over the classes): the error of the
   most robust model minus the chance-level error. Its loss is the per-image worst case over the
   attacks the zoo ran at the radius (an image counts as robust only where every attack failed), so
@@ -285,6 +288,14 @@ def check_finding(finding: Finding, losses: dict[Measure, pd.DataFrame | None], 
         weakest, strongest = max(better, key=means.get), min(worse, key=means.get)
         ci = bootstrap_mean_ci(frame[strongest] - frame[weakest], n_boot=n_boot, seed=seed, level=level)
         detail = f"{strongest} minus {weakest}"
+        if ci.low > 0:   # yes only if every other pair is resolved too
+            for b, w in ((b, w) for b in better for w in worse if (b, w) != (weakest, strongest)):
+                other = bootstrap_mean_ci(frame[w] - frame[b], n_boot=n_boot, seed=seed, level=level)
+                if other.low <= 0:
+                    detail += f"; {w} minus {b} not resolved ({other.value:+.1f} [{other.low:+.1f}, {other.high:+.1f}])"
+            if ";" in detail:
+                return {**shown, "value": ci.value, "low": ci.low, "high": ci.high, "detail": detail,
+                        "verdict": "unresolved"}
     return {**shown, "value": ci.value, "low": ci.low, "high": ci.high, "detail": detail,
             "verdict": _verdict(ci.low, ci.high)}
 
