@@ -69,7 +69,7 @@ def test_what_comes_back_is_the_finished_records_of_every_model(tmp_path):
 def test_the_cpu_study_adopts_every_chunk_the_script_wrote(tmp_path):
     limits = ["--attack-limit", "4", "--autoattack-limit", "4", "--attack-batch-size", "2"]
     done = _run(tmp_path, PYTHON=sys.executable, DEVICE="cpu", ATTENTION_PATH="lean", MODELS="resnet26",
-                BUDGET_S="300", EXTRA=" ".join(limits))
+                STUDY="zoo/studies/cifar10_adversarial.toml", BUDGET_S="300", EXTRA=" ".join(limits))
     assert done.returncode == 0, done.stdout
     back = tmp_path / "back"
     back.mkdir()

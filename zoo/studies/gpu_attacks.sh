@@ -16,33 +16,37 @@
 # --reuse-runs: the study adopts each finished chunk of the same computation, checksum verified, its
 # manifest entry naming the GPU that computed it (docs/studies.md):
 #
-#     mkdir -p runs/gpu-adversarial && tar -xzf FILES_AT/runs.tar.gz -C runs/gpu-adversarial
-#     robust-attn study zoo/studies/cifar10_adversarial.toml --runs runs/study-cifar10-adversarial \
-#         --reuse-runs runs/gpu-adversarial ...
+#     mkdir -p runs/gpu-efficient && tar -xzf FILES_AT/runs.tar.gz -C runs/gpu-efficient
+#     robust-attn study zoo/studies/cifar10_efficient.toml --runs runs/study-cifar10-efficient \
+#         --reuse-runs runs/gpu-efficient ...
 #
 # Python: $PYTHON, else .venv/bin/python where it exists, else python3 (the lent machines reach no
 # package registry; their python3 has torch with CUDA, numpy, pandas, scipy and safetensors, which
 # is what a study of the zoo's models imports). The repository goes on PYTHONPATH: no install step.
 #
 # What travels: the device tool sends the checkout, at most 64 MiB; the tracked files are about
-# 164 MiB. A study of the adversarially trained models reads robust_attn/ (15 MiB, the embedded test
-# sets included), zoo/ and the checkpoints of its models (about 3 MiB each), so for the call:
+# 164 MiB. A study of the zoo's CIFAR-10 models reads robust_attn/ (15 MiB, the embedded test sets
+# included), zoo/ and the checkpoints of its models (about 3 MiB each: 21 MiB for the efficient
+# zoo's seven, the same for the -adv ones), so for the call:
 #
 #     git sparse-checkout set --no-cone '/*' '!/reports/' '!/tests/' '!/zoo/checkpoints/' \
-#         '/zoo/checkpoints/cifar10/*-adv.*'
+#         '/zoo/checkpoints/cifar10/*-efficient.*'        # or *-adv.* for the adversarial study
 #     ... the device call ...
 #     git sparse-checkout disable
 #
-# Settings (environment): STUDY (zoo/studies/cifar10_adversarial.toml), MODELS (the config's labels,
-# comma list; default the four attention families that cost the CPU most), PROTOCOLS (autoattack),
+# Settings (environment): STUDY (zoo/studies/cifar10_efficient.toml), MODELS (the config's labels,
+# comma list; default the four whose AutoAttack at 2/255 the study's plan puts highest on the CPU:
+# SASA 3.4 h, SAN10 pairwise 1.9 h, SAN10 patchwise 1.8 h, GSA 1.8 h; the adversarial study's
+# AutoAttack at 8/255 is STUDY=zoo/studies/cifar10_adversarial.toml MODELS=aa_resnet26-adv,...),
+# PROTOCOLS (autoattack),
 # BUDGET_S (420), DEVICE (cuda), ATTENTION_PATH (reference), RUNS (a scratch folder), OUT
 # (runs/gpu-attacks where the device tool sets none), EXTRA (more study options, e.g. for a smoke
 # run on a CPU: DEVICE=cpu ATTENTION_PATH=lean EXTRA="--attack-limit 4 --autoattack-limit 4").
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 
-STUDY="${STUDY:-zoo/studies/cifar10_adversarial.toml}"
-MODELS="${MODELS:-san10_pairwise-adv,san10_patchwise-adv,sasa_resnet26-adv,gsa_resnet26-adv}"
+STUDY="${STUDY:-zoo/studies/cifar10_efficient.toml}"
+MODELS="${MODELS:-sasa_resnet26,san10_pairwise,san10_patchwise,gsa_resnet26}"
 PROTOCOLS="${PROTOCOLS:-autoattack}"
 BUDGET_S="${BUDGET_S:-420}"
 DEVICE="${DEVICE:-cuda}"
