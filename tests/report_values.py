@@ -58,7 +58,9 @@ def _adversarial_training(report: Report, table: pd.DataFrame) -> None:
             same = table[(table["question"] == "most_robust") & (table["training"] == row["training"])]
             best = same.loc[same["minus_best"].isna(), "model"].iloc[0]
             minus = [row["minus_best"], row["minus_best_low"], row["minus_best_high"]]
-            report.add(row["model"], ("adversarial", "minus best"), minus)
+            radius = re.search(r"eps (\d+)/255", row["training"])   # AutoAttack at the training radius
+            report.add(row["model"], ("adversarial", f"AutoAttack {radius.group(1) if radius else 8}/255 minus best"),
+                       minus)
             report.add(row["model"], ("pair", "adversarial:most_robust", "minus_best", best), minus)
         elif row["question"] == "gain":
             report.add(row["model"], ("adversarial_gain", row["measure"]), value)
@@ -79,7 +81,7 @@ def _across_scale(report: Report, table: pd.DataFrame) -> None:
         value = [row["value"], row["low"], row["high"]]
         report.add("*", ("across_claim", row["claim"], row["zoo"], row["verdict"]), value)
         key = f"across:{row['finding']}:{row['zoo']}:{row['measure']}"
-        pair = re.fullmatch(r"(\S+) minus (\S+)", str(row["detail"]))
+        pair = re.match(r"(\S+) minus (\S+?)(?:;|$)", str(row["detail"]))   # "A minus B[; k of n pairs ...]"
         if row["kind"] == "less" and pair:
             report.add(pair.group(1), ("pair", key, "minus", pair.group(2)), value)
         else:

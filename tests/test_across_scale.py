@@ -116,15 +116,16 @@ def test_a_group_is_compared_at_its_closest_pair(zoos):
     # not resnet26 (drop 0.5)
     finding = _finding("rotation_least")
     result = check_finding(finding, {m: measure_losses(runs, m) for m in finding.measures}, n_boot=100)
-    assert result["detail"] == "sasa_resnet26 minus san10_pairwise"
+    assert result["detail"] == "sasa_resnet26 minus san10_pairwise; 2 of 2 pairs resolved as the claim says"
     assert result["value"] == pytest.approx(25.0) and result["verdict"] == "yes"
 
 
-def test_a_group_is_yes_only_where_every_pair_is_resolved():
-    """"a loses the least of all" on 100 images: b, the runner-up by point estimate, loses more
+def test_a_group_is_decided_by_every_pair_and_shows_the_pair_that_decides_it():
+    """"a loses the least of all" on 100 images. b, the runner-up by point estimate, loses more
     than a on 10 images and never less (resolved), but c, behind b on average, loses more on 56
-    images and less on 44, so its interval covers 0: unresolved, naming c. With c losing every
-    image: yes, against the runner-up b."""
+    images and less on 44 (its interval covers 0): unresolved, shown at c. With c losing every
+    image: yes, shown at the runner-up b. And with b level with a on average but scattered (its
+    interval covers 0) while c loses less than a on every tenth image: no, shown at c."""
     import dataclasses
 
     index = np.arange(100)
@@ -135,12 +136,20 @@ def test_a_group_is_yes_only_where_every_pair_is_resolved():
     assert frame.mean()["a"] < frame.mean()["b"] < frame.mean()["c"]
     finding = dataclasses.replace(_finding("rotation_least"), better=("a",), worse=("*",))
     result = check_finding(finding, {finding.measures[0]: frame}, n_boot=300)
-    assert result["value"] == pytest.approx(10.0) and result["low"] > 0       # b minus a alone: resolved
-    assert result["verdict"] == "unresolved"
-    assert result["detail"].startswith("b minus a; c minus a not resolved (+12.0 [")
+    assert bootstrap_mean_ci(b - a, n_boot=300).low > 0        # the closest pair alone would say yes
+    assert result["verdict"] == "unresolved" and result["value"] == pytest.approx(12.0)
+    assert result["low"] < 0 < result["high"]                  # the cell's interval covers 0, as the legend says
+    assert result["detail"] == "c minus a; 1 of 2 pairs resolved as the claim says"
     frame["c"] = 1.0
     resolved = check_finding(finding, {finding.measures[0]: frame}, n_boot=300)
-    assert resolved["verdict"] == "yes" and resolved["detail"] == "b minus a"
+    assert resolved["verdict"] == "yes" and resolved["low"] > 0
+    assert resolved["detail"] == "b minus a; 2 of 2 pairs resolved as the claim says"
+    a = np.ones(100) * 0.5
+    frame = pd.DataFrame({"a": a, "b": np.where(index % 2 == 0, 0.0, 1.0), "c": np.where(index % 10 == 0, 0.0, 0.5)})
+    assert frame.mean()["b"] - frame.mean()["a"] == 0 > frame.mean()["c"] - frame.mean()["a"]
+    against = check_finding(finding, {finding.measures[0]: frame}, n_boot=300)
+    assert against["verdict"] == "no" and against["high"] < 0 and against["value"] == pytest.approx(-5.0)
+    assert against["detail"] == "c minus a; 0 of 2 pairs resolved as the claim says"
 
 
 def test_chance_reads_the_worst_case_of_the_attacks_image_by_image(tmp_path):
@@ -218,7 +227,7 @@ def test_a_group_on_the_better_side_is_compared_at_its_weakest_model(zoos):
     finding = _finding("apgd1_least")
     runs = load_zoo([zoos[1]])
     result = check_finding(finding, {m: measure_losses(runs, m) for m in finding.measures}, n_boot=100)
-    assert result["detail"] == "san10_pairwise minus sasa_resnet26"
+    assert result["detail"].startswith("san10_pairwise minus sasa_resnet26; ")
     assert result["value"] == pytest.approx(25.0) and result["verdict"] == "yes"
 
 

@@ -13,10 +13,12 @@ true:
   paired difference (:func:`robust_attn.reports.stats.bootstrap_mean_ci` of the per-image
   differences, one resample of images for both models) between the closest pair by point
   estimate, the best of ``worse`` minus the worst of ``better``, as the study's findings compare a
-  leader with its runner-up. ``*`` stands for every other model of the zoo. The claim is *yes*
-  only where every pair of a ``better`` and a ``worse`` model is resolved (each pair's interval
-  above 0): a runner-up by point estimate need not be the pair with the widest interval, and a
-  pair left unresolved makes the finding unresolved, named in its ``detail``.
+  leader with its runner-up. ``*`` stands for every other model of the zoo. Where the groups
+  make more than one pair, each pair is tested (a runner-up by point estimate need not be the
+  pair with the widest interval): the claim is *yes* where every pair's interval lies above 0,
+  *no* where some pair's lies below 0, and the statistic shown is then that pair's (the one
+  with the lowest estimate among them), else *unresolved*, shown at a pair whose interval covers
+  0 (the closest such); ``detail`` names the pair and how many of the pairs were resolved.
 * ``chance``: every model keeps less top-1 than chance (one over the classes): the error of the
   most robust model minus the chance-level error. Its loss is the per-image worst case over the
   attacks the zoo ran at the radius (an image counts as robust only where every attack failed), so
@@ -285,17 +287,21 @@ def check_finding(finding: Finding, losses: dict[Measure, pd.DataFrame | None], 
         worse = _group(finding.worse, finding.better, models)
         if not better or not worse:
             return absent
-        weakest, strongest = max(better, key=means.get), min(worse, key=means.get)
-        ci = bootstrap_mean_ci(frame[strongest] - frame[weakest], n_boot=n_boot, seed=seed, level=level)
-        detail = f"{strongest} minus {weakest}"
-        if ci.low > 0:   # yes only if every other pair is resolved too
-            for b, w in ((b, w) for b in better for w in worse if (b, w) != (weakest, strongest)):
-                other = bootstrap_mean_ci(frame[w] - frame[b], n_boot=n_boot, seed=seed, level=level)
-                if other.low <= 0:
-                    detail += f"; {w} minus {b} not resolved ({other.value:+.1f} [{other.low:+.1f}, {other.high:+.1f}])"
-            if ";" in detail:
-                return {**shown, "value": ci.value, "low": ci.low, "high": ci.high, "detail": detail,
-                        "verdict": "unresolved"}
+        pairs = sorted(((b, w) for b in better for w in worse if b != w),
+                       key=lambda pair: means[pair[1]] - means[pair[0]])   # the closest pair first
+        if not pairs:
+            return absent
+        cis = {pair: bootstrap_mean_ci(frame[pair[1]] - frame[pair[0]], n_boot=n_boot, seed=seed, level=level)
+               for pair in pairs}
+        verdicts = {pair: _verdict(ci.low, ci.high) for pair, ci in cis.items()}
+        verdict = "no" if "no" in verdicts.values() else "yes" if set(verdicts.values()) == {"yes"} else "unresolved"
+        shown_pair = next(pair for pair in pairs if verdicts[pair] == verdict)
+        ci = cis[shown_pair]
+        detail = f"{shown_pair[1]} minus {shown_pair[0]}"
+        if len(pairs) > 1:
+            resolved = sum(v == "yes" for v in verdicts.values())
+            detail += f"; {resolved} of {len(pairs)} pairs resolved as the claim says"
+        return {**shown, "value": ci.value, "low": ci.low, "high": ci.high, "detail": detail, "verdict": verdict}
     return {**shown, "value": ci.value, "low": ci.low, "high": ci.high, "detail": detail,
             "verdict": _verdict(ci.low, ci.high)}
 
