@@ -485,21 +485,21 @@ def test_a_near_miss_is_an_image_whose_margin_the_attack_closed_by_half():
 
 
 def test_near_misses_are_reported_apart_and_do_not_flag():
-    """On 200 images, where two near misses per source are rare enough (1%)."""
-    rest = [0] * 194
-    white = _records(range(200), [1, 0, 0, 0, 0, 0] + rest)
-    black = {"square": _records(range(200), [1, 1, 1, 0, 0, 0] + rest),
-             "transfer": _records(range(200), [0, 0, 1, 1, 0, 0] + rest)}
+    """On 300 images, where near misses on three images are rare enough (1%)."""
+    rest = [0] * 294
+    white = _records(range(300), [1, 0, 0, 0, 0, 0] + rest)
+    black = {"square": _records(range(300), [1, 1, 1, 0, 0, 0] + rest),
+             "transfer": _records(range(300), [0, 0, 1, 1, 0, 0] + rest)}
     flagged = check_blackbox_beats_whitebox(white, black, near={"square": {1}})
     assert flagged.verdict == "flag"
-    assert flagged.evidence["square"] == {"compared": 200, "black_success": 3, "white_success": 1, "beats": 1,
+    assert flagged.evidence["square"] == {"compared": 300, "black_success": 3, "white_success": 1, "beats": 1,
                                           "indices": [2], "near_misses": 1, "near_miss_indices": [1],
                                           "near_misses_counted": False}
     assert flagged.evidence["transfer"]["beats"] == 2 and "near_misses" not in flagged.evidence["transfer"]
     cleared = check_blackbox_beats_whitebox(white, black, near={"square": {1, 2}, "transfer": {2, 3, 5}})
     assert cleared.verdict == "pass" and cleared.evidence["transfer"]["near_misses"] == 2
     assert cleared.detail.startswith("the white-box attack fools every image the black-box/transfer attacks fool, "
-                                     "near misses aside (square: 200 compared; transfer: 200 compared); near misses of "
+                                     "near misses aside (square: 300 compared; transfer: 300 compared); near misses of "
                                      "the white-box attack, not counted")
     assert cleared.detail.endswith("their clean margin): square: 2; transfer: 2")
     per_source = check_blackbox_beats_whitebox(white, black, near={"square": {1, 2}, "transfer": {3}})
@@ -521,9 +521,18 @@ def test_near_misses_count_again_once_they_are_not_rare():
     many = check_blackbox_beats_whitebox(white, black, near={"square": {0, 1, 2}})
     assert many.verdict == "flag" and many.evidence["square"]["beats"] == 4
     assert many.evidence["square"]["indices"] == [0, 1, 2, 3] and many.evidence["square"]["near_misses_counted"]
-    assert many.detail.endswith("counted among them, as more than 1% of the compared images: near misses (a gradient "
-                                "that keeps stopping short of the boundary where a black-box attack crosses it): "
-                                "square: 3 of 200")
+    assert many.detail.endswith("counted among them: near misses on 3 of the 200 images compared, more than 1% (a "
+                                "gradient that keeps stopping short of the boundary where a black-box attack crosses "
+                                "it): square: 3")
     cleared = check_blackbox_beats_whitebox(white, {"square": _records(range(200), [1, 1, 0] + [0] * 197)},
                                             near={"square": {0, 1}})
     assert cleared.verdict == "pass" and cleared.evidence["square"]["near_misses"] == 2
+    # the bound is the model's: two sources with two near misses each, on four images, are too many
+    sources = {name: _records(range(200), won + [0] * 196) for name, won in (("square", [1, 1, 0, 0]),
+                                                                              ("transfer", [0, 0, 1, 1]))}
+    spread = check_blackbox_beats_whitebox(white, sources, near={"square": {0, 1}, "transfer": {2, 3}})
+    assert spread.verdict == "flag" and [e["beats"] for e in spread.evidence.values()] == [2, 2]
+    assert "near misses on 4 of the 200 images compared" in spread.detail
+    shared = check_blackbox_beats_whitebox(white, {"square": sources["square"], "aa": sources["square"]},
+                                           near={"square": {0, 1}, "aa": {0, 1}})
+    assert shared.verdict == "pass"   # the same two images for both sources: two images in all

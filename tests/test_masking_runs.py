@@ -89,6 +89,45 @@ def test_autoattack_run_compares_its_white_box_members_with_its_own_square(tmp_p
         assert check["verdict"] == "flag" and evidence["beats"] == square_only and "near_misses" not in evidence
 
 
+def test_a_rerun_decides_the_black_box_check_again_from_its_saved_evidence(tmp_path, monkeypatch):
+    """The black-box check is decided again on every run from what was saved (the records and the
+    margins), so a run whose checks.json an earlier rule wrote gets today's verdict; the other
+    checks, whose evidence took the model to compute, are kept as they were."""
+    import pandas as pd
+
+    from robust_attn.attacks.masking import near_miss
+    from robust_attn.runs.store import load_records
+
+    measured = []
+
+    def closed(model, images, labels, indices, eps, **kw):
+        measured.append(list(indices))
+        return pd.DataFrame({"index": indices, "eps": eps, "clean_margin": 1.0, "margin": 0.5})
+
+    monkeypatch.setattr(near_miss, "margins", closed)
+    model = RoundedBrightness().eval()
+    images = _grey_images()
+    data = TensorImageDataset((images * 255).round().to(torch.uint8), model(images).argmax(1))
+
+    def run():
+        store = run_attack(model, data, tmp_path / "aa", configs=[AttackConfig("autoattack", eps=8 / 255, steps=5)],
+                           num_classes=4, batch_size=4, progress=False, checks=True)
+        return store, {c["name"]: c for c in json.loads((store.root / "masking" / "checks.json").read_text())}
+
+    store, first = run()   # every image a near miss: too many to pass
+    assert first["blackbox_beats_whitebox"]["verdict"] == "flag" and len(measured) == 1
+    monkeypatch.setattr(near_miss, "RARE", 1.0)                   # a rule under which they pass
+    records = load_records(store.root)
+    _, again = run()
+    assert again["blackbox_beats_whitebox"]["verdict"] == "pass"
+    assert len(measured) == 1                                     # the margins were read back, not measured
+    assert {k: v for k, v in again.items() if k != "blackbox_beats_whitebox"} == \
+           {k: v for k, v in first.items() if k != "blackbox_beats_whitebox"}
+    pd.testing.assert_frame_equal(load_records(store.root), records)
+    summary = {c["name"]: c for c in json.loads((store.root / "checks.json").read_text())}
+    assert summary["blackbox_beats_whitebox"]["verdict"] == "pass"
+
+
 def test_zero_gradient_model_is_flagged_on_a_subset_without_the_noise_class():
     """Every image here is class 0 and uniform noise is class 1: PGD's random start alone fools all
     of them, so a check on the random-start attack's success would pass this fully masked model."""

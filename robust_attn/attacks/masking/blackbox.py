@@ -28,9 +28,10 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
 
     ``near``: source name -> the images that are near misses of the white-box attack
     (:mod:`robust_attn.attacks.masking.near_miss`). Those a source wins are counted apart
-    (``near_misses``, with their indices) and do not flag while they are rare
-    (:func:`~robust_attn.attacks.masking.near_miss.excused`); past that they count as beats too
-    (``near_misses_counted``).
+    (``near_misses``, with their indices) and do not flag while they are rare for the model: the
+    images that are a near miss of any source, among the images compared
+    (:func:`~robust_attn.attacks.masking.near_miss.excused`); past that every source's count as
+    beats too (``near_misses_counted``).
     """
     if not isinstance(black, Mapping) or not black:
         raise ValueError("black must map a source name (e.g. 'square', 'transfer:resnet26') to its records")
@@ -39,8 +40,7 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
     if missing:
         raise ValueError(f"no white-box records for {', '.join(map(repr, missing))}: give the white-box attack's "
                          "records at each black-box source's eps")
-    evidence: dict = {}
-    total = 0
+    compared: dict = {}
     for source, frame in black.items():
         white_success = success_by_index(whites[source], condition, "white-box records")
         black_success = success_by_index(frame, None, f"records of {source!r}")
@@ -51,9 +51,15 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
         w, b = white_success.loc[common], black_success.loc[common]
         won = common[(b & ~w).to_numpy()]
         close = set((near or {}).get(source, ()))
-        missed = [i for i in won if int(i) in close]
-        counted = not near_miss.excused(len(missed), len(common))
-        beats = list(won) if counted else [i for i in won if int(i) not in close]
+        compared[source] = (common, w, b, won, [i for i in won if int(i) in close])
+    # near misses are excused while rare for the model: every source's together, on the images compared
+    missed_anywhere = {int(i) for *_, missed in compared.values() for i in missed}
+    images = set().union(*(set(map(int, common)) for common, *_ in compared.values()))
+    counted = not near_miss.excused(len(missed_anywhere), len(images))
+    evidence: dict = {}
+    total = 0
+    for source, (common, w, b, won, missed) in compared.items():
+        beats = list(won) if counted else [i for i in won if i not in missed]
         total += len(beats)
         evidence[source] = {"compared": len(common), "black_success": int(b.sum()), "white_success": int(w.sum()),
                             "beats": len(beats), "indices": first_indices(beats)}
@@ -63,7 +69,7 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
     parts = [f"{s}: {e['beats']} of {e['compared']}" for s, e in evidence.items()]
     nears = [f"{s}: {e['near_misses']}" for s, e in evidence.items()
              if e.get("near_misses") and not e["near_misses_counted"]]
-    many = [f"{s}: {e['near_misses']} of {e['compared']}" for s, e in evidence.items() if e.get("near_misses_counted")]
+    many = [f"{s}: {e['near_misses']}" for s, e in evidence.items() if e.get("near_misses_counted")]
     if total:
         detail = "images fooled by a black-box/transfer attack but not by the white-box one: " + "; ".join(parts)
     else:
@@ -74,7 +80,7 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
         detail += ("; near misses of the white-box attack, not counted (PGD from the clean image closed at least "
                    f"{near_miss.NEAR_MISS:.0%} of their clean margin): " + "; ".join(nears))
     if many:
-        detail += (f"; counted among them, as more than {near_miss.RARE:.0%} of the compared images: near misses "
-                   "(a gradient that keeps stopping short of the boundary where a black-box attack crosses it): "
-                   + "; ".join(many))
+        detail += (f"; counted among them: near misses on {len(missed_anywhere)} of the {len(images)} images compared, "
+                   f"more than {near_miss.RARE:.0%} (a gradient that keeps stopping short of the boundary where a "
+                   "black-box attack crosses it): " + "; ".join(many))
     return MaskingCheck("blackbox_beats_whitebox", verdict_word(total > 0), detail, evidence)

@@ -16,12 +16,12 @@ PGD from the clean image none), and its margin (the label's logit minus the larg
 measured before and after: where PGD closes at least :data:`NEAR_MISS` of the clean margin, the
 image is a near miss, reported, and not counted as evidence of masking.
 
-Only while near misses are rare (:func:`excused`: at most :data:`RARE` of the images compared,
-one at least). A black-box attack's edge over a working gradient is chance at the boundary, one
-image in a thousand on that model; a gradient that stops short of the boundary on many images
-while a black-box attack crosses it there is what partly masked gradients look like (a gradient
-that leads toward the boundary but not across a step or a plateau near it), so past the bound
-every near miss counts as evidence again.
+Only while near misses are rare (:func:`excused`: the images that are a near miss of any source,
+at most :data:`RARE` of the images compared, one at least). A black-box attack's edge over a
+working gradient is chance at the boundary, one image in a thousand on that model; a gradient
+that stops short of the boundary on many images while a black-box attack crosses it there is
+what partly masked gradients look like (a gradient that leads toward the boundary but not across
+a step or a plateau near it), so past the bound every near miss counts as evidence again.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ __all__ = ["NEAR_MISS", "RARE", "STEPS", "margins", "near_misses", "excused"]
 
 #: the share of its clean margin the white-box attack must close for an image to be a near miss
 NEAR_MISS = 0.5
-#: the share of the compared images a source's near misses may reach and still not count
+#: the share of the compared images the model's near misses (of any source) may reach and still not count
 RARE = 0.01
 #: PGD's iterations where the caller gives none (AutoAttack's APGD members run 100)
 STEPS = 100
