@@ -27,13 +27,14 @@ def _prose(text: str) -> str:
 
 
 def anchor(heading: str) -> str:
-    """GitHub's anchor of a heading: lower case, punctuation but hyphens dropped, spaces to hyphens."""
-    heading = re.sub(r"[*_`]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    """GitHub's anchor of a heading: its text (a link's text, code without its backticks) in
+    lower case, punctuation but hyphens and underscores dropped, spaces to hyphens."""
+    heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
     return re.sub(r"[^\w\- ]", "", heading).replace(" ", "-")
 
 
 def _anchors(page: Path) -> set[str]:
-    headings = re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", _prose(page.read_text()), flags=re.M)
+    headings = re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", _without_blocks(page.read_text()), flags=re.M)
     seen: dict[str, int] = {}
     found = set()
     for h in headings:
@@ -66,16 +67,23 @@ def test_every_relative_link_of_the_documentation_resolves():
 
 
 def test_the_checker_finds_a_missing_file_and_a_missing_anchor(tmp_path):
-    (tmp_path / "there.md").write_text("# A heading, with punctuation\n\n## Twice\n\n## Twice\n")
+    (tmp_path / "there.md").write_text("# A heading, with punctuation\n\n## Twice\n\n## Twice\n\n"
+                                       "## Efficiency (`efficiency_cpu.json`)\n\n## The near_miss module\n")
     page = tmp_path / "page.md"
     page.write_text("[ok](there.md) [ok](there.md#a-heading-with-punctuation) [ok](there.md#twice-1) "
+                    "[ok](there.md#efficiency-efficiency_cpujson) [ok](there.md#the-near_miss-module) "
                     "[ok](https://example.org/x) ![ok](there.md)\n[bad](missing.md) [bad](there.md#nowhere)\n"
                     "```\n[in code](nowhere.md)\n```\n`[inline](nowhere.md)`\n")
     assert [b.split(" ")[0] for b in broken_links(page)] == ["missing.md", "there.md#nowhere"]
 
 
-# a repository path in inline code: `robust_attn/attacks/square.py`, `zoo/manifest.json`, `zoo/studies/`
-PATH = re.compile(r"`((?:robust_attn|zoo|benchmarks|tests|docs|reports|protocols)/[\w./-]*?)/?(?::[\w.]+)?`")
+# a repository path in inline code: `robust_attn/attacks/square.py`, `zoo/manifest.json`, `zoo/studies/`,
+# or a module by its place in the package, `utils/radius.py` (not runs/ or data/: those are also the
+# folders a user's runs and data go to)
+PACKAGE = ("attacks", "commands", "importers", "layers", "models", "protocols", "reports", "shifts", "sources",
+           "study", "train", "utils")
+PATH = re.compile(r"`((?:" + "|".join(("robust_attn", "zoo", "benchmarks", "tests", "docs") + PACKAGE)
+                  + r")/[\w./-]*?)/?(?::[\w.]+)?`")
 
 
 def missing_paths(page: Path, root: Path = ROOT) -> list[str]:
@@ -89,7 +97,7 @@ def test_every_repository_path_the_documentation_names_exists():
     pages = [ROOT / "README.md", ROOT / "zoo" / "README.md", ROOT / "benchmarks" / "README.md",
              ROOT / "reports" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     named = sum(len(PATH.findall(_without_blocks(p.read_text()))) for p in pages)
-    assert named > 100
+    assert named > 150
     missing = {str(p.relative_to(ROOT)): m for p in pages if (m := missing_paths(p))}
     assert not missing, "\n".join(f"{page}: {path}" for page, paths in missing.items() for path in paths)
 
@@ -99,5 +107,6 @@ def test_the_path_checker_finds_a_module_that_moved(tmp_path):
     (tmp_path / "robust_attn" / "utils" / "radius.py").write_text("")
     page = tmp_path / "page.md"
     page.write_text("`robust_attn/utils/radius.py` `utils/radius.py`... no: `robust_attn/commands/eps.py`, "
-                    "`robust_attn/utils/` `robust_attn/utils/radius.py:parse_radius`\n```\n`zoo/not/here`\n```\n")
-    assert missing_paths(page, tmp_path) == ["robust_attn/commands/eps.py"]
+                    "`commands/eps.py`, `robust_attn/utils/` `robust_attn/utils/radius.py:parse_radius` "
+                    "`runs/my-run`\n```\n`zoo/not/here`\n```\n")
+    assert missing_paths(page, tmp_path) == ["robust_attn/commands/eps.py", "commands/eps.py"]
