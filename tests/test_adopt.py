@@ -174,5 +174,7 @@ def test_the_plan_names_the_runs_that_may_adopt_and_writes_nothing(tmp_path, tin
     write_reuse_sources(second, [other])   # as a study started with --reuse-runs leaves it
     assert main(plan) == 0
     assert f"  (reusing {other.resolve()}: no run of this study has a run of its name there)" in capsys.readouterr().out
-    assert main(plan + ["--reuse-runs", str(first)]) == 0
+    assert main(plan + ["--reuse-runs", str(first), "--reuse-runs", str(first)]) == 0
     assert f"(reusing {other.resolve()}, {first.resolve()}: 2 of these runs" in capsys.readouterr().out
+    assert main(plan + ["--reuse-runs", str(tmp_path / "typo")]) == 2   # as the study itself would refuse it
+    assert "no such folder of runs" in capsys.readouterr().err

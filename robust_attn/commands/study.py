@@ -125,10 +125,10 @@ def run_study_cmd(args) -> int:
     if workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
     runs = args.runs or f"runs/study-{name}"
-    if args.reuse_runs and not args.plan:
-        from robust_attn.runs.adopt import write_reuse_sources
+    if args.reuse_runs:   # checked for --plan too, which writes nothing
+        from robust_attn.runs.adopt import check_reuse_folders, write_reuse_sources
         try:
-            write_reuse_sources(runs, args.reuse_runs)
+            (check_reuse_folders if args.plan else write_reuse_sources)(runs, args.reuse_runs)
         except (OSError, ValueError) as err:
             raise UserError(str(err)) from None
     try:

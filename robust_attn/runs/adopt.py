@@ -39,8 +39,8 @@ from robust_attn.runs.identity import VOLATILE_KEYS, differing_keys
 from robust_attn.runs.store import DamagedRecordsError, RunStore, condition_definitions
 from robust_attn.utils.io import atomic_path, atomic_write_json
 
-__all__ = ["REUSE_FILE", "reuse_folders", "reuse_sources", "write_reuse_sources", "adopt_records", "adopted_chunks",
-           "why_not_the_same_run"]
+__all__ = ["REUSE_FILE", "reuse_folders", "reuse_sources", "check_reuse_folders", "write_reuse_sources",
+           "adopt_records", "adopted_chunks", "why_not_the_same_run"]
 
 REUSE_FILE = "reuse.json"
 
@@ -66,18 +66,28 @@ def reuse_sources(run_dir: str | Path) -> list[Path]:
     return [folder / run_dir.name for folder in reuse_folders(run_dir.parent)]
 
 
-def write_reuse_sources(runs_dir: str | Path, folders) -> list[str]:
-    """Add ``folders`` (folders of runs) to the ``reuse.json`` of ``runs_dir``; returns them all.
-    A folder that does not exist is an error (a typo would silently adopt nothing)."""
-    runs_dir = Path(runs_dir)
-    path = runs_dir / REUSE_FILE
-    have = json.loads(path.read_text())["runs"] if path.is_file() else []
+def check_reuse_folders(runs_dir: str | Path, folders) -> list[Path]:
+    """``folders`` (folders of runs, --reuse-runs) resolved, each once; a folder that does not
+    exist, or the study's own ``runs_dir``, is an error (a typo would silently adopt nothing)."""
+    checked: list[Path] = []
     for folder in folders:
         folder = Path(folder).resolve()
-        if folder == runs_dir.resolve():
+        if folder == Path(runs_dir).resolve():
             raise ValueError(f"--reuse-runs {folder} is this study's own folder of runs")
         if not folder.is_dir():
             raise FileNotFoundError(f"--reuse-runs {folder}: no such folder of runs (a study's --runs folder)")
+        if folder not in checked:
+            checked.append(folder)
+    return checked
+
+
+def write_reuse_sources(runs_dir: str | Path, folders) -> list[str]:
+    """Add ``folders`` (folders of runs, checked by :func:`check_reuse_folders`) to the
+    ``reuse.json`` of ``runs_dir``; returns them all."""
+    runs_dir = Path(runs_dir)
+    path = runs_dir / REUSE_FILE
+    have = json.loads(path.read_text())["runs"] if path.is_file() else []
+    for folder in check_reuse_folders(runs_dir, folders):
         if str(folder) not in have:
             have.append(str(folder))
     runs_dir.mkdir(parents=True, exist_ok=True)

@@ -285,7 +285,9 @@ def reuse_note(config, models: list[str], runs_dir, reuse=()) -> list[str]:
         folders = reuse_folders(runs_dir) if runs_dir is not None else []
     except ValueError:   # a damaged reuse.json: the study itself says so when a run opens
         folders = []
-    folders += [f for f in (Path(f).resolve() for f in reuse) if f not in folders]
+    for folder in (Path(f).resolve() for f in reuse):
+        if folder not in folders:
+            folders.append(folder)
     if not folders:
         return []
     held = [f"{protocol}-{model}" for protocol in config.protocols if STUDY_PROTOCOLS[protocol].per_model
