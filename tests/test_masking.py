@@ -494,7 +494,8 @@ def test_near_misses_are_reported_apart_and_do_not_flag():
     assert flagged.verdict == "flag"
     assert flagged.evidence["square"] == {"compared": 300, "black_success": 3, "white_success": 1, "beats": 1,
                                           "indices": [2], "near_misses": 1, "near_miss_indices": [1],
-                                          "near_misses_counted": False}
+                                          "near_misses_counted": False,
+                                          "near_miss_rule": {"near_miss": 0.5, "rare": 0.01}}
     assert flagged.evidence["transfer"]["beats"] == 2 and "near_misses" not in flagged.evidence["transfer"]
     cleared = check_blackbox_beats_whitebox(white, black, near={"square": {1, 2}, "transfer": {2, 3, 5}})
     assert cleared.verdict == "pass" and cleared.evidence["transfer"]["near_misses"] == 2

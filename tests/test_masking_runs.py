@@ -89,22 +89,17 @@ def test_autoattack_run_compares_its_white_box_members_with_its_own_square(tmp_p
         assert check["verdict"] == "flag" and evidence["beats"] == square_only and "near_misses" not in evidence
 
 
-def test_a_rerun_decides_the_black_box_check_again_from_its_saved_evidence(tmp_path, monkeypatch):
-    """The black-box check is decided again on every run from what was saved (the records and the
-    margins), so a run whose checks.json an earlier rule wrote gets today's verdict; the other
-    checks, whose evidence took the model to compute, are kept as they were."""
+def test_a_rerun_keeps_the_checks_and_says_when_their_near_misses_were_decided_by_another_rule(
+        tmp_path, monkeypatch, capsys):
+    """A finished masking step's checks.json is kept as decided (deciding again could change a
+    verdict for other reasons: another set of models, another follow-up), but where its near misses
+    were decided under another rule than today's, the rerun says so and how to decide again."""
     import pandas as pd
 
     from robust_attn.attacks.masking import near_miss
-    from robust_attn.runs.store import load_records
 
-    measured = []
-
-    def closed(model, images, labels, indices, eps, **kw):
-        measured.append(list(indices))
-        return pd.DataFrame({"index": indices, "eps": eps, "clean_margin": 1.0, "margin": 0.5})
-
-    monkeypatch.setattr(near_miss, "margins", closed)
+    monkeypatch.setattr(near_miss, "margins", lambda model, images, labels, indices, eps, **kw: pd.DataFrame(
+        {"index": indices, "eps": eps, "clean_margin": 1.0, "margin": 0.5}))
     model = RoundedBrightness().eval()
     images = _grey_images()
     data = TensorImageDataset((images * 255).round().to(torch.uint8), model(images).argmax(1))
@@ -112,20 +107,23 @@ def test_a_rerun_decides_the_black_box_check_again_from_its_saved_evidence(tmp_p
     def run():
         store = run_attack(model, data, tmp_path / "aa", configs=[AttackConfig("autoattack", eps=8 / 255, steps=5)],
                            num_classes=4, batch_size=4, progress=False, checks=True)
-        return store, {c["name"]: c for c in json.loads((store.root / "masking" / "checks.json").read_text())}
+        return store, json.loads((store.root / "masking" / "checks.json").read_text())
 
     store, first = run()   # every image a near miss: too many to pass
-    assert first["blackbox_beats_whitebox"]["verdict"] == "flag" and len(measured) == 1
-    monkeypatch.setattr(near_miss, "RARE", 1.0)                   # a rule under which they pass
-    records = load_records(store.root)
+    assert {c["name"]: c["verdict"] for c in first}["blackbox_beats_whitebox"] == "flag"
+    assert near_miss.rule_changed(first) is None
     _, again = run()
-    assert again["blackbox_beats_whitebox"]["verdict"] == "pass"
-    assert len(measured) == 1                                     # the margins were read back, not measured
-    assert {k: v for k, v in again.items() if k != "blackbox_beats_whitebox"} == \
-           {k: v for k, v in first.items() if k != "blackbox_beats_whitebox"}
-    pd.testing.assert_frame_equal(load_records(store.root), records)
-    summary = {c["name"]: c for c in json.loads((store.root / "checks.json").read_text())}
-    assert summary["blackbox_beats_whitebox"]["verdict"] == "pass"
+    assert again == first and "decided its near misses" not in capsys.readouterr().err
+    monkeypatch.setattr(near_miss, "RARE", 1.0)   # today's rule would pass them
+    _, kept = run()
+    assert kept == first
+    err = capsys.readouterr().err
+    assert "decided its near misses under the rule {'near_miss': 0.5, 'rare': 0.01}, not today's" in err
+    assert f"delete {store.root / 'masking'}" in err
+    earlier = [{**c, "evidence": {s: {k: v for k, v in e.items() if k != "near_miss_rule"}
+                                  for s, e in c["evidence"].items()}} if c["name"] == "blackbox_beats_whitebox" else c
+               for c in first]
+    assert near_miss.rule_changed(earlier).startswith("decided its near misses under an earlier rule")
 
 
 def test_zero_gradient_model_is_flagged_on_a_subset_without_the_noise_class():

@@ -65,7 +65,7 @@ def check_blackbox_beats_whitebox(white: pd.DataFrame | Mapping[str, pd.DataFram
                             "beats": len(beats), "indices": first_indices(beats)}
         if missed:
             evidence[source].update(near_misses=len(missed), near_miss_indices=first_indices(missed),
-                                    near_misses_counted=counted)
+                                    near_misses_counted=counted, near_miss_rule=near_miss.rule())
     parts = [f"{s}: {e['beats']} of {e['compared']}" for s, e in evidence.items()]
     nears = [f"{s}: {e['near_misses']}" for s, e in evidence.items()
              if e.get("near_misses") and not e["near_misses_counted"]]

@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-__all__ = ["NEAR_MISS", "RARE", "STEPS", "margins", "near_misses", "excused"]
+__all__ = ["NEAR_MISS", "RARE", "STEPS", "margins", "near_misses", "excused", "rule", "rule_changed"]
 
 #: the share of its clean margin the white-box attack must close for an image to be a near miss
 NEAR_MISS = 0.5
@@ -78,3 +78,23 @@ def excused(count: int, compared: int, rare: float | None = None) -> bool:
     """Whether ``count`` near misses among ``compared`` images are rare enough not to count: at
     most ``rare`` (:data:`RARE` by default) of them, and one image always is."""
     return count <= max(1, int((RARE if rare is None else rare) * compared))
+
+
+def rule() -> dict:
+    """The rule near misses were decided by, recorded beside them in the check's evidence."""
+    return {"near_miss": NEAR_MISS, "rare": RARE}
+
+
+def rule_changed(checks: list[dict]) -> str | None:
+    """Why a saved ``checks.json`` (its list of checks) decided its near misses under another rule
+    than today's (:func:`rule`; none recorded: before near misses were bounded), or None where it
+    has no near misses or decided them under this one."""
+    for check in checks:
+        if check.get("name") != "blackbox_beats_whitebox":
+            continue
+        for evidence in (check.get("evidence") or {}).values():
+            if isinstance(evidence, dict) and evidence.get("near_misses") and evidence.get("near_miss_rule") != rule():
+                was = evidence.get("near_miss_rule")
+                return (f"decided its near misses under {'the rule ' + str(was) if was else 'an earlier rule'}, "
+                        f"not today's {rule()}")
+    return None
