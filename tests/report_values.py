@@ -58,9 +58,9 @@ def _adversarial_training(report: Report, table: pd.DataFrame) -> None:
             same = table[(table["question"] == "most_robust") & (table["training"] == row["training"])]
             best = same.loc[same["minus_best"].isna(), "model"].iloc[0]
             minus = [row["minus_best"], row["minus_best_low"], row["minus_best_high"]]
-            radius = re.search(r"eps (\d+)/255", row["training"])   # AutoAttack at the training radius
-            report.add(row["model"], ("adversarial", f"AutoAttack {radius.group(1) if radius else 8}/255 minus best"),
-                       minus)
+            radius = re.search(rf"eps ({NUMBER})/255", row["training"])   # AutoAttack at the training radius
+            if radius:
+                report.add(row["model"], ("adversarial", f"AutoAttack {radius.group(1)}/255 minus best"), minus)
             report.add(row["model"], ("pair", "adversarial:most_robust", "minus_best", best), minus)
         elif row["question"] == "gain":
             report.add(row["model"], ("adversarial_gain", row["measure"]), value)
